@@ -1,0 +1,296 @@
+#include "smartcoll/comm.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include "algorithms.h"
+#include "smartcoll/reduce.h"
+#include "transport.h"
+
+namespace smartcoll {
+
+std::string_view collective_name(Collective c) {
+  constexpr std::string_view names[] = {"allreduce", "reduce_scatter", "allgather", "broadcast",
+                                        "reduce",    "alltoall",       "barrier"};
+  return names[static_cast<int>(c)];
+}
+
+std::string_view algorithm_name(Algorithm a) {
+  constexpr std::string_view names[] = {"auto", "ring", "rhd", "chain", "direct", "local"};
+  return names[static_cast<int>(a)];
+}
+
+Algorithm parse_algorithm(std::string_view name) {
+  if (name == "auto") return Algorithm::automatic;
+  if (name == "ring") return Algorithm::ring;
+  if (name == "rhd") return Algorithm::rhd;
+  throw InvalidArgument("unknown allreduce algorithm '" + std::string(name) + "'; choose auto, ring or rhd");
+}
+
+bool Request::test() {
+  std::lock_guard lock(mu_);
+  return done_;
+}
+
+bool Request::wait(std::optional<std::chrono::duration<double>> timeout) {
+  std::unique_lock lock(mu_);
+  if (timeout) {
+    if (!cv_.wait_for(lock, *timeout, [&] { return done_; })) return false;
+  } else {
+    cv_.wait(lock, [&] { return done_; });
+  }
+  if (!error_.empty()) throw CommError(error_);
+  return true;
+}
+
+void Request::finish(std::string error) {
+  {
+    std::lock_guard lock(mu_);
+    done_ = true;
+    error_ = std::move(error);
+  }
+  cv_.notify_all();
+}
+
+Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, const Options& options,
+                           const std::string& route_hint)
+    : rank_(rank), size_(size), options_(options), store_(std::move(store)) {
+  if (size < 1) throw InvalidArgument("world size must be at least 1, got " + std::to_string(size));
+  if (rank < 0 || rank >= size)
+    throw InvalidArgument("rank " + std::to_string(rank) + " is outside the world of size " + std::to_string(size));
+  if (options_.integer("segment_size") < 64) throw InvalidArgument("option 'segment_size' must be at least 64 bytes");
+  transport_ = std::make_unique<Transport>(rank, size, *store_, options_, route_hint);
+  engine_ = std::thread([this] { engine_loop(); });
+  if (int cpu = static_cast<int>(options_.integer("engine_cpu")); cpu >= 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    if (pthread_setaffinity_np(engine_.native_handle(), sizeof set, &set) != 0) {
+      close();
+      throw InvalidArgument("cannot pin the engine thread to CPU " + std::to_string(cpu) +
+                            " (SMARTCOLL_ENGINE_CPU): no such CPU or not allowed for this process");
+    }
+  }
+}
+
+Communicator::~Communicator() { close(); }
+
+void Communicator::close() {
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_ && !engine_.joinable()) return;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (engine_.joinable()) engine_.join();
+  transport_.reset();
+  store_.reset();
+}
+
+void Communicator::engine_loop() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and every submitted task has run
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    task();
+  }
+}
+
+std::shared_ptr<Request> Communicator::submit(const Call& call, std::function<void()> body) {
+  auto req = std::make_shared<Request>();
+  auto task = [this, call, body = std::move(body), req] {
+    const uint64_t seq = seq_++;
+    if (!failure_.empty()) {
+      req->finish(std::string(collective_name(call.coll)) + ": the communicator failed earlier (" + failure_ +
+                  "); create a new one");
+      return;
+    }
+    try {
+      transport_->context = std::string(collective_name(call.coll)) + " #" + std::to_string(seq) + " on rank " +
+                            std::to_string(rank_);
+      if (size_ > 1 && (options_.integer("check") != 0 || call.coll == Collective::barrier)) check_agreement(call);
+      body();
+      req->finish("");
+    } catch (const std::exception& e) {
+      failure_ = e.what();
+      transport_->abort();
+      req->finish(e.what());
+    }
+  };
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) throw InvalidArgument("the communicator is closed");
+    queue_.push_back(std::move(task));
+  }
+  cv_.notify_all();
+  return req;
+}
+
+namespace {
+
+struct Descriptor {
+  uint32_t magic;
+  uint8_t coll, dtype, op, algo;
+  int64_t root;
+  uint64_t count;
+  bool operator==(const Descriptor&) const = default;
+};
+
+std::string describe(const Descriptor& d) {
+  auto coll = static_cast<Collective>(d.coll);
+  std::string s = std::string(collective_name(coll)) + "(count=" + std::to_string(d.count) + ", " +
+                  std::string(dtype_name(static_cast<DataType>(d.dtype)));
+  if (coll == Collective::allreduce || coll == Collective::reduce_scatter || coll == Collective::reduce)
+    s += ", op=" + std::string(op_name(static_cast<ReduceOp>(d.op)));
+  if (coll == Collective::allreduce) s += ", algo=" + std::string(algorithm_name(static_cast<Algorithm>(d.algo)));
+  if (coll == Collective::broadcast || coll == Collective::reduce) s += ", root=" + std::to_string(d.root);
+  return s + ")";
+}
+
+}  // namespace
+
+void Communicator::check_agreement(const Call& call) {
+  // Every rank sends its call's descriptor to every other rank, so each one can name all disagreeing ranks;
+  // this is also what makes barrier a barrier.
+  Descriptor mine{0x53434431, static_cast<uint8_t>(call.coll), static_cast<uint8_t>(call.dt),
+                  static_cast<uint8_t>(call.op), static_cast<uint8_t>(call.algo), call.root, call.count};
+  std::vector<Descriptor> all(size_);
+  all[rank_] = mine;
+  std::vector<Transport::Op> ops;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    ops.push_back({p, true, reinterpret_cast<char*>(&mine), sizeof mine});
+    ops.push_back({p, false, reinterpret_cast<char*>(&all[p]), sizeof(Descriptor)});
+  }
+  transport_->run(ops);
+  bool agree = true;
+  for (const auto& d : all) agree &= d == mine;
+  if (agree) return;
+  std::map<std::string, std::string> groups;  // call -> ranks that made it
+  for (int p = 0; p < size_; ++p) {
+    std::string what = all[p].magic == mine.magic ? describe(all[p]) : "a corrupted or foreign message";
+    groups[what] += (groups[what].empty() ? "" : ",") + std::to_string(p);
+  }
+  std::string msg = "ranks disagree on the collective call:";
+  for (const auto& [what, ranks] : groups) msg += " rank(s) " + ranks + " called " + what + ";";
+  throw CommError(msg + " every rank must make the same calls in the same order with the same count, dtype and op");
+}
+
+Algorithm Communicator::choose_allreduce(size_t count, DataType dt, Algorithm requested) const {
+  if (size_ == 1) return Algorithm::local;
+  if (requested == Algorithm::automatic) {
+    std::string knob = options_.str("algo");
+    requested = parse_algorithm(knob);
+  }
+  if (requested != Algorithm::automatic) return requested;
+  const auto small = static_cast<size_t>(options_.integer("rhd_max_bytes"));
+  return count * dtype_size(dt) <= small ? Algorithm::rhd : Algorithm::ring;
+}
+
+namespace {
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw InvalidArgument(message);
+}
+
+void check_op(DataType dt, ReduceOp op) {
+  require(op != ReduceOp::avg || is_floating(dt),
+          "op 'avg' needs a floating-point dtype, got " + std::string(dtype_name(dt)) + "; use 'sum' and divide");
+}
+
+void check_root(int root, int size) {
+  require(root >= 0 && root < size,
+          "root " + std::to_string(root) + " is outside the world of size " + std::to_string(size));
+}
+
+}  // namespace
+
+std::shared_ptr<Request> Communicator::allreduce(const void* in, void* out, size_t count, DataType dt, ReduceOp op,
+                                                 Algorithm algo) {
+  check_op(dt, op);
+  const Algorithm chosen = choose_allreduce(count, dt, algo);
+  algo::Params params{static_cast<size_t>(options_.integer("segment_size"))};
+  return submit({Collective::allreduce, dt, op, chosen, -1, count}, [=, this] {
+    auto src = static_cast<const char*>(in);
+    auto dst = static_cast<char*>(out);
+    if (chosen == Algorithm::local) {
+      if (dst != src) std::memcpy(dst, src, count * dtype_size(dt));
+    } else if (chosen == Algorithm::rhd) {
+      algo::allreduce_rhd(*transport_, src, dst, count, dt, op);
+    } else {
+      algo::allreduce_ring(*transport_, src, dst, count, dt, op, params);
+    }
+  });
+}
+
+std::shared_ptr<Request> Communicator::reduce_scatter(const void* in, void* out, size_t recvcount, DataType dt,
+                                                      ReduceOp op) {
+  check_op(dt, op);
+  algo::Params params{static_cast<size_t>(options_.integer("segment_size"))};
+  return submit({Collective::reduce_scatter, dt, op, Algorithm::ring, -1, recvcount}, [=, this] {
+    if (size_ == 1)
+      std::memmove(out, in, recvcount * dtype_size(dt));
+    else
+      algo::reduce_scatter_ring(*transport_, static_cast<const char*>(in), static_cast<char*>(out), recvcount, dt,
+                                op, params);
+  });
+}
+
+std::shared_ptr<Request> Communicator::allgather(const void* in, void* out, size_t sendcount, DataType dt) {
+  algo::Params params{static_cast<size_t>(options_.integer("segment_size"))};
+  return submit({Collective::allgather, dt, ReduceOp::sum, Algorithm::ring, -1, sendcount}, [=, this] {
+    if (size_ == 1)
+      std::memmove(out, in, sendcount * dtype_size(dt));
+    else
+      algo::allgather_ring(*transport_, static_cast<const char*>(in), static_cast<char*>(out), sendcount, dt,
+                           params);
+  });
+}
+
+std::shared_ptr<Request> Communicator::broadcast(void* buf, size_t count, DataType dt, int root) {
+  check_root(root, size_);
+  algo::Params params{static_cast<size_t>(options_.integer("segment_size"))};
+  return submit({Collective::broadcast, dt, ReduceOp::sum, Algorithm::chain, root, count}, [=, this] {
+    if (size_ > 1) algo::broadcast_chain(*transport_, static_cast<char*>(buf), count, dt, root, params);
+  });
+}
+
+std::shared_ptr<Request> Communicator::reduce(const void* in, void* out, size_t count, DataType dt, ReduceOp op,
+                                              int root) {
+  check_op(dt, op);
+  check_root(root, size_);
+  require(rank_ != root || out != nullptr || count == 0, "reduce: the root needs an output buffer");
+  algo::Params params{static_cast<size_t>(options_.integer("segment_size"))};
+  return submit({Collective::reduce, dt, op, Algorithm::chain, root, count}, [=, this] {
+    if (size_ == 1)
+      std::memmove(out, in, count * dtype_size(dt));
+    else
+      algo::reduce_chain(*transport_, static_cast<const char*>(in), static_cast<char*>(out), count, dt, op, root,
+                         params);
+  });
+}
+
+std::shared_ptr<Request> Communicator::alltoall(const void* in, void* out, size_t count, DataType dt) {
+  require(in != out || count == 0 || size_ == 1, "alltoall cannot run in place: pass a separate output buffer");
+  return submit({Collective::alltoall, dt, ReduceOp::sum, Algorithm::direct, -1, count}, [=, this] {
+    if (size_ == 1)
+      std::memmove(out, in, count * dtype_size(dt));
+    else
+      algo::alltoall_direct(*transport_, static_cast<const char*>(in), static_cast<char*>(out), count, dt);
+  });
+}
+
+std::shared_ptr<Request> Communicator::barrier() {
+  return submit({Collective::barrier, DataType::u8, ReduceOp::sum, Algorithm::direct, -1, 0}, [] {});
+}
+
+}  // namespace smartcoll

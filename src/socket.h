@@ -1,0 +1,59 @@
+// Thin POSIX TCP helpers shared by the rendezvous store and the data transport.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace smartcoll::net {
+
+using Clock = std::chrono::steady_clock;
+
+// Owns one file descriptor.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& o) noexcept : fd_(o.release()) {}
+  Fd& operator=(Fd&& o) noexcept;
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() { reset(); }
+  int get() const { return fd_; }
+  int release() { int f = fd_; fd_ = -1; return f; }
+  void reset();
+  explicit operator bool() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+};
+
+struct Endpoint {
+  std::string host;  // dotted IPv4
+  uint16_t port = 0;
+  std::string str() const { return host + ":" + std::to_string(port); }
+};
+
+// The IPv4 address of an interface; throws naming the interface and listing the ones that exist.
+std::string interface_address(const std::string& ifname);
+// The local address the kernel would use to reach `remote` (no packet is sent).
+std::string local_address_towards(const std::string& remote_host);
+// Resolves a host name or dotted address to dotted IPv4.
+std::string resolve_ipv4(const std::string& host);
+
+Fd listen_on(const std::string& host, uint16_t port, int backlog);  // port 0: any free port
+uint16_t bound_port(int fd);
+// Connects, retrying refused connections until the deadline (the listener may not be up yet).
+Fd connect_to(const Endpoint& ep, Clock::time_point deadline);
+Fd accept_from(int listen_fd, Clock::time_point deadline);
+
+// Blocking full transfers with a deadline, for setup traffic only (the data path uses non-blocking I/O).
+void send_all(int fd, const void* buf, size_t len, Clock::time_point deadline, const std::string& what);
+void recv_all(int fd, void* buf, size_t len, Clock::time_point deadline, const std::string& what);
+
+void set_nonblocking(int fd, bool on);
+void set_nodelay(int fd);
+void set_buffer_sizes(int fd, int bytes);
+
+}  // namespace smartcoll::net

@@ -1,0 +1,223 @@
+// Collectives with ranks as threads sharing an in-memory store, over real loopback TCP.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "smartcoll/comm.h"
+
+namespace smartcoll {
+namespace {
+
+Options test_options(std::map<std::string, std::string> extra = {}) {
+  extra.emplace("timeout", "20");
+  extra.emplace("connect_timeout", "20");
+  return Options::resolve(extra);
+}
+
+// Runs body(comm) on `n` threads, one communicator each; rethrows the first failure.
+void run_ranks(int n, const std::function<void(Communicator&)>& body, const Options& options = test_options()) {
+  auto store = std::make_shared<MemoryStore>();
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(n);
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        Communicator comm(r, n, store, options);
+        body(comm);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+}
+
+// Small integers so float sums are exact and the expected value is known.
+float value(int rank, size_t i) { return static_cast<float>((rank * 7 + static_cast<int>(i % 13)) % 17 - 8); }
+
+struct Shape {
+  int world;
+  size_t count;
+};
+
+class Collectives : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(Collectives, AllreduceEveryAlgorithmMatchesReference) {
+  const auto [n, count] = GetParam();
+  for (Algorithm algo : {Algorithm::ring, Algorithm::rhd}) {
+    for (bool in_place : {false, true}) {
+      run_ranks(n, [&](Communicator& comm) {
+        std::vector<float> in(count), out(count, -1.0f);
+        for (size_t i = 0; i < count; ++i) in[i] = value(comm.rank(), i);
+        float* dst = in_place ? in.data() : out.data();
+        comm.allreduce(in.data(), dst, count, DataType::f32, ReduceOp::sum, algo)->wait();
+        for (size_t i = 0; i < count; ++i) {
+          float expect = 0;
+          for (int r = 0; r < n; ++r) expect += value(r, i);
+          ASSERT_EQ(dst[i], expect) << algorithm_name(algo) << " element " << i << " rank " << comm.rank();
+        }
+      });
+    }
+  }
+}
+
+TEST_P(Collectives, ReduceScatterAllgatherBroadcastReduceAlltoall) {
+  const auto [n, count] = GetParam();
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    std::vector<float> in(count * n), block(count), all(count * n);
+    for (size_t i = 0; i < in.size(); ++i) in[i] = value(r, i);
+
+    comm.reduce_scatter(in.data(), block.data(), count, DataType::f32, ReduceOp::max)->wait();
+    for (size_t i = 0; i < count; ++i) {
+      float expect = value(0, r * count + i);
+      for (int p = 1; p < n; ++p) expect = std::max(expect, value(p, r * count + i));
+      ASSERT_EQ(block[i], expect) << "reduce_scatter element " << i;
+    }
+
+    std::vector<float> mine(count);
+    for (size_t i = 0; i < count; ++i) mine[i] = value(r, i);
+    comm.allgather(mine.data(), all.data(), count, DataType::f32)->wait();
+    for (int p = 0; p < n; ++p)
+      for (size_t i = 0; i < count; ++i) ASSERT_EQ(all[p * count + i], value(p, i)) << "allgather from " << p;
+
+    const int root = n - 1;
+    std::vector<float> buf(count);
+    for (size_t i = 0; i < count; ++i) buf[i] = r == root ? value(root, i) : -99.0f;
+    comm.broadcast(buf.data(), count, DataType::f32, root)->wait();
+    for (size_t i = 0; i < count; ++i) ASSERT_EQ(buf[i], value(root, i)) << "broadcast element " << i;
+
+    std::vector<float> sum(count, -1.0f);
+    comm.reduce(mine.data(), r == 0 ? sum.data() : nullptr, count, DataType::f32, ReduceOp::sum, 0)->wait();
+    if (r == 0)
+      for (size_t i = 0; i < count; ++i) {
+        float expect = 0;
+        for (int p = 0; p < n; ++p) expect += value(p, i);
+        ASSERT_EQ(sum[i], expect) << "reduce element " << i;
+      }
+
+    std::vector<int32_t> send(count * n), recv(count * n, -1);
+    for (int p = 0; p < n; ++p)
+      for (size_t i = 0; i < count; ++i) send[p * count + i] = static_cast<int32_t>(r * 1000000 + p * 1000 + i);
+    comm.alltoall(send.data(), recv.data(), count, DataType::i32)->wait();
+    for (int p = 0; p < n; ++p)
+      for (size_t i = 0; i < count; ++i)
+        ASSERT_EQ(recv[p * count + i], static_cast<int32_t>(p * 1000000 + r * 1000 + i)) << "alltoall from " << p;
+    comm.barrier()->wait();
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Collectives,
+                         ::testing::Values(Shape{1, 5}, Shape{2, 0}, Shape{2, 1}, Shape{2, 1000}, Shape{3, 7},
+                                           Shape{3, 100003}, Shape{4, 2}, Shape{4, 4099}, Shape{5, 1000},
+                                           Shape{5, 3}, Shape{8, 65536 + 3}, Shape{8, 5}),
+                         [](const auto& info) {
+                           return "n" + std::to_string(info.param.world) + "_count" +
+                                  std::to_string(info.param.count);
+                         });
+
+TEST(Collectives, SegmentsStripedOverStreamsAgreeBitwise) {
+  // Random floats: sums are inexact, so this checks that every rank ends with identical bits.
+  const int n = 3;
+  const size_t count = 200001;
+  std::vector<std::vector<float>> results(n);
+  run_ranks(
+      n,
+      [&](Communicator& comm) {
+        std::vector<float> x(count);
+        uint32_t state = 12345u + comm.rank();
+        for (auto& v : x) {
+          state = state * 1664525u + 1013904223u;
+          v = static_cast<float>(state >> 8) / 16777216.0f - 0.5f;
+        }
+        comm.allreduce(x.data(), x.data(), count, DataType::f32, ReduceOp::sum, Algorithm::ring)->wait();
+        results[comm.rank()] = x;
+      },
+      test_options({{"streams", "3"}, {"segment_size", "4096"}}));
+  for (int r = 1; r < n; ++r)
+    ASSERT_EQ(std::memcmp(results[0].data(), results[r].data(), count * sizeof(float)), 0) << "rank " << r;
+}
+
+TEST(Errors, MismatchedCountNamesEveryRank) {
+  const int n = 3;
+  std::vector<std::string> errors(n);
+  run_ranks(n, [&](Communicator& comm) {
+    size_t count = comm.rank() == 1 ? 99 : 100;
+    std::vector<float> x(100, 1.0f);
+    try {
+      comm.allreduce(x.data(), x.data(), count, DataType::f32, ReduceOp::sum)->wait();
+    } catch (const CommError& e) {
+      errors[comm.rank()] = e.what();
+    }
+  });
+  for (int r = 0; r < n; ++r) {
+    EXPECT_NE(errors[r].find("ranks disagree"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("rank(s) 1 called allreduce(count=99"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("rank(s) 0,2 called allreduce(count=100"), std::string::npos) << errors[r];
+  }
+}
+
+TEST(Errors, PeerThatLeavesFailsTheOthersNamingIt) {
+  const int n = 4;
+  std::vector<std::string> errors(n);
+  auto start = std::chrono::steady_clock::now();
+  run_ranks(n, [&](Communicator& comm) {
+    if (comm.rank() == 2) return;  // closes its connections without taking part
+    std::vector<float> x(1 << 20, 1.0f);
+    try {
+      comm.allreduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum)->wait();
+    } catch (const CommError& e) {
+      errors[comm.rank()] = e.what();
+    }
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
+  for (int r : {0, 1, 3}) EXPECT_NE(errors[r], "") << "rank " << r << " did not fail";
+  // Whoever notices first names rank 2; a rank that fails aborts its connections, so the others may instead
+  // see that rank's connection close first.
+  int naming = 0;
+  for (int r : {0, 1, 3}) naming += errors[r].find("connection to rank 2") != std::string::npos;
+  EXPECT_GE(naming, 1) << errors[0] << "\n" << errors[1] << "\n" << errors[3];
+}
+
+TEST(Errors, LaterCallsFailWithTheFirstError) {
+  run_ranks(2, [&](Communicator& comm) {
+    std::vector<float> x(10);
+    size_t count = comm.rank() == 0 ? 10 : 9;
+    EXPECT_THROW(comm.allreduce(x.data(), x.data(), count, DataType::f32, ReduceOp::sum)->wait(), CommError);
+    try {
+      comm.barrier()->wait();
+      ADD_FAILURE() << "barrier after a failure succeeded";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find("failed earlier"), std::string::npos) << e.what();
+    }
+  });
+}
+
+TEST(Errors, BadArgumentsAreRejectedBeforeSubmission) {
+  run_ranks(1, [&](Communicator& comm) {
+    int32_t x[4] = {};
+    EXPECT_THROW(comm.allreduce(x, x, 4, DataType::i32, ReduceOp::avg), InvalidArgument);
+    EXPECT_THROW(comm.broadcast(x, 4, DataType::i32, 3), InvalidArgument);
+  });
+}
+
+TEST(Knobs, UnknownAndMalformedOptionsAreNamed) {
+  try {
+    Options::resolve({{"segmnt_size", "1"}});
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("segment_size"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(Options::resolve({{"streams", "two"}}), InvalidArgument);
+  EXPECT_THROW(Options::resolve({{"algo", "tree"}}), InvalidArgument);
+  EXPECT_EQ(Options::resolve({{"algo", "ring"}}).str("algo"), "ring");
+}
+
+}  // namespace
+}  // namespace smartcoll
