@@ -1,0 +1,193 @@
+// nanobind bindings: the private `smartcoll._core` module. The Python package wraps it with argument checks
+// and friendlier types; everything that blocks here releases the GIL.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+
+#include "smartcoll/comm.h"
+#include "smartcoll/knobs.h"
+#include "smartcoll/reduce.h"
+#include "smartcoll/store.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace smartcoll {
+namespace {
+
+using Array = nb::ndarray<nb::device::cpu>;
+
+DataType dtype_of(const Array& a) {
+  const nb::dlpack::dtype d = a.dtype();
+  using Code = nb::dlpack::dtype_code;
+  if (d.lanes == 1) {
+    if (d.code == static_cast<uint8_t>(Code::Float)) {
+      if (d.bits == 32) return DataType::f32;
+      if (d.bits == 64) return DataType::f64;
+      if (d.bits == 16) return DataType::f16;
+    } else if (d.code == static_cast<uint8_t>(Code::Bfloat) && d.bits == 16) {
+      return DataType::bf16;
+    } else if (d.code == static_cast<uint8_t>(Code::Int)) {
+      if (d.bits == 8) return DataType::i8;
+      if (d.bits == 32) return DataType::i32;
+      if (d.bits == 64) return DataType::i64;
+    } else if (d.code == static_cast<uint8_t>(Code::UInt) && d.bits == 8) {
+      return DataType::u8;
+    }
+  }
+  throw nb::type_error("unsupported dtype: smartcoll takes float32, float64, float16, bfloat16, int8, uint8, int32 "
+                       "or int64 arrays; convert with .astype() / .to()");
+}
+
+void require_contiguous(const Array& a) {
+  int64_t expect = 1;
+  for (size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) != 1 && a.stride(i) != expect)
+      throw nb::type_error("array is not C-contiguous: pass a contiguous copy (numpy.ascontiguousarray(x) or "
+                           "x.contiguous())");
+    expect *= static_cast<int64_t>(a.shape(i));
+  }
+}
+
+ReduceOp parse_op(const std::string& name) {
+  for (ReduceOp op : kAllReduceOps)
+    if (op_name(op) == name) return op;
+  throw nb::value_error(("unknown op '" + name + "'; choose sum, prod, min, max or avg").c_str());
+}
+
+DataType parse_dtype(const std::string& name) {
+  for (DataType t : kAllDataTypes)
+    if (dtype_name(t) == name) return t;
+  throw nb::value_error(("unknown dtype '" + name + "'").c_str());
+}
+
+struct Buffer {
+  void* data;
+  size_t count;
+  DataType dtype;
+};
+
+Buffer buffer(const Array& a) {
+  require_contiguous(a);
+  return {a.data(), a.size(), dtype_of(a)};
+}
+
+}  // namespace
+}  // namespace smartcoll
+
+NB_MODULE(_core, m) {
+  using namespace smartcoll;
+  m.doc() = "smartcoll core (C++): progress engine, transports, collective algorithms";
+
+  nb::exception<CommError>(m, "CommError", PyExc_RuntimeError);
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.def("knobs", [] {
+    std::vector<std::tuple<std::string, std::string, std::string, std::string, std::string>> out;
+    for (const Knob& k : kKnobs)
+      out.emplace_back(std::string(k.name), std::string(k.default_value), std::string(k.type),
+                       knob_env_name(k.name), std::string(k.description));
+    return out;
+  }, "The knob table: (name, default, type, environment variable, description) per setting.");
+  m.def("resolve_options", [](const std::map<std::string, std::string>& o) { return Options::resolve(o).values(); },
+        "Settings after applying SMARTCOLL_* environment variables and explicit options (raises on bad ones).");
+  m.def("build_info", [] {
+    std::map<std::string, std::string> info{
+        {"version", SMARTCOLL_VERSION},
+        {"simd", std::string(simd_name(simd_active()))},
+        {"simd_supported", std::string(simd_name(simd_supported()))},
+        {"compiler", __VERSION__},
+        {"allreduce_algorithms", "auto, ring, rhd"},
+        {"transports", "tcp"},
+    };
+    return info;
+  });
+  m.def("simd_force", [](const std::string& level) {
+    for (SimdLevel l : {SimdLevel::scalar, SimdLevel::avx2, SimdLevel::avx512})
+      if (simd_name(l) == level) return simd_force(l);
+    throw nb::value_error("simd level must be scalar, avx2 or avx512");
+  });
+  m.def("reduce_arrays", [](Array dst, Array a, Array b, const std::string& op) {
+    Buffer d = buffer(dst), x = buffer(a), y = buffer(b);
+    if (d.count != x.count || d.count != y.count || d.dtype != x.dtype || d.dtype != y.dtype)
+      throw nb::value_error("reduce_arrays needs three arrays of one dtype and size");
+    nb::gil_scoped_release release;
+    reduce(d.dtype, parse_op(op), d.data, x.data, y.data, d.count);
+  }, "dst = a op b with the engine's kernels (for tests and benchmarks).");
+  m.def("dtype_size", [](const std::string& name) { return dtype_size(parse_dtype(name)); });
+
+  nb::class_<Store>(m, "Store");
+  nb::class_<TcpStore, Store>(m, "TcpStore")
+      .def("__init__", [](TcpStore* self, const std::string& host, int port, bool serve, double timeout) {
+        nb::gil_scoped_release release;
+        new (self) TcpStore(host, static_cast<uint16_t>(port), serve,
+                            std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)));
+      }, "host"_a, "port"_a, "serve"_a, "timeout"_a);
+  nb::class_<FileStore, Store>(m, "FileStore").def(nb::init<std::string>(), "path"_a);
+
+  nb::class_<Request>(m, "Request")
+      .def("test", &Request::test)
+      .def("wait", [](Request& r, std::optional<double> timeout) {
+        nb::gil_scoped_release release;
+        if (timeout) return r.wait(std::chrono::duration<double>(*timeout));
+        return r.wait();
+      }, "timeout"_a = nb::none());
+
+  nb::class_<Communicator>(m, "Communicator")
+      .def("__init__", [](Communicator* self, int rank, int size, std::shared_ptr<Store> store,
+                          const std::map<std::string, std::string>& options, const std::string& route_hint) {
+        Options resolved = Options::resolve(options);
+        nb::gil_scoped_release release;
+        new (self) Communicator(rank, size, std::move(store), resolved, route_hint);
+      }, "rank"_a, "size"_a, "store"_a, "options"_a, "route_hint"_a = "")
+      .def_prop_ro("rank", &Communicator::rank)
+      .def_prop_ro("size", &Communicator::size)
+      .def_prop_ro("options", [](const Communicator& c) { return c.options().values(); })
+      .def("choose_allreduce", [](const Communicator& c, size_t count, const std::string& dtype,
+                                  const std::string& algo) {
+        return std::string(algorithm_name(c.choose_allreduce(count, parse_dtype(dtype), parse_algorithm(algo))));
+      })
+      .def("allreduce", [](Communicator& c, Array in, Array out, const std::string& op, const std::string& algo) {
+        Buffer i = buffer(in), o = buffer(out);
+        return c.allreduce(i.data, o.data, i.count, i.dtype, parse_op(op), parse_algorithm(algo));
+      })
+      .def("reduce_scatter", [](Communicator& c, Array in, Array out, const std::string& op) {
+        Buffer i = buffer(in), o = buffer(out);
+        return c.reduce_scatter(i.data, o.data, o.count, i.dtype, parse_op(op));
+      })
+      .def("allgather", [](Communicator& c, Array in, Array out) {
+        Buffer i = buffer(in), o = buffer(out);
+        return c.allgather(i.data, o.data, i.count, i.dtype);
+      })
+      .def("broadcast", [](Communicator& c, Array buf, int root) {
+        Buffer b = buffer(buf);
+        return c.broadcast(b.data, b.count, b.dtype, root);
+      })
+      .def("reduce", [](Communicator& c, Array in, std::optional<Array> out, const std::string& op, int root) {
+        Buffer i = buffer(in);
+        void* o = out ? buffer(*out).data : nullptr;
+        return c.reduce(i.data, o, i.count, i.dtype, parse_op(op), root);
+      })
+      .def("alltoall", [](Communicator& c, Array in, Array out) {
+        Buffer i = buffer(in), o = buffer(out);
+        return c.alltoall(i.data, o.data, i.count / static_cast<size_t>(c.size()), i.dtype);
+      })
+      .def("barrier", &Communicator::barrier)
+      .def("close", [](Communicator& c) {
+        nb::gil_scoped_release release;
+        c.close();
+      });
+}

@@ -1,0 +1,233 @@
+"""Communicator: the Python face of the core engine, on NumPy arrays and CPU torch tensors (zero-copy)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Optional
+from urllib.parse import urlparse
+
+import numpy as np
+
+from . import _core
+
+_POLL_SECONDS = 0.1  # wait() sleeps in slices this long so that Ctrl-C interrupts it
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _check_array(x: Any, what: str, writable: bool = False) -> None:
+    """Raises a TypeError that says what to pass instead of `x`."""
+    if isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            raise TypeError(f"{what} is a non-contiguous NumPy array: pass numpy.ascontiguousarray({what})")
+        if writable and not x.flags.writeable:
+            raise TypeError(f"{what} is read-only: pass a writable array (e.g. {what}.copy())")
+    elif _is_torch(x):
+        if x.device.type != "cpu":
+            raise TypeError(f"{what} is on {x.device}: smartcoll takes CPU tensors; pass {what}.cpu()")
+        if not x.is_contiguous():
+            raise TypeError(f"{what} is a non-contiguous tensor: pass {what}.contiguous()")
+        if x.requires_grad and writable:
+            raise TypeError(f"{what} requires grad: pass {what}.detach() (collectives write into it)")
+    else:
+        raise TypeError(
+            f"{what} must be a NumPy array or a CPU torch tensor, got {type(x).__name__}; "
+            "wrap Python data with numpy.asarray()"
+        )
+
+
+def _numel(x: Any) -> int:
+    return int(x.size) if isinstance(x, np.ndarray) else int(x.numel())
+
+
+def _dtype(x: Any) -> str:
+    return str(x.dtype).replace("torch.", "")
+
+
+def _check_pair(x: Any, out: Any, ratio_out: float, collective: str) -> None:
+    _check_array(out, "out", writable=True)
+    if _dtype(x) != _dtype(out):
+        raise TypeError(f"{collective}: out has dtype {_dtype(out)} but the input has {_dtype(x)}; they must match")
+    if _numel(out) != _numel(x) * ratio_out:
+        raise ValueError(
+            f"{collective}: out has {_numel(out)} elements, expected {int(_numel(x) * ratio_out)} "
+            f"(input has {_numel(x)})"
+        )
+
+
+class Request:
+    """A collective in progress. test() never blocks; wait() returns the result or raises CommError."""
+
+    def __init__(self, core_request: Any, result: Any, keepalive: tuple):
+        self._req = core_request
+        self._result = result
+        self._keepalive = keepalive  # the engine reads and writes these buffers until it finishes
+
+    def test(self) -> bool:
+        return self._req.test()
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Waits for completion; raises TimeoutError if `timeout` seconds pass first (the collective goes on)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = _POLL_SECONDS if deadline is None else max(0.0, min(_POLL_SECONDS, deadline - time.monotonic()))
+            if self._req.wait(step):
+                self._keepalive = ()
+                return self._result
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"collective not finished after {timeout} s (it is still running; wait again)")
+
+
+class Communicator:
+    """A group of ranks. Collectives run in call order on one engine thread; every rank must make the same calls."""
+
+    def __init__(self, core: Any):
+        self._core = core
+
+    @property
+    def rank(self) -> int:
+        return self._core.rank
+
+    @property
+    def size(self) -> int:
+        return self._core.size
+
+    @property
+    def options(self) -> dict[str, str]:
+        """The settings in force (defaults, then SMARTCOLL_* variables, then init() options)."""
+        return dict(self._core.options)
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Finishes submitted collectives, stops the engine and closes connections."""
+        self._core.close()
+
+    def __repr__(self) -> str:
+        return f"<smartcoll.Communicator rank {self.rank} of {self.size}>"
+
+    # Non-blocking forms. Buffers must not be touched until the request completes.
+
+    def iallreduce(self, x: Any, op: str = "sum", out: Any = None, algo: Optional[str] = None) -> Request:
+        _check_array(x, "x", writable=out is None)
+        out = x if out is None else out
+        _check_pair(x, out, 1, "allreduce")
+        req = self._core.allreduce(x, out, op, algo or "auto")
+        return Request(req, out, (x, out))
+
+    def ireduce_scatter(self, x: Any, out: Any, op: str = "sum") -> Request:
+        _check_array(x, "x")
+        _check_pair(x, out, 1 / self.size, "reduce_scatter")
+        return Request(self._core.reduce_scatter(x, out, op), out, (x, out))
+
+    def iallgather(self, x: Any, out: Any) -> Request:
+        _check_array(x, "x")
+        _check_pair(x, out, self.size, "allgather")
+        return Request(self._core.allgather(x, out), out, (x, out))
+
+    def ibroadcast(self, x: Any, root: int = 0) -> Request:
+        _check_array(x, "x", writable=True)
+        return Request(self._core.broadcast(x, root), x, (x,))
+
+    def ireduce(self, x: Any, root: int = 0, op: str = "sum", out: Any = None) -> Request:
+        """The result lands in `out` (default: x itself) on root; other ranks' buffers are left unchanged."""
+        _check_array(x, "x", writable=out is None and self.rank == root)
+        if self.rank == root:
+            out = x if out is None else out
+            _check_pair(x, out, 1, "reduce")
+        else:
+            out = None
+        return Request(self._core.reduce(x, out, op, root), out if out is not None else x, (x, out))
+
+    def ialltoall(self, x: Any, out: Any) -> Request:
+        _check_array(x, "x")
+        _check_pair(x, out, 1, "alltoall")
+        if _numel(x) % self.size:
+            raise ValueError(f"alltoall: {_numel(x)} elements do not split into {self.size} equal blocks")
+        if out is x:
+            raise ValueError("alltoall cannot run in place: pass a separate out array")
+        return Request(self._core.alltoall(x, out), out, (x, out))
+
+    def ibarrier(self) -> Request:
+        return Request(self._core.barrier(), None, ())
+
+    # Blocking forms: thin wrappers.
+
+    def allreduce(self, x: Any, op: str = "sum", out: Any = None, algo: Optional[str] = None) -> Any:
+        return self.iallreduce(x, op, out, algo).wait()
+
+    def reduce_scatter(self, x: Any, out: Any, op: str = "sum") -> Any:
+        return self.ireduce_scatter(x, out, op).wait()
+
+    def allgather(self, x: Any, out: Any) -> Any:
+        return self.iallgather(x, out).wait()
+
+    def broadcast(self, x: Any, root: int = 0) -> Any:
+        return self.ibroadcast(x, root).wait()
+
+    def reduce(self, x: Any, root: int = 0, op: str = "sum", out: Any = None) -> Any:
+        return self.ireduce(x, root, op, out).wait()
+
+    def alltoall(self, x: Any, out: Any) -> Any:
+        return self.ialltoall(x, out).wait()
+
+    def barrier(self) -> None:
+        self.ibarrier().wait()
+
+    def allreduce_algorithm(self, count: int, dtype: str = "float32", algo: str = "auto") -> str:
+        """The algorithm allreduce would use for `count` elements of `dtype`."""
+        return self._core.choose_allreduce(count, dtype, algo)
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise RuntimeError(
+            f"{name} is not set: start ranks with `smartcoll run -n N -- ...` or torchrun, "
+            "or pass rank= and world_size= to smartcoll.init()"
+        )
+    return int(value)
+
+
+def init(
+    init_method: str = "env://",
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    **options: Any,
+) -> Communicator:
+    """Creates a communicator; every rank calls it.
+
+    init_method: "env://" (MASTER_ADDR and MASTER_PORT; rank 0 serves the rendezvous store there, as with
+    torchrun), "tcp://HOST:PORT", or "file:///shared/dir" (a fresh directory visible to every rank).
+    rank, world_size: default to the RANK and WORLD_SIZE environment variables.
+    options: any knob of smartcoll.knobs() (algo=, streams=, segment_size=, timeout=, ifname=, ...); they
+    override SMARTCOLL_* environment variables.
+    """
+    rank = _env_int("RANK") if rank is None else rank
+    world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
+    resolved = {k: str(v) for k, v in options.items()}
+    connect_timeout = float(_core.resolve_options(resolved)["connect_timeout"])
+    url = urlparse(init_method)
+    route_hint = ""
+    if url.scheme == "env":
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = _env_int("MASTER_PORT")
+    elif url.scheme == "tcp":
+        host, port = url.hostname or "127.0.0.1", url.port
+        if port is None:
+            raise ValueError(f"init_method {init_method!r} needs a port: tcp://HOST:PORT")
+    elif url.scheme == "file":
+        store = _core.FileStore(url.path)
+    else:
+        raise ValueError(f"unknown init_method {init_method!r}; use env://, tcp://HOST:PORT or file:///path")
+    if url.scheme in ("env", "tcp"):
+        route_hint = host
+        store = _core.TcpStore(host, port, rank == 0, connect_timeout)
+    return Communicator(_core.Communicator(rank, world_size, store, resolved, route_hint))
