@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Sets up, then runs every test: C++ unit tests, the same under ASan/UBSan, and the Python suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+
+jobs=$(nproc)
+echo "[test] C++ unit tests"
+cmake -S . -B build-tests -G Ninja -DSMARTCOLL_BUILD_TESTS=ON -DSMARTCOLL_BUILD_PYTHON=OFF \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build build-tests -j "$jobs"
+ctest --test-dir build-tests --output-on-failure -j "$jobs" --timeout 300
+
+echo "[test] C++ unit tests under AddressSanitizer and UndefinedBehaviorSanitizer"
+cmake -S . -B build-asan -G Ninja -DSMARTCOLL_BUILD_TESTS=ON -DSMARTCOLL_BUILD_PYTHON=OFF -DSMARTCOLL_SANITIZE=ON \
+  -DCMAKE_BUILD_TYPE=Debug >/dev/null
+cmake --build build-asan -j "$jobs"
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 600
+
+echo "[test] Python tests"
+${PYTHON:-python3} -m pytest tests/python -q -p no:cacheprovider
