@@ -60,6 +60,7 @@ void pipeline(Transport& t, int from, const std::vector<RecvSeg>& recvs, int to,
   Transport::Progress progress(t);
 
   while (recvs_left + sends_left > 0) {
+    bool moved = false;
     for (int s = 0; s < streams; ++s) {
       while (rc[s].next < recvs.size()) {
         const RecvSeg& seg = recvs[rc[s].next];
@@ -67,7 +68,7 @@ void pipeline(Transport& t, int from, const std::vector<RecvSeg>& recvs, int to,
         size_t n = t.try_recv(from, s, into + rc[s].done, seg.len - rc[s].done);
         rc[s].done += n;
         if (rc[s].done < seg.len && n == 0) break;
-        if (n) progress.made();
+        if (n) progress.made(), moved = true;
         if (rc[s].done < seg.len) continue;
         if (seg.reduce) reduce(spec.dtype, spec.op, seg.dst, seg.local, into, seg.len / esize);
         if (seg.divide) scale_divide(spec.dtype, seg.dst, seg.len / esize, spec.divisor);
@@ -81,20 +82,21 @@ void pipeline(Transport& t, int from, const std::vector<RecvSeg>& recvs, int to,
         size_t n = t.try_send(to, s, seg.src + sc[s].done, seg.len - sc[s].done);
         sc[s].done += n;
         if (sc[s].done < seg.len && n == 0) break;
-        if (n) progress.made();
+        if (n) progress.made(), moved = true;
         if (sc[s].done < seg.len) continue;
         --sends_left;
         sc[s] = {sc[s].next + static_cast<size_t>(streams), 0};
       }
     }
-    if (recvs_left + sends_left == 0) break;
+    // A segment finished on one stream may have unblocked a send on a stream already passed: go round again
+    // before sleeping, since that send's socket may have no new edge to wake us.
+    if (recvs_left + sends_left == 0 || moved) continue;
     bool sendable = false;
     for (int s = 0; s < streams; ++s) {
       if (sc[s].next >= sends.size()) continue;
       ptrdiff_t dep = sends[sc[s].next].dep;
       sendable |= dep < 0 || recv_done[static_cast<size_t>(dep)];
     }
-    // A send that only waits for a local reduction is never the reason to block; the loop above ran it.
     progress.block([&] {
       std::string what;
       if (recvs_left) what += "receiving from rank " + std::to_string(from);

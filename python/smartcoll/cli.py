@@ -1,0 +1,114 @@
+"""The `smartcoll` command: run, info, bench, demo.
+
+Each subcommand lives in its own module with add_arguments(parser) and main(args) -> exit status; this file
+only wires them into one argparse tree (and implements the few lines of `info`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+from smartcoll import bench, demo, launcher
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the line breaks of descriptions and epilogs (the examples) while wrapping option help."""
+
+
+def _info_main(args: argparse.Namespace) -> int:
+    import smartcoll
+
+    print(f"smartcoll {getattr(smartcoll, '__version__', 'unknown')}")
+    missing = bench.core_missing()
+    if missing:
+        print(f"smartcoll info: {missing}", file=sys.stderr)
+        return 1
+    print("\nbuild:")
+    build = smartcoll.build_info()
+    width = max(len(key) for key in build)
+    for key, value in build.items():
+        shown = ", ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+        print(f"  {key.ljust(width)}  {shown}")
+    print(
+        "\nknobs (option name = keyword of smartcoll.init(); the environment variable overrides the default):"
+    )
+    rows = [[k.name, k.default, k.type, k.env, k.description] for k in smartcoll.knobs()]
+    print(bench.format_table(["name", "default", "type", "env var", "description"], rows, left=range(5)))
+    return 0
+
+
+_SUBCOMMANDS = {
+    "run": (
+        launcher.add_arguments,
+        launcher.main,
+        "start N local ranks of a command (like torchrun on one host)",
+        "Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and\n"
+        "MASTER_PORT. Output lines are prefixed with [rank K]. If a rank fails, the others are stopped\n"
+        "(SIGTERM, then SIGKILL after --grace seconds) and run exits with that rank's status (128+N for\n"
+        "signal N); --timeout stops them all with status 124.\n\n"
+        "example:\n  smartcoll run -n 4 --timeout 120 -- python train.py --epochs 1",
+    ),
+    "info": (
+        None,  # no options
+        _info_main,
+        "print version, build information and the table of knobs",
+        "Every knob can be set as a keyword of smartcoll.init(), an option of `smartcoll bench`, or the\n"
+        "environment variable shown.",
+    ),
+    "bench": (
+        bench.add_arguments,
+        bench.main,
+        "time a collective over a range of sizes, check its results, compare with gloo and MPI",
+        "Launches N local ranks; each times the collective (warmup, then timed calls; barrier between\n"
+        "sizes) and checks every element of its result against values computed independently.\n"
+        "Columns, as nccl-tests: time = max over ranks of the mean time per call; algbw = size / time;\n"
+        "busbw = algbw x 2(n-1)/n (allreduce), (n-1)/n (reduce_scatter, allgather, alltoall), 1 (broadcast,\n"
+        "reduce). With --vs, each peer adds its busbw and smartcoll/peer (above 1: smartcoll is faster).\n\n"
+        "examples:\n"
+        "  smartcoll bench allreduce -n 4 --sizes 1K:64M --vs gloo --vs mpi\n"
+        "  smartcoll bench allgather -n 2 --sizes 1M,16M --dtype int32 --json allgather.json",
+    ),
+    "demo": (
+        demo.add_arguments,
+        demo.main,
+        "the headline measurement: smartcoll all-reduce against gloo and MPI on 4 ranks",
+        "Runs `smartcoll bench allreduce` with --vs gloo --vs mpi (those installed) on a few float32 sizes\n"
+        "and explains the table.",
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="smartcoll",
+        description="smartcoll: collective communication for distributed training on Ethernet.",
+        formatter_class=_HelpFormatter,
+        epilog="Run `smartcoll COMMAND --help` for the options of a command.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (add_arguments, handler, summary, description) in _SUBCOMMANDS.items():
+        p = sub.add_parser(
+            name, help=summary, description=f"{summary}.\n\n{description}", formatter_class=_HelpFormatter
+        )
+        if add_arguments:
+            add_arguments(p)
+        p.set_defaults(handler=handler)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except BrokenPipeError:
+        # The reader went away (`smartcoll info | head`). Point stdout at /dev/null so that the interpreter's
+        # final flush does not fail again, as the Python docs on SIGPIPE advise.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
