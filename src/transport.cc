@@ -57,7 +57,18 @@ Transport::Transport(int rank, int size, Store& store, const Options& o, const s
     }
   }
   for (int pending = (size - 1 - rank) * streams_; pending > 0; --pending) {
-    net::Fd c = net::accept_from(listener.get(), deadline);
+    net::Fd c;
+    try {
+      c = net::accept_from(listener.get(), deadline);
+    } catch (const CommError&) {
+      std::string missing;
+      for (int peer = rank + 1; peer < size; ++peer)
+        if (!fds_[peer * streams_]) missing += (missing.empty() ? "" : ", ") + std::to_string(peer);
+      throw CommError("rank " + std::to_string(rank) + " timed out after " + std::to_string(wait_limit.count() / 1000) +
+                      " s waiting for rank(s) " + missing + " of " + std::to_string(size) +
+                      " to connect: are they running, with the same WORLD_SIZE and MASTER_ADDR? "
+                      "(SMARTCOLL_CONNECT_TIMEOUT)");
+    }
     Hello h{};
     net::recv_all(c.get(), &h, sizeof h, deadline, "hello from a connecting peer");
     if (h.magic != kHelloMagic || h.size != static_cast<uint32_t>(size) || h.rank <= static_cast<uint32_t>(rank) ||

@@ -212,6 +212,10 @@ def init(
     """
     rank = _env_int("RANK") if rank is None else rank
     world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
+    if world_size < 1:
+        raise ValueError(f"world size must be at least 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the world of size {world_size}")
     resolved = {k: str(v) for k, v in options.items()}
     connect_timeout = float(_core.resolve_options(resolved)["connect_timeout"])
     url = urlparse(init_method)

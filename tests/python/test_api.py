@@ -1,0 +1,407 @@
+"""The Python API: argument checking, return values, requests, options and init(), mostly at world size 1."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_all_ok, free_port
+
+import smartcoll
+
+
+@pytest.fixture(autouse=True)
+def _hermetic_env(monkeypatch):
+    """No SMARTCOLL_* settings or rank variables leak in from the environment pytest runs in."""
+    for k in list(os.environ):
+        if k.startswith("SMARTCOLL_") or k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(k)
+
+
+def init1(**options):
+    """A communicator of one rank, rendezvous on a fresh loopback port."""
+    return smartcoll.init(f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, **options)
+
+
+@pytest.fixture
+def comm():
+    c = init1(timeout=10)
+    yield c
+    c.close()
+
+
+# ---------------------------------------------------------------------------------------- argument errors
+
+
+def _noncontiguous_numpy(c):
+    c.allreduce(np.arange(10, dtype=np.float32)[::2])
+
+
+def _noncontiguous_torch(c):
+    c.allreduce(torch.zeros(3, 4).t())
+
+
+def _python_list(c):
+    c.allreduce([1.0, 2.0, 3.0])
+
+
+def _complex(c):
+    c.allreduce(np.zeros(4, np.complex64))
+
+
+def _out_dtype(c):
+    c.allreduce(np.zeros(4, np.float32), out=np.zeros(4, np.float64))
+
+
+def _read_only(c):
+    x = np.zeros(4, np.float32)
+    x.flags.writeable = False
+    c.allreduce(x)
+
+
+def _requires_grad(c):
+    c.allreduce(torch.zeros(4, requires_grad=True))
+
+
+def _list_out(c):
+    c.allgather(np.zeros(4, np.float32), [0.0] * 4)
+
+
+def _noncontiguous_out(c):
+    c.allreduce(np.zeros(4, np.float32), out=np.zeros(8, np.float32)[::2])
+
+
+TYPE_ERRORS = {
+    # case: (call, regex the message must match: what to pass instead)
+    "noncontiguous_numpy": (_noncontiguous_numpy, r"non-contiguous NumPy array.*numpy\.ascontiguousarray"),
+    "noncontiguous_torch": (_noncontiguous_torch, r"non-contiguous tensor.*\.contiguous\(\)"),
+    "python_list": (_python_list, r"NumPy array or a CPU torch tensor, got list.*numpy\.asarray"),
+    "complex64": (_complex, r"unsupported dtype.*float32.*bfloat16.*int64.*\.astype"),
+    "out_other_dtype": (_out_dtype, r"out has dtype float64 but the input has float32"),
+    "read_only": (_read_only, r"read-only.*copy\(\)"),
+    "requires_grad": (_requires_grad, r"requires grad.*detach\(\)"),
+    "list_out": (_list_out, r"out must be a NumPy array.*got list"),
+    "noncontiguous_out": (_noncontiguous_out, r"out is a non-contiguous NumPy array"),
+}
+
+
+@pytest.mark.parametrize("case", list(TYPE_ERRORS))
+def test_type_error_says_what_to_pass(comm, case):
+    call, pattern = TYPE_ERRORS[case]
+    with pytest.raises(TypeError) as info:
+        call(comm)
+    assert re.search(pattern, str(info.value)), f"message {str(info.value)!r} does not match {pattern!r}"
+    # a refused call leaves the communicator usable
+    x = np.ones(3, np.float32)
+    assert comm.allreduce(x) is x
+
+
+VALUE_ERRORS = {
+    "out_wrong_size": (lambda c: c.allreduce(np.zeros(4, np.float32), out=np.zeros(5, np.float32)),
+                       r"allreduce: out has 5 elements, expected 4"),
+    "reduce_scatter_out_size": (lambda c: c.reduce_scatter(np.zeros(4, np.float32), np.zeros(3, np.float32)),
+                                r"reduce_scatter: out has 3 elements, expected 4"),
+    "allgather_out_size": (lambda c: c.allgather(np.zeros(4, np.float32), np.zeros(8, np.float32)),
+                           r"allgather: out has 8 elements, expected 4"),
+    "unknown_op": (lambda c: c.allreduce(np.zeros(4, np.float32), op="mean"),
+                   r"unknown op 'mean'.*sum, prod, min, max or avg"),
+    "unknown_algo": (lambda c: c.allreduce(np.zeros(4, np.float32), algo="tree"),
+                     r"unknown allreduce algorithm 'tree'.*auto, ring or rhd"),
+    "alltoall_in_place": (lambda c: (lambda x: c.alltoall(x, x))(np.zeros(4, np.float32)),
+                          r"alltoall cannot run in place"),
+    "broadcast_root_too_big": (lambda c: c.broadcast(np.zeros(4, np.float32), root=1),
+                               r"root 1 is outside the world of size 1"),
+    "reduce_root_negative": (lambda c: c.reduce(np.zeros(4, np.float32), root=-1),
+                             r"root -1 is outside the world of size 1"),
+    "avg_int32_allreduce": (lambda c: c.allreduce(np.zeros(4, np.int32), op="avg"),
+                            r"op 'avg' needs a floating-point dtype, got int32"),
+    "avg_int32_reduce": (lambda c: c.reduce(np.zeros(4, np.int32), op="avg"), r"'avg'.*int32"),
+    "avg_uint8_reduce_scatter": (
+        lambda c: c.reduce_scatter(np.zeros(4, np.uint8), np.zeros(4, np.uint8), op="avg"),
+        r"'avg'.*uint8",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(VALUE_ERRORS))
+def test_value_error(comm, case):
+    call, pattern = VALUE_ERRORS[case]
+    with pytest.raises(ValueError) as info:
+        call(comm)
+    assert re.search(pattern, str(info.value)), f"message {str(info.value)!r} does not match {pattern!r}"
+    x = np.ones(3, np.float32)
+    assert comm.allreduce(x) is x
+
+
+def test_unknown_option_names_the_knob():
+    with pytest.raises(ValueError) as info:
+        smartcoll.init(f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, segmnt_size=1)
+    msg = str(info.value)
+    assert "'segmnt_size'" in msg and "segment_size" in msg, msg  # names the typo and lists the valid knobs
+
+
+@pytest.mark.parametrize(
+    "options, pattern",
+    [
+        ({"algo": "tree"}, r"'algo'.*tree"),
+        ({"streams": "many"}, r"'streams'.*many"),
+        ({"timeout": "soon"}, r"'timeout'.*soon"),
+        ({"segment_size": 8}, r"segment_size.*64"),
+        ({"streams": 0}, r"streams.*between 1 and 64"),
+        ({"timeout": 0}, r"timeout.*positive"),
+    ],
+)
+def test_bad_option_value_names_the_knob(options, pattern):
+    with pytest.raises(ValueError) as info:
+        init1(**options)
+    assert re.search(pattern, str(info.value)), str(info.value)
+
+
+def test_bad_init_method():
+    with pytest.raises(ValueError, match="unknown init_method"):
+        smartcoll.init("udp://127.0.0.1:1234", rank=0, world_size=1)
+    with pytest.raises(ValueError, match="needs a port"):
+        smartcoll.init("tcp://127.0.0.1", rank=0, world_size=1)
+
+
+def test_world_size_zero():
+    with pytest.raises(ValueError, match="world size must be at least 1, got 0"):
+        smartcoll.init(f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=0)
+
+
+@pytest.mark.parametrize("rank", [1, -1])
+def test_rank_outside_world_fails_at_once(rank):
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=f"rank {rank} is outside the world of size 1"):
+        smartcoll.init(f"tcp://127.0.0.1:{free_port()}", rank=rank, world_size=1, connect_timeout=2)
+    assert time.monotonic() - t0 < 1
+
+
+@pytest.mark.parametrize("missing", ["RANK", "WORLD_SIZE", "MASTER_PORT"])
+def test_init_without_env_names_the_variable(monkeypatch, missing):
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for k, v in env.items():
+        if k != missing:
+            monkeypatch.setenv(k, v)
+    with pytest.raises(RuntimeError) as info:
+        smartcoll.init()
+    assert missing in str(info.value) and "is not set" in str(info.value), str(info.value)
+
+
+# ------------------------------------------------------------------------------------------ return values
+
+
+def test_allreduce_returns_its_buffer(comm):
+    x = np.arange(10, dtype=np.float64)
+    assert comm.allreduce(x) is x
+    np.testing.assert_array_equal(x, np.arange(10))
+    out = np.full(10, -1.0)
+    ret = comm.allreduce(x, out=out)
+    assert ret is out
+    np.testing.assert_array_equal(out, np.arange(10))
+
+
+def test_iallreduce_returns_a_request(comm):
+    x = np.arange(1000, dtype=np.float32)
+    out = np.zeros_like(x)
+    req = comm.iallreduce(x, out=out)
+    assert isinstance(req, smartcoll.Request)
+    deadline = time.monotonic() + 10
+    while not req.test():
+        assert time.monotonic() < deadline, "Request.test() never became True"
+        time.sleep(0.001)
+    assert req.test()  # stays True
+    assert req.wait(timeout=5) is out
+    assert req.wait() is out  # waiting again is fine
+    np.testing.assert_array_equal(out, x)
+
+
+def test_nonblocking_forms_return_requests(comm):
+    x = np.arange(6, dtype=np.int64)
+    outs = {
+        "ireduce_scatter": (comm.ireduce_scatter(x, np.zeros(6, np.int64)), x),
+        "iallgather": (comm.iallgather(x, np.zeros(6, np.int64)), x),
+        "ibroadcast": (comm.ibroadcast(x.copy()), x),
+        "ireduce": (comm.ireduce(x.copy(), op="max"), x),
+        "ialltoall": (comm.ialltoall(x, np.zeros(6, np.int64)), x),
+    }
+    for name, (req, expected) in outs.items():
+        assert isinstance(req, smartcoll.Request), name
+        np.testing.assert_array_equal(req.wait(timeout=10), expected, err_msg=name)
+    assert comm.ibarrier().wait(timeout=10) is None
+    assert comm.barrier() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_tensors_zero_copy(comm, dtype):
+    t = torch.arange(100, dtype=torch.float32).to(dtype)
+    ptr = t.data_ptr()
+    assert comm.allreduce(t) is t
+    assert t.data_ptr() == ptr
+    out = torch.full((100,), -7.0, dtype=dtype)
+    out_ptr = out.data_ptr()
+    ret = comm.allreduce(t, out=out)
+    assert ret is out and out.data_ptr() == out_ptr and out.dtype == dtype
+    # the library wrote into the tensor's own storage (out held -7 before)
+    assert torch.equal(out, t)
+    # a NumPy view of the same memory sees the result: no hidden copy
+    if dtype == torch.float32:
+        view_out = torch.zeros(100)
+        arr = view_out.numpy()
+        comm.allreduce(t, out=view_out)
+        np.testing.assert_array_equal(arr, np.arange(100, dtype=np.float32))
+
+
+def test_torch_and_numpy_dtypes_must_match(comm):
+    with pytest.raises(TypeError, match="out has dtype bfloat16 but the input has float32"):
+        comm.allreduce(torch.zeros(4), out=torch.zeros(4, dtype=torch.bfloat16))
+
+
+def test_empty_numpy_array(comm):
+    x = np.zeros(0, np.float32)
+    assert comm.allreduce(x) is x
+
+
+def test_empty_torch_tensor(comm):
+    t = torch.zeros(0)
+    assert comm.allreduce(t) is t
+
+
+# ---------------------------------------------------------------------------------- lifecycle and options
+
+
+def test_context_manager_closes():
+    port = free_port()
+    with smartcoll.init(f"tcp://127.0.0.1:{port}", rank=0, world_size=1) as c:
+        assert isinstance(c, smartcoll.Communicator)
+        assert (c.rank, c.size) == (0, 1)
+        assert repr(c) == "<smartcoll.Communicator rank 0 of 1>"
+        x = np.ones(4)
+        c.allreduce(x)
+    with pytest.raises((ValueError, smartcoll.CommError), match="closed"):
+        c.allreduce(np.ones(4))
+    c.close()  # idempotent
+    # closing stopped the rendezvous store: its port can be served again
+    with smartcoll.init(f"tcp://127.0.0.1:{port}", rank=0, world_size=1) as c2:
+        assert c2.allreduce(np.ones(2)).tolist() == [1.0, 1.0]
+
+
+EXPECTED_KNOBS = {
+    "algo", "rhd_max_bytes", "segment_size", "streams", "timeout", "connect_timeout", "ifname", "addr",
+    "engine_cpu", "sockbuf", "check",
+}
+
+
+def test_knobs_table():
+    table = smartcoll.knobs()
+    names = [k.name for k in table]
+    assert len(names) == len(set(names)), "duplicate knob names"
+    assert EXPECTED_KNOBS <= set(names), f"missing: {EXPECTED_KNOBS - set(names)}"
+    for k in table:
+        assert isinstance(k, smartcoll.Knob)
+        assert k.env == "SMARTCOLL_" + k.name.upper(), k
+        assert len(k.description) >= 20 and k.description.strip() == k.description, k
+        assert k.type in ("int", "float", "str") or k.type.startswith("choice:"), k
+    by_name = {k.name: k for k in table}
+    assert by_name["algo"].default == "auto" and by_name["algo"].type == "choice:auto|ring|rhd"
+    assert by_name["segment_size"].default == "262144"
+    assert by_name["streams"].default == "1"
+
+
+def test_options_defaults_env_and_explicit(monkeypatch, comm):
+    defaults = {k.name: k.default for k in smartcoll.knobs()}
+    opts = comm.options
+    assert set(opts) == set(defaults)
+    assert opts["algo"] == "auto" and opts["segment_size"] == "262144"
+    assert opts["timeout"] == "10"  # the fixture's explicit option
+    monkeypatch.setenv("SMARTCOLL_ALGO", "rhd")
+    monkeypatch.setenv("SMARTCOLL_SEGMENT_SIZE", "4096")
+    with init1() as c:
+        assert c.options["algo"] == "rhd"
+        assert c.options["segment_size"] == "4096"
+    with init1(algo="ring") as c:  # an explicit option beats the environment
+        assert c.options["algo"] == "ring"
+        assert c.options["segment_size"] == "4096"
+    monkeypatch.setenv("SMARTCOLL_ALGO", "bogus")
+    with pytest.raises(ValueError, match="SMARTCOLL_ALGO"):
+        init1()
+
+
+def test_build_info():
+    info = smartcoll.build_info()
+    assert info["version"] == smartcoll.__version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*", info["version"])
+    assert info["simd"] in ("scalar", "avx2", "avx512")
+    assert info["simd_supported"] in ("scalar", "avx2", "avx512")
+
+
+def test_engine_cpu_pinning(comm):
+    with init1(engine_cpu=0) as c:
+        assert c.options["engine_cpu"] == "0"
+        x = np.ones(1000, np.float32)
+        assert c.allreduce(x) is x
+
+
+def test_engine_cpu_out_of_range_is_a_clear_error():
+    port = free_port()
+    with pytest.raises(ValueError) as info:
+        smartcoll.init(f"tcp://127.0.0.1:{port}", rank=0, world_size=1, engine_cpu=9999)
+    assert "CPU 9999" in str(info.value) and "SMARTCOLL_ENGINE_CPU" in str(info.value), str(info.value)
+    # the failed init released its rendezvous port (once the traceback, which holds init()'s frame, is gone)
+    del info
+    gc.collect()
+    with smartcoll.init(f"tcp://127.0.0.1:{port}", rank=0, world_size=1) as c:
+        c.barrier()
+
+
+def test_file_init_method(tmp_path):
+    with smartcoll.init(f"file://{tmp_path}/store", rank=0, world_size=1) as c:
+        x = np.ones(3)
+        assert c.allreduce(x) is x
+
+
+def test_world_of_one_semantics(comm):
+    """At world size 1 every collective copies its input to its output (or leaves the buffer as it is)."""
+    x = np.arange(12, dtype=np.float32) - 5
+    for op in ("sum", "prod", "min", "max", "avg"):
+        out = np.zeros_like(x)
+        np.testing.assert_array_equal(comm.allreduce(x, op=op, out=out), x, err_msg=op)
+        np.testing.assert_array_equal(comm.reduce_scatter(x, np.zeros_like(x), op=op), x, err_msg=op)
+        np.testing.assert_array_equal(comm.reduce(x.copy(), op=op), x, err_msg=op)
+    np.testing.assert_array_equal(comm.allgather(x, np.zeros_like(x)), x)
+    np.testing.assert_array_equal(comm.alltoall(x, np.zeros_like(x)), x)
+    np.testing.assert_array_equal(comm.broadcast(x.copy()), x)
+    assert comm.allreduce_algorithm(1000) == "local"
+
+
+# ---------------------------------------------------------------------------------------------- 2 ranks
+
+
+def test_two_ranks_api(ranks, tmp_path):
+    res = ranks(2, ["api_pair", tmp_path], timeout=90, logdir=tmp_path / "logs")
+    assert_all_ok(res)
+    out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r, o in enumerate(out):
+        for name, dtype in (("float32", "torch.float32"), ("bfloat16", "torch.bfloat16")):
+            t = o[f"torch_{name}"]
+            assert t["same_object"] and t["same_storage"], f"rank {r} {name}: {t}"
+            assert t["values"] == [3.0] and t["dtype"] == dtype, f"rank {r} {name}: {t}"
+        assert o["torch_2d_out"]["same_object"]
+        assert o["torch_2d_out"]["values"] == [2.0 * i for i in range(12)], o["torch_2d_out"]
+        assert o["test_late"] is True and o["wait_returns_out"] is True
+        assert o["iallreduce_values"] == [3.0]
+        assert o["multi"] == [[3 * (i + 1)] for i in range(5)]
+        assert o["alltoall_alias"]["error_type"] == "ValueError", o["alltoall_alias"]
+        assert "in place" in o["alltoall_alias"]["message"], o["alltoall_alias"]
+        assert o["algo_small"] == "rhd" and o["algo_large"] == "ring"
+    # rank 0 started while rank 1 slept 1.5 s: not done yet, and a short wait says so
+    assert out[0]["test_early"] is False
+    w = out[0]["wait_short"]
+    assert w["error_type"] == "TimeoutError" and "still running" in w["message"], w
+    assert 0.15 <= w["elapsed"] < 1.0, w
