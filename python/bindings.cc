@@ -11,6 +11,8 @@
 
 #include <chrono>
 
+#include "codec_bindings.h"
+
 #include "smartcoll/comm.h"
 #include "smartcoll/knobs.h"
 #include "smartcoll/reduce.h"
@@ -69,6 +71,11 @@ DataType parse_dtype(const std::string& name) {
   throw nb::value_error(("unknown dtype '" + name + "'").c_str());
 }
 
+std::optional<Codec> parse_codec(const std::string& name) {
+  if (name.empty()) return std::nullopt;
+  return Codec::parse(name);
+}
+
 struct Buffer {
   void* data;
   size_t count;
@@ -85,7 +92,8 @@ Buffer buffer(const Array& a) {
 
 NB_MODULE(_core, m) {
   using namespace smartcoll;
-  m.doc() = "smartcoll core (C++): progress engine, transports, collective algorithms";
+  m.doc() = "smartcoll core (C++): progress engine, transports, collective algorithms, codecs";
+  bind_codec(m);
 
   nb::exception<CommError>(m, "CommError", PyExc_RuntimeError);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
@@ -113,6 +121,11 @@ NB_MODULE(_core, m) {
         {"compiler", __VERSION__},
         {"allreduce_algorithms", "auto, ring, rhd"},
         {"transports", "tcp"},
+        {"codecs", [] {
+           std::string all;
+           for (const auto& n : Codec::names()) all += (all.empty() ? "" : ", ") + n;
+           return all;
+         }()},
     };
     return info;
   });
@@ -158,21 +171,24 @@ NB_MODULE(_core, m) {
       .def_prop_ro("size", &Communicator::size)
       .def_prop_ro("options", [](const Communicator& c) { return c.options().values(); })
       .def("choose_allreduce", [](const Communicator& c, size_t count, const std::string& dtype,
-                                  const std::string& algo) {
-        return std::string(algorithm_name(c.choose_allreduce(count, parse_dtype(dtype), parse_algorithm(algo))));
+                                  const std::string& algo, const std::string& op, const std::string& codec) {
+        const DataType dt = parse_dtype(dtype);
+        const bool compressed = c.choose_codec(dt, parse_op(op), parse_codec(codec)).kind() != CodecKind::identity;
+        return std::string(algorithm_name(c.choose_allreduce(count, dt, parse_algorithm(algo), compressed)));
       })
-      .def("allreduce", [](Communicator& c, Array in, Array out, const std::string& op, const std::string& algo) {
+      .def("allreduce", [](Communicator& c, Array in, Array out, const std::string& op, const std::string& algo,
+                           const std::string& codec) {
         Buffer i = buffer(in), o = buffer(out);
-        return c.allreduce(i.data, o.data, i.count, i.dtype, parse_op(op), parse_algorithm(algo));
-      })
-      .def("reduce_scatter", [](Communicator& c, Array in, Array out, const std::string& op) {
+        return c.allreduce(i.data, o.data, i.count, i.dtype, parse_op(op), parse_algorithm(algo), parse_codec(codec));
+      }, "in"_a, "out"_a, "op"_a, "algo"_a, "codec"_a = "")
+      .def("reduce_scatter", [](Communicator& c, Array in, Array out, const std::string& op, const std::string& codec) {
         Buffer i = buffer(in), o = buffer(out);
-        return c.reduce_scatter(i.data, o.data, o.count, i.dtype, parse_op(op));
-      })
-      .def("allgather", [](Communicator& c, Array in, Array out) {
+        return c.reduce_scatter(i.data, o.data, o.count, i.dtype, parse_op(op), parse_codec(codec));
+      }, "in"_a, "out"_a, "op"_a, "codec"_a = "")
+      .def("allgather", [](Communicator& c, Array in, Array out, const std::string& codec) {
         Buffer i = buffer(in), o = buffer(out);
-        return c.allgather(i.data, o.data, i.count, i.dtype);
-      })
+        return c.allgather(i.data, o.data, i.count, i.dtype, parse_codec(codec));
+      }, "in"_a, "out"_a, "codec"_a = "")
       .def("broadcast", [](Communicator& c, Array buf, int root) {
         Buffer b = buffer(buf);
         return c.broadcast(b.data, b.count, b.dtype, root);

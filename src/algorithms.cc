@@ -4,6 +4,7 @@
 #include <cstring>
 #include <vector>
 
+#include "smartcoll/codec.h"
 #include "smartcoll/reduce.h"
 
 namespace smartcoll::algo {
@@ -14,7 +15,7 @@ int mod(int a, int n) { return ((a % n) + n) % n; }
 
 // Engine-thread scratch buffers, kept between calls so steady-state collectives do not allocate.
 char* scratch(int slot, size_t bytes) {
-  thread_local std::vector<char> buffers[2];
+  thread_local std::vector<char> buffers[3];
   if (buffers[slot].size() < bytes) buffers[slot].resize(bytes);
   return buffers[slot].data();
 }
@@ -22,16 +23,29 @@ char* scratch(int slot, size_t bytes) {
 struct ReduceSpec {
   DataType dtype;
   ReduceOp op;
-  int divisor;  // for avg: the world size
+  int divisor;           // for avg: the world size
+  const Codec* codec;    // null: elements travel as they are
 };
 
-// A segment to receive: into `dst` directly, or (reduce) into staging and then dst = local op staging.
+// What happens to a segment once all its wire bytes have arrived.
+enum class Finish : uint8_t {
+  none,                 // it landed where it belongs
+  reduce,               // dst = local op received
+  codec_reduce_encode,  // enc = encode(local + decode(received)): a partial sum forwarded to the next hop
+  codec_reduce,         // dst = local + decode(received)
+  codec_reduce_share,   // dst = decode(enc = encode(local + decode(received))): the final sum every rank gets
+  codec_decode,         // dst = decode(received)
+};
+
 struct RecvSeg {
+  char* land;  // where the wire bytes go; null: the stream's staging buffer
+  size_t wire_len;
+  Finish finish;
+  bool divide;  // avg: divide by the world size after the last reduction of these elements
   char* dst;
   const char* local;
-  size_t len;
-  bool reduce;
-  bool divide;  // avg: divide by the world size after reducing (the last reduction of this element)
+  uint8_t* enc;
+  size_t elems;
 };
 
 // A segment to send from `src` once receive segment `dep` is complete (-1: ready at once).
@@ -41,14 +55,34 @@ struct SendSeg {
   ptrdiff_t dep;
 };
 
+void finish_segment(const ReduceSpec& spec, const RecvSeg& seg, const char* data) {
+  const auto* wire = reinterpret_cast<const uint8_t*>(data);
+  auto* dst = reinterpret_cast<float*>(seg.dst);
+  auto* local = reinterpret_cast<const float*>(seg.local);
+  switch (seg.finish) {
+    case Finish::none: break;
+    case Finish::reduce: reduce(spec.dtype, spec.op, seg.dst, seg.local, data, seg.elems); break;
+    case Finish::codec_reduce_encode: spec.codec->decode_add_encode(wire, seg.elems, local, seg.enc, nullptr); break;
+    case Finish::codec_reduce:
+    case Finish::codec_reduce_share: spec.codec->decode_add(wire, seg.elems, local, dst); break;
+    case Finish::codec_decode: spec.codec->decode(wire, seg.elems, dst); break;
+  }
+  if (seg.divide) scale_divide(spec.dtype, seg.dst, seg.elems, spec.divisor);
+  if (seg.finish == Finish::codec_reduce_share) {
+    spec.codec->encode(dst, seg.elems, seg.enc);
+    spec.codec->decode(seg.enc, seg.elems, dst);
+  }
+}
+
 // The pipeline behind every ring and chain algorithm: receive segments from `from` and send segments to `to`,
 // all at once, where a send may wait for a receive (and its reduction) to finish. Segment i travels on stream
 // i % streams on both ends, so the two sides agree without any header.
 void pipeline(Transport& t, int from, const std::vector<RecvSeg>& recvs, int to, const std::vector<SendSeg>& sends,
-              const ReduceSpec& spec, size_t segment_bytes) {
+              const ReduceSpec& spec) {
   const int streams = t.streams();
-  const size_t esize = dtype_size(spec.dtype);
-  char* staging = scratch(0, segment_bytes * static_cast<size_t>(streams));
+  size_t staging_bytes = 0;
+  for (const RecvSeg& seg : recvs) staging_bytes = std::max(staging_bytes, seg.wire_len);
+  char* staging = scratch(0, staging_bytes * static_cast<size_t>(streams));
   std::vector<uint8_t> recv_done(recvs.size(), 0);
   struct Cursor {
     size_t next;  // index into the segment list
@@ -64,14 +98,13 @@ void pipeline(Transport& t, int from, const std::vector<RecvSeg>& recvs, int to,
     for (int s = 0; s < streams; ++s) {
       while (rc[s].next < recvs.size()) {
         const RecvSeg& seg = recvs[rc[s].next];
-        char* into = seg.reduce ? staging + segment_bytes * s : seg.dst;
-        size_t n = t.try_recv(from, s, into + rc[s].done, seg.len - rc[s].done);
+        char* into = seg.land ? seg.land : staging + staging_bytes * s;
+        size_t n = t.try_recv(from, s, into + rc[s].done, seg.wire_len - rc[s].done);
         rc[s].done += n;
-        if (rc[s].done < seg.len && n == 0) break;
+        if (rc[s].done < seg.wire_len && n == 0) break;
         if (n) progress.made(), moved = true;
-        if (rc[s].done < seg.len) continue;
-        if (seg.reduce) reduce(spec.dtype, spec.op, seg.dst, seg.local, into, seg.len / esize);
-        if (seg.divide) scale_divide(spec.dtype, seg.dst, seg.len / esize, spec.divisor);
+        if (rc[s].done < seg.wire_len) continue;
+        finish_segment(spec, seg, into);
         recv_done[rc[s].next] = 1;
         --recvs_left;
         rc[s] = {rc[s].next + static_cast<size_t>(streams), 0};
@@ -100,134 +133,248 @@ void pipeline(Transport& t, int from, const std::vector<RecvSeg>& recvs, int to,
     progress.block([&] {
       std::string what;
       if (recvs_left) what += "receiving from rank " + std::to_string(from);
-      if (sends_left && sendable) what += std::string(what.empty() ? "" : " and ") + "sending to rank " + std::to_string(to);
+      if (sends_left && sendable)
+        what += std::string(what.empty() ? "" : " and ") + "sending to rank " + std::to_string(to);
       return "while " + what;
     });
   }
 }
 
-// Splits `len` bytes at `base` into segments of at most `segment` bytes (a multiple of the element size).
+// Element ranges [off, off + len) of consecutive pieces of at most `piece` elements.
 template <class F>
-void for_each_segment(size_t len, size_t segment, F&& f) {
-  for (size_t off = 0; off < len; off += segment) f(off, std::min(segment, len - off));
+void for_each_segment(size_t len, size_t piece, F&& f) {
+  for (size_t off = 0; off < len; off += piece) f(off, std::min(piece, len - off));
 }
 
-size_t aligned_segment(size_t segment_bytes, DataType dt) {
-  size_t e = dtype_size(dt);
-  return std::max(e, segment_bytes / e * e);
-}
-
-// Ring schedule over n chunks: at step k this rank sends chunk send_chunk(k) to rank+1 and receives
-// chunk send_chunk(k) - 1 from rank-1. What it receives at step k is what it sends at step k+1, so the
-// whole schedule is one pipeline: a segment is forwarded as soon as it has arrived (and been reduced).
-struct RingChunks {
-  std::vector<size_t> off, len;  // bytes
+// One chunk per rank, in elements, and where each chunk sits on the wire. With a codec every chunk is
+// encoded on its own (a sequence of whole blocks, only its last one partial), so wire offsets add up
+// encoded sizes; chunks of a vector are split at block boundaries so that only the vector's last block is
+// partial.
+struct Chunks {
+  std::vector<size_t> off, len, wire_off, wire_len;
 };
 
-RingChunks split_chunks(size_t count, int n, size_t esize) {
-  RingChunks c;
-  size_t base = count / n, extra = count % n, pos = 0;
-  for (int i = 0; i < n; ++i) {
-    size_t elems = base + (static_cast<size_t>(i) < extra ? 1 : 0);
-    c.off.push_back(pos * esize);
-    c.len.push_back(elems * esize);
-    pos += elems;
+Chunks make_chunks(std::vector<size_t> lens, size_t esize, const Codec* codec) {
+  Chunks c;
+  size_t pos = 0, wire = 0;
+  for (size_t len : lens) {
+    size_t wlen = codec ? codec->encoded_size(len) : len * esize;
+    c.off.push_back(pos);
+    c.len.push_back(len);
+    c.wire_off.push_back(wire);
+    c.wire_len.push_back(wlen);
+    pos += len;
+    wire += wlen;
   }
   return c;
 }
 
-// src(k, chunk) gives the send base pointer of chunk data at step k; recv(k, chunk) fills a RecvSeg template
-// (dst/local are chunk base pointers; len is set per segment).
-template <class Src, class Recv>
-void ring(Transport& t, int steps, int first_send_chunk, const RingChunks& chunks, size_t segment,
-          const ReduceSpec& spec, Src&& src, Recv&& recv) {
+Chunks split_vector(size_t count, int n, size_t esize, const Codec* codec) {
+  const size_t unit = codec ? codec->block_elems() : 1, units = (count + unit - 1) / unit;
+  std::vector<size_t> lens;
+  size_t pos = 0;
+  for (int i = 0; i < n; ++i) {
+    size_t elems = std::min(count - pos, (units / n + (static_cast<size_t>(i) < units % n ? 1 : 0)) * unit);
+    lens.push_back(elems);
+    pos += elems;
+  }
+  return make_chunks(std::move(lens), esize, codec);
+}
+
+Chunks equal_blocks(size_t per_rank, int n, size_t esize, const Codec* codec) {
+  return make_chunks(std::vector<size_t>(static_cast<size_t>(n), per_rank), esize, codec);
+}
+
+size_t segment_elems(size_t segment_bytes, size_t esize, const Codec* codec) {
+  const size_t unit = codec ? codec->block_elems() : 1;
+  return std::max(unit, segment_bytes / esize / unit * unit);
+}
+
+enum class Step : uint8_t { reduce, last_reduce, gather };
+
+// Buffers of a ring: `in` is this rank's input (the local operand of reductions), acc[c] where chunk c's
+// reduced or gathered elements go, enc the encoded vector (codec only; chunk c at wire_off[c]).
+struct RingBuffers {
+  const char* in;
+  std::vector<char*> acc;
+  uint8_t* enc;
+  bool share_final;  // the last reduction is encoded once and decoded by every rank (allreduce)
+  bool pre_encoded;  // enc already holds the chunk sent first
+};
+
+// Ring schedule: at step k this rank sends chunk first-k to rank+1 and receives chunk first-k-1 from rank-1.
+// What it receives at step k is what it sends at step k+1, so the whole schedule is one pipeline: a segment is
+// forwarded as soon as it has arrived (and been reduced).
+template <class KindOf>
+void ring(Transport& t, int steps, int first, KindOf&& kind_of, const Chunks& ch, size_t seg_elems,
+          const ReduceSpec& spec, const RingBuffers& b) {
   const int n = t.size(), r = t.rank();
+  const size_t esize = dtype_size(spec.dtype);
+  const Codec* codec = spec.codec;
+  auto wire_of = [&](size_t elems) { return codec ? codec->encoded_size(elems) : elems * esize; };
   std::vector<RecvSeg> recvs;
   std::vector<SendSeg> sends;
-  size_t prev_step_first_recv = 0;
+  size_t prev_first_recv = 0;
   for (int k = 0; k < steps; ++k) {
-    int sc = mod(first_send_chunk - k, n), rc = mod(first_send_chunk - k - 1, n);
-    const char* s = src(k, sc);
+    const int sc = mod(first - k, n), rc = mod(first - k - 1, n);
+    const Step kind = kind_of(k);
+    const char* src;
+    if (codec) {
+      src = reinterpret_cast<const char*>(b.enc) + ch.wire_off[sc];
+      if (k == 0 && !b.pre_encoded) {
+        const char* values = kind == Step::gather ? b.acc[sc] : b.in + ch.off[sc] * esize;
+        codec->encode(reinterpret_cast<const float*>(values), ch.len[sc], b.enc + ch.wire_off[sc]);
+      }
+    } else {
+      src = k == 0 && kind != Step::gather ? b.in + ch.off[sc] * esize : b.acc[sc];
+    }
     size_t j = 0;
-    for_each_segment(chunks.len[sc], segment, [&](size_t off, size_t len) {
-      sends.push_back({s + off, len, k == 0 ? -1 : static_cast<ptrdiff_t>(prev_step_first_recv + j++)});
+    for_each_segment(ch.len[sc], seg_elems, [&](size_t off, size_t len) {
+      sends.push_back({src + wire_of(off), wire_of(len), k == 0 ? -1 : static_cast<ptrdiff_t>(prev_first_recv + j++)});
     });
-    prev_step_first_recv = recvs.size();
-    RecvSeg base = recv(k, rc);
-    for_each_segment(chunks.len[rc], segment, [&](size_t off, size_t len) {
-      recvs.push_back({base.dst + off, base.local ? base.local + off : nullptr, len, base.reduce, base.divide});
+    prev_first_recv = recvs.size();
+    for_each_segment(ch.len[rc], seg_elems, [&](size_t off, size_t len) {
+      const char* local = kind == Step::gather ? nullptr : b.in + (ch.off[rc] + off) * esize;
+      RecvSeg seg{nullptr, wire_of(len), Finish::none, false, b.acc[rc] + off * esize, local,
+                  codec ? b.enc + ch.wire_off[rc] + wire_of(off) : nullptr, len};
+      if (kind == Step::gather) {
+        seg.land = codec ? reinterpret_cast<char*>(seg.enc) : seg.dst;
+        seg.finish = codec ? Finish::codec_decode : Finish::none;
+      } else {
+        seg.divide = kind == Step::last_reduce && spec.op == ReduceOp::avg;
+        if (!codec)
+          seg.finish = Finish::reduce;
+        else if (kind == Step::reduce)
+          seg.finish = Finish::codec_reduce_encode;
+        else
+          seg.finish = b.share_final ? Finish::codec_reduce_share : Finish::codec_reduce;
+      }
+      recvs.push_back(seg);
     });
   }
-  pipeline(t, mod(r - 1, n), recvs, mod(r + 1, n), sends, spec, segment);
+  pipeline(t, mod(r - 1, n), recvs, mod(r + 1, n), sends, spec);
 }
+
+std::vector<char*> chunk_pointers(char* base, const Chunks& ch, size_t esize) {
+  std::vector<char*> p;
+  for (size_t off : ch.off) p.push_back(base + off * esize);
+  return p;
+}
+
+// Allreduce with a codec where each rank's contribution is encoded exactly once: every rank sends chunk c of
+// its encoded vector straight to rank c, which decodes and sums all n contributions in rank order in float32,
+// encodes the sum once and the ring allgathers it. Same bytes on the wire as the ring, but two quantizations
+// per element whatever the world size, instead of one per hop.
+void allreduce_codec_owner(Transport& t, const char* in, char* out, size_t count, const ReduceSpec& spec,
+                           const Params& p) {
+  const int n = t.size(), r = t.rank();
+  const Codec& codec = *spec.codec;
+  Chunks ch = split_vector(count, n, 4, &codec);
+  const size_t total_wire = ch.wire_off.back() + ch.wire_len.back();
+  uint8_t* enc_in = reinterpret_cast<uint8_t*>(scratch(1, total_wire));
+  codec.encode(reinterpret_cast<const float*>(in), count, enc_in);
+  uint8_t* enc_out = reinterpret_cast<uint8_t*>(scratch(2, total_wire + ch.wire_len[r] * n));
+  uint8_t* contributions = enc_out + total_wire;  // n encoded copies of chunk r, one per rank
+  std::vector<Transport::Op> ops;
+  for (int k = 1; k < n; ++k) {
+    const int to = mod(r + k, n), from = mod(r - k, n);
+    ops.push_back({to, true, reinterpret_cast<char*>(enc_in) + ch.wire_off[to], ch.wire_len[to]});
+    ops.push_back({from, false, reinterpret_cast<char*>(contributions) + ch.wire_len[r] * from, ch.wire_len[r]});
+  }
+  std::memcpy(contributions + ch.wire_len[r] * r, enc_in + ch.wire_off[r], ch.wire_len[r]);
+  t.run(ops);
+  auto* mine = reinterpret_cast<float*>(out) + ch.off[r];
+  codec.decode(contributions, ch.len[r], mine);
+  for (int i = 1; i < n; ++i) codec.decode_add(contributions + ch.wire_len[r] * i, ch.len[r], mine, mine);
+  if (spec.op == ReduceOp::avg) scale_divide(DataType::f32, mine, ch.len[r], n);
+  codec.encode(mine, ch.len[r], enc_out + ch.wire_off[r]);
+  codec.decode(enc_out + ch.wire_off[r], ch.len[r], mine);
+  ring(t, n - 1, r, [](int) { return Step::gather; }, ch, segment_elems(p.segment_bytes, 4, &codec), spec,
+       {in, chunk_pointers(out, ch, 4), enc_out, false, true});
+}
+
+const Codec* wire_codec(const Params& p) { return p.codec && p.codec->kind() != CodecKind::identity ? p.codec : nullptr; }
 
 }  // namespace
 
 void allreduce_ring(Transport& t, const char* in, char* out, size_t count, DataType dt, ReduceOp op,
                     const Params& p) {
   const int n = t.size(), r = t.rank();
-  const size_t esize = dtype_size(dt), segment = aligned_segment(p.segment_bytes, dt);
-  RingChunks chunks = split_chunks(count, n, esize);
+  const Codec* codec = wire_codec(p);
+  const ReduceSpec spec{dt, op, n, codec};
+  if (codec && p.codec_owner) return allreduce_codec_owner(t, in, out, count, spec, p);
+  const size_t esize = dtype_size(dt);
+  Chunks ch = split_vector(count, n, esize, codec);
+  uint8_t* enc = codec ? reinterpret_cast<uint8_t*>(scratch(1, ch.wire_off.back() + ch.wire_len.back())) : nullptr;
   // Steps 0..n-2 reduce-scatter (this rank ends owning chunk r+1, fully reduced), steps n-1..2n-3 allgather.
-  ring(t, 2 * n - 2, r, chunks, segment, {dt, op, n},
-       [&](int k, int c) { return (k == 0 ? in : out) + chunks.off[c]; },
-       [&](int k, int c) {
-         if (k < n - 1)
-           return RecvSeg{out + chunks.off[c], in + chunks.off[c], 0, true, op == ReduceOp::avg && k == n - 2};
-         return RecvSeg{out + chunks.off[c], nullptr, 0, false, false};
-       });
+  ring(t, 2 * n - 2, r,
+       [n](int k) { return k < n - 2 ? Step::reduce : k == n - 2 ? Step::last_reduce : Step::gather; }, ch,
+       segment_elems(p.segment_bytes, esize, codec), spec, {in, chunk_pointers(out, ch, esize), enc, true, false});
 }
 
 void reduce_scatter_ring(Transport& t, const char* in, char* out, size_t recvcount, DataType dt, ReduceOp op,
                          const Params& p) {
   const int n = t.size(), r = t.rank();
-  const size_t esize = dtype_size(dt), segment = aligned_segment(p.segment_bytes, dt);
-  RingChunks chunks = split_chunks(recvcount * n, n, esize);
-  char* partial = scratch(1, recvcount * n * esize);
-  auto dst = [&](int c) { return c == r ? out : partial + chunks.off[c]; };
+  const Codec* codec = wire_codec(p);
+  const size_t esize = dtype_size(dt);
+  Chunks ch = equal_blocks(recvcount, n, esize, codec);
+  std::vector<char*> acc = chunk_pointers(scratch(2, recvcount * n * esize), ch, esize);
+  acc[r] = out;
+  uint8_t* enc = codec ? reinterpret_cast<uint8_t*>(scratch(1, ch.wire_off.back() + ch.wire_len.back())) : nullptr;
   // Starting one chunk further back than allreduce makes the last chunk received, fully reduced, chunk r.
-  ring(t, n - 1, r - 1, chunks, segment, {dt, op, n},
-       [&](int k, int c) { return k == 0 ? in + chunks.off[c] : dst(c); },
-       [&](int k, int c) { return RecvSeg{dst(c), in + chunks.off[c], 0, true, op == ReduceOp::avg && k == n - 2}; });
+  ring(t, n - 1, r - 1, [n](int k) { return k < n - 2 ? Step::reduce : Step::last_reduce; }, ch,
+       segment_elems(p.segment_bytes, esize, codec), {dt, op, n, codec}, {in, acc, enc, false, false});
 }
 
 void allgather_ring(Transport& t, const char* in, char* out, size_t sendcount, DataType dt, const Params& p) {
   const int n = t.size(), r = t.rank();
-  const size_t esize = dtype_size(dt), segment = aligned_segment(p.segment_bytes, dt);
-  RingChunks chunks = split_chunks(sendcount * n, n, esize);
-  if (out + chunks.off[r] != in) std::memcpy(out + chunks.off[r], in, sendcount * esize);
-  ring(t, n - 1, r, chunks, segment, {dt, ReduceOp::sum, n},
-       [&](int, int c) { return static_cast<const char*>(out + chunks.off[c]); },
-       [&](int, int c) { return RecvSeg{out + chunks.off[c], nullptr, 0, false, false}; });
+  const Codec* codec = wire_codec(p);
+  const size_t esize = dtype_size(dt);
+  Chunks ch = equal_blocks(sendcount, n, esize, codec);
+  std::vector<char*> acc = chunk_pointers(out, ch, esize);
+  if (acc[r] != in) std::memcpy(acc[r], in, sendcount * esize);
+  uint8_t* enc = nullptr;
+  if (codec) {
+    // This rank's block is encoded once and decoded back, so that it holds the same values as every other rank.
+    enc = reinterpret_cast<uint8_t*>(scratch(1, ch.wire_off.back() + ch.wire_len.back()));
+    codec->encode(reinterpret_cast<const float*>(acc[r]), sendcount, enc + ch.wire_off[r]);
+    codec->decode(enc + ch.wire_off[r], sendcount, reinterpret_cast<float*>(acc[r]));
+  }
+  ring(t, n - 1, r, [](int) { return Step::gather; }, ch, segment_elems(p.segment_bytes, esize, codec),
+       {dt, ReduceOp::sum, n, codec}, {in, acc, enc, false, true});
 }
 
 void broadcast_chain(Transport& t, char* buf, size_t count, DataType dt, int root, const Params& p) {
   const int n = t.size(), r = t.rank(), pos = mod(r - root, n);
-  const size_t segment = aligned_segment(p.segment_bytes, dt);
+  const size_t esize = dtype_size(dt);
   std::vector<RecvSeg> recvs;
   std::vector<SendSeg> sends;
-  for_each_segment(count * dtype_size(dt), segment, [&](size_t off, size_t len) {
-    if (pos > 0) recvs.push_back({buf + off, nullptr, len, false, false});
-    if (pos < n - 1) sends.push_back({buf + off, len, pos > 0 ? static_cast<ptrdiff_t>(sends.size()) : -1});
+  for_each_segment(count, segment_elems(p.segment_bytes, esize, nullptr), [&](size_t off, size_t len) {
+    char* at = buf + off * esize;
+    if (pos > 0) recvs.push_back({at, len * esize, Finish::none, false, at, nullptr, nullptr, len});
+    if (pos < n - 1) sends.push_back({at, len * esize, pos > 0 ? static_cast<ptrdiff_t>(sends.size()) : -1});
   });
-  pipeline(t, mod(r - 1, n), recvs, mod(r + 1, n), sends, {dt, ReduceOp::sum, n}, segment);
+  pipeline(t, mod(r - 1, n), recvs, mod(r + 1, n), sends, {dt, ReduceOp::sum, n, nullptr});
 }
 
 void reduce_chain(Transport& t, const char* in, char* out, size_t count, DataType dt, ReduceOp op, int root,
                   const Params& p) {
   // Partial sums flow from the rank farthest from the root (position n-1) down the chain to the root.
   const int n = t.size(), r = t.rank(), pos = mod(r - root, n);
-  const size_t bytes = count * dtype_size(dt), segment = aligned_segment(p.segment_bytes, dt);
+  const size_t esize = dtype_size(dt);
   const bool receives = pos < n - 1, sends_on = pos > 0;
-  char* acc = pos == 0 ? out : scratch(1, bytes);
+  char* acc = pos == 0 ? out : scratch(2, count * esize);
   std::vector<RecvSeg> recvs;
   std::vector<SendSeg> sends;
-  for_each_segment(bytes, segment, [&](size_t off, size_t len) {
-    if (receives) recvs.push_back({acc + off, in + off, len, true, op == ReduceOp::avg && pos == 0});
+  for_each_segment(count, segment_elems(p.segment_bytes, esize, nullptr), [&](size_t off, size_t len) {
+    const size_t at = off * esize;
+    if (receives)
+      recvs.push_back({nullptr, len * esize, Finish::reduce, op == ReduceOp::avg && pos == 0, acc + at, in + at,
+                       nullptr, len});
     if (sends_on)
-      sends.push_back({(receives ? acc : in) + off, len, receives ? static_cast<ptrdiff_t>(sends.size()) : -1});
+      sends.push_back({(receives ? acc : in) + at, len * esize, receives ? static_cast<ptrdiff_t>(sends.size()) : -1});
   });
-  pipeline(t, mod(r + 1, n), recvs, mod(r - 1, n), sends, {dt, op, n}, segment);
+  pipeline(t, mod(r + 1, n), recvs, mod(r - 1, n), sends, {dt, op, n, nullptr});
 }
 
 void allreduce_rhd(Transport& t, const char* in, char* out, size_t count, DataType dt, ReduceOp op) {

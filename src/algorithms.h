@@ -4,13 +4,16 @@
 
 #include <cstddef>
 
+#include "smartcoll/codec.h"
 #include "smartcoll/types.h"
 #include "transport.h"
 
 namespace smartcoll::algo {
 
 struct Params {
-  size_t segment_bytes;  // pipeline unit of ring and chain algorithms
+  size_t segment_bytes;          // pipeline unit of ring and chain algorithms
+  const Codec* codec = nullptr;  // ring collectives on float32 sum/avg: wire representation (null: raw)
+  bool codec_owner = false;      // allreduce: encode each contribution once (see allreduce_codec_owner)
 };
 
 // Pointers may alias (in == out) wherever the collective's Python form allows in-place use.

@@ -63,6 +63,7 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
   if (rank < 0 || rank >= size)
     throw InvalidArgument("rank " + std::to_string(rank) + " is outside the world of size " + std::to_string(size));
   if (options_.integer("segment_size") < 64) throw InvalidArgument("option 'segment_size' must be at least 64 bytes");
+  Codec::parse(options_.str("codec"));  // a bad SMARTCOLL_CODEC fails here, not at the first collective
   transport_ = std::make_unique<Transport>(rank, size, *store_, options_, route_hint);
   engine_ = std::thread([this] { engine_loop(); });
   if (int cpu = static_cast<int>(options_.integer("engine_cpu")); cpu >= 0) {
@@ -140,10 +141,13 @@ namespace {
 struct Descriptor {
   uint32_t magic;
   uint8_t coll, dtype, op, algo;
+  uint8_t codec, codec_mant, codec_exp, codec_owner;
+  uint32_t codec_block;
   int64_t root;
   uint64_t count;
   bool operator==(const Descriptor&) const = default;
 };
+static_assert(sizeof(Descriptor) == 32, "the descriptor is a wire format: no padding");
 
 std::string describe(const Descriptor& d) {
   auto coll = static_cast<Collective>(d.coll);
@@ -152,6 +156,9 @@ std::string describe(const Descriptor& d) {
   if (coll == Collective::allreduce || coll == Collective::reduce_scatter || coll == Collective::reduce)
     s += ", op=" + std::string(op_name(static_cast<ReduceOp>(d.op)));
   if (coll == Collective::allreduce) s += ", algo=" + std::string(algorithm_name(static_cast<Algorithm>(d.algo)));
+  if (static_cast<CodecKind>(d.codec) != CodecKind::identity)
+    s += ", codec=" + std::to_string(d.codec) + "/" + std::to_string(d.codec_block) + "/" +
+         std::to_string(d.codec_mant) + "/" + std::to_string(d.codec_exp) + (d.codec_owner ? "/owner" : "/hop");
   if (coll == Collective::broadcast || coll == Collective::reduce) s += ", root=" + std::to_string(d.root);
   return s + ")";
 }
@@ -161,8 +168,20 @@ std::string describe(const Descriptor& d) {
 void Communicator::check_agreement(const Call& call) {
   // Every rank sends its call's descriptor to every other rank, so each one can name all disagreeing ranks;
   // this is also what makes barrier a barrier.
-  Descriptor mine{0x53434431, static_cast<uint8_t>(call.coll), static_cast<uint8_t>(call.dt),
-                  static_cast<uint8_t>(call.op), static_cast<uint8_t>(call.algo), call.root, call.count};
+  const Codec& c = call.codec;
+  const bool compressed = c.kind() != CodecKind::identity;
+  Descriptor mine{0x53434432,
+                  static_cast<uint8_t>(call.coll),
+                  static_cast<uint8_t>(call.dt),
+                  static_cast<uint8_t>(call.op),
+                  static_cast<uint8_t>(call.algo),
+                  static_cast<uint8_t>(c.kind()),
+                  static_cast<uint8_t>(compressed ? c.mant_bits() : 0),
+                  static_cast<uint8_t>(compressed ? c.exp_bits() : 0),
+                  static_cast<uint8_t>(compressed && options_.str("codec_mode") == "owner"),
+                  static_cast<uint32_t>(compressed ? c.block() : 0),
+                  call.root,
+                  call.count};
   std::vector<Descriptor> all(size_);
   all[rank_] = mine;
   std::vector<Transport::Op> ops;
@@ -185,11 +204,13 @@ void Communicator::check_agreement(const Call& call) {
   throw CommError(msg + " every rank must make the same calls in the same order with the same count, dtype and op");
 }
 
-Algorithm Communicator::choose_allreduce(size_t count, DataType dt, Algorithm requested) const {
+Algorithm Communicator::choose_allreduce(size_t count, DataType dt, Algorithm requested, bool compressed) const {
   if (size_ == 1) return Algorithm::local;
-  if (requested == Algorithm::automatic) {
-    std::string knob = options_.str("algo");
-    requested = parse_algorithm(knob);
+  if (requested == Algorithm::automatic) requested = parse_algorithm(options_.str("algo"));
+  if (compressed) {
+    if (requested == Algorithm::rhd)
+      throw InvalidArgument("allreduce: algo 'rhd' does not support codecs; use 'ring' or 'auto'");
+    return Algorithm::ring;
   }
   if (requested != Algorithm::automatic) return requested;
   const auto small = static_cast<size_t>(options_.integer("rhd_max_bytes"));
@@ -214,12 +235,26 @@ void check_root(int root, int size) {
 
 }  // namespace
 
+Codec Communicator::choose_codec(DataType dt, ReduceOp op, const std::optional<Codec>& requested) const {
+  const bool applies = dt == DataType::f32 && (op == ReduceOp::sum || op == ReduceOp::avg);
+  if (!requested) return applies ? Codec::parse(options_.str("codec")) : Codec::parse("identity");
+  require(applies || requested->kind() == CodecKind::identity,
+          "codec '" + requested->name() + "' needs float32 data reduced with sum or avg (got " +
+              std::string(dtype_name(dt)) + ", " + std::string(op_name(op)) + ")");
+  return *requested;
+}
+
+algo::Params Communicator::params(const Codec& codec) const {
+  return {static_cast<size_t>(options_.integer("segment_size")), &codec, options_.str("codec_mode") == "owner"};
+}
+
 std::shared_ptr<Request> Communicator::allreduce(const void* in, void* out, size_t count, DataType dt, ReduceOp op,
-                                                 Algorithm algo) {
+                                                 Algorithm algo, std::optional<Codec> codec) {
   check_op(dt, op);
-  const Algorithm chosen = choose_allreduce(count, dt, algo);
-  algo::Params params{static_cast<size_t>(options_.integer("segment_size"))};
-  return submit({Collective::allreduce, dt, op, chosen, -1, count}, [=, this] {
+  const Codec wire = choose_codec(dt, op, codec);
+  const Algorithm chosen = choose_allreduce(count, dt, algo, wire.kind() != CodecKind::identity);
+  return submit({Collective::allreduce, dt, op, chosen, -1, count, wire}, [=, this] {
+    const algo::Params params = this->params(wire);
     auto src = static_cast<const char*>(in);
     auto dst = static_cast<char*>(out);
     if (chosen == Algorithm::local) {
@@ -233,10 +268,11 @@ std::shared_ptr<Request> Communicator::allreduce(const void* in, void* out, size
 }
 
 std::shared_ptr<Request> Communicator::reduce_scatter(const void* in, void* out, size_t recvcount, DataType dt,
-                                                      ReduceOp op) {
+                                                      ReduceOp op, std::optional<Codec> codec) {
   check_op(dt, op);
-  algo::Params params{static_cast<size_t>(options_.integer("segment_size"))};
-  return submit({Collective::reduce_scatter, dt, op, Algorithm::ring, -1, recvcount}, [=, this] {
+  const Codec wire = choose_codec(dt, op, codec);
+  return submit({Collective::reduce_scatter, dt, op, Algorithm::ring, -1, recvcount, wire}, [=, this] {
+    const algo::Params params = this->params(wire);
     if (size_ == 1)
       std::memmove(out, in, recvcount * dtype_size(dt));
     else
@@ -245,9 +281,11 @@ std::shared_ptr<Request> Communicator::reduce_scatter(const void* in, void* out,
   });
 }
 
-std::shared_ptr<Request> Communicator::allgather(const void* in, void* out, size_t sendcount, DataType dt) {
-  algo::Params params{static_cast<size_t>(options_.integer("segment_size"))};
-  return submit({Collective::allgather, dt, ReduceOp::sum, Algorithm::ring, -1, sendcount}, [=, this] {
+std::shared_ptr<Request> Communicator::allgather(const void* in, void* out, size_t sendcount, DataType dt,
+                                                 std::optional<Codec> codec) {
+  const Codec wire = choose_codec(dt, ReduceOp::sum, codec);
+  return submit({Collective::allgather, dt, ReduceOp::sum, Algorithm::ring, -1, sendcount, wire}, [=, this] {
+    const algo::Params params = this->params(wire);
     if (size_ == 1)
       std::memmove(out, in, sendcount * dtype_size(dt));
     else
@@ -258,8 +296,8 @@ std::shared_ptr<Request> Communicator::allgather(const void* in, void* out, size
 
 std::shared_ptr<Request> Communicator::broadcast(void* buf, size_t count, DataType dt, int root) {
   check_root(root, size_);
-  algo::Params params{static_cast<size_t>(options_.integer("segment_size"))};
-  return submit({Collective::broadcast, dt, ReduceOp::sum, Algorithm::chain, root, count}, [=, this] {
+  return submit({Collective::broadcast, dt, ReduceOp::sum, Algorithm::chain, root, count, {}}, [=, this] {
+    const algo::Params params = this->params({});
     if (size_ > 1) algo::broadcast_chain(*transport_, static_cast<char*>(buf), count, dt, root, params);
   });
 }
@@ -269,8 +307,8 @@ std::shared_ptr<Request> Communicator::reduce(const void* in, void* out, size_t 
   check_op(dt, op);
   check_root(root, size_);
   require(rank_ != root || out != nullptr || count == 0, "reduce: the root needs an output buffer");
-  algo::Params params{static_cast<size_t>(options_.integer("segment_size"))};
-  return submit({Collective::reduce, dt, op, Algorithm::chain, root, count}, [=, this] {
+  return submit({Collective::reduce, dt, op, Algorithm::chain, root, count, {}}, [=, this] {
+    const algo::Params params = this->params({});
     if (size_ == 1)
       std::memmove(out, in, count * dtype_size(dt));
     else
@@ -281,7 +319,7 @@ std::shared_ptr<Request> Communicator::reduce(const void* in, void* out, size_t 
 
 std::shared_ptr<Request> Communicator::alltoall(const void* in, void* out, size_t count, DataType dt) {
   require(in != out || count == 0 || size_ == 1, "alltoall cannot run in place: pass a separate output buffer");
-  return submit({Collective::alltoall, dt, ReduceOp::sum, Algorithm::direct, -1, count}, [=, this] {
+  return submit({Collective::alltoall, dt, ReduceOp::sum, Algorithm::direct, -1, count, {}}, [=, this] {
     if (size_ == 1)
       std::memmove(out, in, count * dtype_size(dt));
     else
@@ -290,7 +328,7 @@ std::shared_ptr<Request> Communicator::alltoall(const void* in, void* out, size_
 }
 
 std::shared_ptr<Request> Communicator::barrier() {
-  return submit({Collective::barrier, DataType::u8, ReduceOp::sum, Algorithm::direct, -1, 0}, [] {});
+  return submit({Collective::barrier, DataType::u8, ReduceOp::sum, Algorithm::direct, -1, 0, {}}, [] {});
 }
 
 }  // namespace smartcoll

@@ -16,6 +16,7 @@
 #include <string>
 #include <thread>
 
+#include "smartcoll/codec.h"
 #include "smartcoll/knobs.h"
 #include "smartcoll/store.h"
 #include "smartcoll/types.h"
@@ -23,6 +24,9 @@
 namespace smartcoll {
 
 class Transport;
+namespace algo {
+struct Params;
+}
 
 enum class Collective : uint8_t { allreduce, reduce_scatter, allgather, broadcast, reduce, alltoall, barrier };
 enum class Algorithm : uint8_t { automatic, ring, rhd, chain, direct, local };
@@ -63,12 +67,19 @@ class Communicator {
   const Options& options() const { return options_; }
 
   // Buffers must stay valid and untouched until the request completes. Counts are in elements.
+  //
+  // `codec` (allreduce, reduce_scatter, allgather) compresses float32 data on the wire; reductions stay in
+  // float32. nullopt: the `codec` knob, applied where it can be (float32 with sum or avg); an explicit codec on
+  // other data is an error.
   std::shared_ptr<Request> allreduce(const void* in, void* out, size_t count, DataType dt, ReduceOp op,
-                                     Algorithm algo = Algorithm::automatic);
+                                     Algorithm algo = Algorithm::automatic,
+                                     std::optional<Codec> codec = std::nullopt);
   // in: size * recvcount elements; out: recvcount elements (this rank's block).
-  std::shared_ptr<Request> reduce_scatter(const void* in, void* out, size_t recvcount, DataType dt, ReduceOp op);
+  std::shared_ptr<Request> reduce_scatter(const void* in, void* out, size_t recvcount, DataType dt, ReduceOp op,
+                                          std::optional<Codec> codec = std::nullopt);
   // in: sendcount elements; out: size * sendcount elements, rank i's block at i * sendcount.
-  std::shared_ptr<Request> allgather(const void* in, void* out, size_t sendcount, DataType dt);
+  std::shared_ptr<Request> allgather(const void* in, void* out, size_t sendcount, DataType dt,
+                                     std::optional<Codec> codec = std::nullopt);
   std::shared_ptr<Request> broadcast(void* buf, size_t count, DataType dt, int root);
   // out is written on root only (may be null elsewhere).
   std::shared_ptr<Request> reduce(const void* in, void* out, size_t count, DataType dt, ReduceOp op, int root);
@@ -77,7 +88,9 @@ class Communicator {
   std::shared_ptr<Request> barrier();
 
   // Which allreduce algorithm `automatic` resolves to for this message.
-  Algorithm choose_allreduce(size_t count, DataType dt, Algorithm requested) const;
+  Algorithm choose_allreduce(size_t count, DataType dt, Algorithm requested, bool compressed = false) const;
+  // The codec a call uses: `requested`, or the knob's where it applies; identity means raw elements.
+  Codec choose_codec(DataType dt, ReduceOp op, const std::optional<Codec>& requested) const;
 
   // Finishes queued tasks, stops the engine and closes connections. Idempotent.
   void close();
@@ -90,8 +103,10 @@ class Communicator {
     Algorithm algo;
     int root;
     size_t count;
+    Codec codec;
   };
   std::shared_ptr<Request> submit(const Call& call, std::function<void()> body);
+  algo::Params params(const Codec& codec) const;
   void check_agreement(const Call& call);
   void engine_loop();
 

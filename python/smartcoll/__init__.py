@@ -8,10 +8,11 @@
         req.wait()
 """
 
+from . import codec
 from ._comm import Communicator, Request, init
 from ._core import CommError
 from ._knobs import Knob, build_info, knobs
 
 __version__ = build_info()["version"]
 
-__all__ = ["CommError", "Communicator", "Knob", "Request", "build_info", "init", "knobs", "__version__"]
+__all__ = ["CommError", "codec", "Communicator", "Knob", "Request", "build_info", "init", "knobs", "__version__"]

@@ -115,22 +115,27 @@ class Communicator:
 
     # Non-blocking forms. Buffers must not be touched until the request completes.
 
-    def iallreduce(self, x: Any, op: str = "sum", out: Any = None, algo: Optional[str] = None) -> Request:
+    # `codec` (allreduce, reduce_scatter, allgather): wire format for float32 data (smartcoll.codec.formats());
+    # None: the `codec` knob where it applies (float32 with sum or avg).
+
+    def iallreduce(
+        self, x: Any, op: str = "sum", out: Any = None, algo: Optional[str] = None, codec: Optional[str] = None
+    ) -> Request:
         _check_array(x, "x", writable=out is None)
         out = x if out is None else out
         _check_pair(x, out, 1, "allreduce")
-        req = self._core.allreduce(x, out, op, algo or "auto")
+        req = self._core.allreduce(x, out, op, algo or "auto", codec or "")
         return Request(req, out, (x, out))
 
-    def ireduce_scatter(self, x: Any, out: Any, op: str = "sum") -> Request:
+    def ireduce_scatter(self, x: Any, out: Any, op: str = "sum", codec: Optional[str] = None) -> Request:
         _check_array(x, "x")
         _check_pair(x, out, 1 / self.size, "reduce_scatter")
-        return Request(self._core.reduce_scatter(x, out, op), out, (x, out))
+        return Request(self._core.reduce_scatter(x, out, op, codec or ""), out, (x, out))
 
-    def iallgather(self, x: Any, out: Any) -> Request:
+    def iallgather(self, x: Any, out: Any, codec: Optional[str] = None) -> Request:
         _check_array(x, "x")
         _check_pair(x, out, self.size, "allgather")
-        return Request(self._core.allgather(x, out), out, (x, out))
+        return Request(self._core.allgather(x, out, codec or ""), out, (x, out))
 
     def ibroadcast(self, x: Any, root: int = 0) -> Request:
         _check_array(x, "x", writable=True)
@@ -160,14 +165,16 @@ class Communicator:
 
     # Blocking forms: thin wrappers.
 
-    def allreduce(self, x: Any, op: str = "sum", out: Any = None, algo: Optional[str] = None) -> Any:
-        return self.iallreduce(x, op, out, algo).wait()
+    def allreduce(
+        self, x: Any, op: str = "sum", out: Any = None, algo: Optional[str] = None, codec: Optional[str] = None
+    ) -> Any:
+        return self.iallreduce(x, op, out, algo, codec).wait()
 
-    def reduce_scatter(self, x: Any, out: Any, op: str = "sum") -> Any:
-        return self.ireduce_scatter(x, out, op).wait()
+    def reduce_scatter(self, x: Any, out: Any, op: str = "sum", codec: Optional[str] = None) -> Any:
+        return self.ireduce_scatter(x, out, op, codec).wait()
 
-    def allgather(self, x: Any, out: Any) -> Any:
-        return self.iallgather(x, out).wait()
+    def allgather(self, x: Any, out: Any, codec: Optional[str] = None) -> Any:
+        return self.iallgather(x, out, codec).wait()
 
     def broadcast(self, x: Any, root: int = 0) -> Any:
         return self.ibroadcast(x, root).wait()
@@ -181,9 +188,11 @@ class Communicator:
     def barrier(self) -> None:
         self.ibarrier().wait()
 
-    def allreduce_algorithm(self, count: int, dtype: str = "float32", algo: str = "auto") -> str:
+    def allreduce_algorithm(
+        self, count: int, dtype: str = "float32", algo: str = "auto", op: str = "sum", codec: Optional[str] = None
+    ) -> str:
         """The algorithm allreduce would use for `count` elements of `dtype`."""
-        return self._core.choose_allreduce(count, dtype, algo)
+        return self._core.choose_allreduce(count, dtype, algo, op, codec or "")
 
 
 def _env_int(name: str) -> int:

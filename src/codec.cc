@@ -1,0 +1,992 @@
+// Wire codecs: identity, fp16, bf16, block floating point (BFP) and the OCP Microscaling (MX) v1.0 formats.
+//
+// BFP and MX are one algorithm over a parameterized element format (ElemFormat): a block's shared exponent s is
+// floor(log2(max |x|)) - emax_elem, clamped to the scale field's range; each element is x / 2^s rounded to nearest,
+// ties to even, on the element's grid and saturated at the element's largest finite code. The rounding works on
+// the float's integer bits, so it is exact and independent of the floating-point environment.
+//
+// The per-element arithmetic is written once, as templates over a lane type that is either int32_t (the scalar
+// path) or a GCC vector of int32 lanes (the AVX2 and AVX-512 paths), so every path evaluates the same formulas and
+// gives the same bits. The SIMD block loops are written once too, over an `Isa` policy (loads, stores, horizontal
+// max). The build passes no -march flag: each (level, format) entry point is a small function with
+// __attribute__((target(...), flatten)), and everything it runs is either an always_inline template or one of the
+// policy's functions compiled for that level, so no vector crosses a call between code built for different
+// targets (their calling conventions differ; -O0 builds call the policy's functions rather than inline them).
+// The entry points are only entered after simd_active() says the CPU has the level.
+#include "smartcoll/codec.h"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <charconv>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "smartcoll/reduce.h"
+#include "smartcoll/types.h"
+
+#if defined(__x86_64__)
+#define SMARTCOLL_X86 1
+// GCC 12's AVX-512 intrinsics self-initialise an "undefined" operand (__Y = __Y), which the uninitialized-use
+// warnings report wherever they are inlined (GCC PR105593). Silence them for the header's own lines only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#else
+#define SMARTCOLL_X86 0
+#endif
+
+#if defined(__GNUC__) && !defined(__clang__)
+// The lane templates below return vectors by value. They are always inlined into kernels compiled for one SIMD
+// level, so the out-of-line calling convention GCC warns about is never used.
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+namespace smartcoll {
+
+static_assert(std::endian::native == std::endian::little, "the wire formats are little-endian; so is this code");
+
+namespace {
+
+constexpr uint32_t kQuietNaN = 0x7fc00000u;
+
+// 2^e as a float, for -149 <= e <= 127 (exact; below -126 it is a float denormal).
+constexpr float pow2f(int e) {
+  return e >= -126 ? std::bit_cast<float>(static_cast<uint32_t>(e + 127) << 23)
+                   : std::bit_cast<float>(0x00400000u >> (-127 - e));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Element formats. A code is `bits` wide: sign-magnitude (sign on top) or two's complement. Its magnitude is a
+// small float with `ebits` exponent bits (bias `bias`) and `mbits` fraction bits; ebits == 0 makes it fixed point
+// (MXINT8 and BFP elements: value = magnitude * 2^(1 - bias - mbits)).
+struct ElemFormat {
+  int bits;
+  int ebits;
+  int mbits;
+  int bias;
+  int emax;          // exponent of the largest normal value: the MX spec's emax_elem
+  int32_t max_code;  // largest finite magnitude code; rounding beyond it saturates here
+  int32_t inf_mag;   // magnitude code of infinity, 0 when the format has none
+  int32_t nan_mag;   // magnitude codes >= this are NaN (1 << bits when the format has none)
+  bool twos_complement;
+
+  bool operator==(const ElemFormat&) const = default;
+};
+
+constexpr ElemFormat kE4M3{8, 4, 3, 7, 8, 0x7e, 0, 0x7f, false};   // 0x7f is NaN, no infinity; max 448
+constexpr ElemFormat kE5M2{8, 5, 2, 15, 15, 0x7b, 0x7c, 0x7d, false};  // IEEE-like specials; max 57344
+constexpr ElemFormat kE3M2{6, 3, 2, 3, 4, 0x1f, 0, 1 << 6, false};  // max 28
+constexpr ElemFormat kE2M3{6, 2, 3, 1, 2, 0x1f, 0, 1 << 6, false};  // max 7.5
+constexpr ElemFormat kE2M1{4, 2, 1, 1, 2, 0x7, 0, 1 << 4, false};   // max 6
+constexpr ElemFormat kInt8{8, 0, 6, 1, 0, 127, 0, 1 << 8, true};    // int8 * 2^-6; -128 is decoded, never produced
+
+// A BFP element: sign and `mant` magnitude bits, value = magnitude * 2^(s - (mant - 1)), so a block's largest
+// element has its leading one in the top magnitude bit.
+constexpr ElemFormat bfp_element(int mant) {
+  return ElemFormat{1 + mant, 0, mant - 1, 1, 0, (1 << mant) - 1, 0, 1 << (1 + mant), false};
+}
+constexpr ElemFormat kBfp8 = bfp_element(7);  // bfp16's element, the one BFP element with SIMD kernels
+
+constexpr size_t kMxBlockElems = 32;
+constexpr size_t kBfp16BlockElems = 16;
+
+// A block format: the element format, the block length and the shared exponent field (stored in a whole byte; its
+// low `scale_bits` bits hold s + scale_bias, the all-ones field marks a block that held a NaN or an infinity).
+struct BlockLayout {
+  ElemFormat elem;
+  size_t block;
+  int scale_bias;
+  int s_min, s_max;
+  int nan_field;
+
+  BlockLayout(const ElemFormat& e, size_t block_elems, int scale_bits)
+      : elem(e),
+        block(block_elems),
+        scale_bias((1 << (scale_bits - 1)) - 1),
+        s_min(-scale_bias),
+        s_max((1 << scale_bits) - 2 - scale_bias),
+        nan_field((1 << scale_bits) - 1) {}
+
+  size_t bytes(size_t n) const { return 1 + (n * static_cast<size_t>(elem.bits) + 7) / 8; }  // block of n <= block
+  size_t full_bytes() const { return bytes(block); }
+
+  // Shared exponent for a block whose largest magnitude has float bits `amax` (finite): the float's exponent field
+  // gives floor(log2(amax)) for a normal value. A zero or denormal maximum (field 0) gives -127 - emax, below
+  // s_min (>= -127) just like the true floor(log2) would be, so the clamp makes them agree.
+  int scale_for(int32_t amax) const { return std::clamp((amax >> 23) - 127 - elem.emax, s_min, s_max); }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Lane arithmetic. I is int32_t or a GCC vector of int32 lanes, F the matching float type; with a vector type the
+// comparisons and ?: work lane by lane. Every formula here is what all SIMD levels compute.
+
+// Always inlined (at every optimization level), so that each kernel, compiled for one SIMD level or with a constant
+// element format, gets its own specialized copy. Vector arguments go by reference because GCC notes
+// (unsuppressibly) that by-value ones would have a target-dependent calling convention.
+#define SMARTCOLL_INLINE inline __attribute__((always_inline))
+
+// std::bit_cast for lanes: always inlined, where std::bit_cast of a vector would be a call at -O0.
+template <class To, class From>
+SMARTCOLL_INLINE To lanes_as(const From& v) {
+  return __builtin_bit_cast(To, v);
+}
+
+// For constants (folded); kernels broadcast run-time values with Isa::splat.
+template <class I>
+SMARTCOLL_INLINE I splat(int32_t v) {
+  return I{} + v;
+}
+template <class T>
+SMARTCOLL_INLINE T vmax(const T& a, const T& b) {
+  return a > b ? a : b;
+}
+template <class T>
+SMARTCOLL_INLINE T vmin(const T& a, const T& b) {
+  return a < b ? a : b;
+}
+
+// int32 lanes to float lanes (exact below 2^24), and the unsigned lane type.
+template <class I>
+SMARTCOLL_INLINE auto to_float(const I& v) {
+  if constexpr (std::is_same_v<I, int32_t>) {
+    return static_cast<float>(v);
+  } else {
+    typedef float F __attribute__((vector_size(sizeof(I))));
+    return __builtin_convertvector(v, F);
+  }
+}
+
+template <class I>
+struct UnsignedLanes {
+  typedef uint32_t type __attribute__((vector_size(sizeof(I))));
+};
+template <>
+struct UnsignedLanes<int32_t> {
+  using type = uint32_t;
+};
+
+// Magnitude code of |x| (float bits `a`, finite) in a block with shared exponent s, where C = s + 127 - e.bias:
+// x / 2^s has element biased exponent eb = ex - C. Subtracting C from the float's exponent field makes the bits
+// those of x / 2^s with the element's bias; an element subnormal (eb <= 0) instead gets exponent 1, keeping the
+// leading one at bit 23, and d = 1 - eb more bits of right shift. Then one round-to-nearest-even right shift by
+// 23 - mbits + d leaves the element's exponent and fraction bits in place, a carry out of the fraction bumping the
+// exponent as it should, and values past the largest finite code saturate. The rebased bits are unsigned: a scale
+// clamped from above (BFP with fewer than 8 exponent bits) can leave eb far beyond the element's range.
+//
+// A float denormal has no leading one. While C >= 0 it can only become an element subnormal, where treating it as
+// exponent 1 without the leading one is exact. C < 0 (kTinyScale) happens only in blocks scaled by about 2^-127,
+// where a denormal can become an element normal: there it is first normalized, its exponent going to zero or
+// below (an int -> float conversion of its bits finds the leading one exactly; a zero ends up far below every
+// element and rounds to 0).
+template <bool kTinyScale, class I>
+SMARTCOLL_INLINE I quantize_magnitude(const I& a, const I& C, const ElemFormat& e) {
+  using U = typename UnsignedLanes<I>::type;
+  I bits = a, ex;
+  if constexpr (kTinyScale) {
+    const I normalized = lanes_as<I>(to_float(a)) - (149 << 23);
+    bits = (a >> 23) == 0 ? normalized : a;
+    ex = bits >> 23;
+  } else {
+    ex = vmax(a >> 23, splat<I>(1));
+  }
+  const I d = vmax(C + 1 - ex, I{});
+  const U base = (U)bits - ((U)C << 23) + ((U)d << 23);
+  const U k = (U)vmin(d + (23 - e.mbits), splat<I>(31));
+  const U one = (U)splat<I>(1);
+  const U mag = (base + ((one << (k - 1)) - 1) + ((base >> k) & 1)) >> k;
+  return (I)vmin(mag, (U)splat<I>(e.max_code));
+}
+
+// Element code of the float with bits u.
+template <bool kTinyScale, class I>
+SMARTCOLL_INLINE I element_code(const I& u, const I& C, const ElemFormat& e) {
+  const I mag = quantize_magnitude<kTinyScale>(u & 0x7fffffff, C, e);
+  const I neg = u >> 31;  // 0 or -1
+  if (e.twos_complement) return ((mag ^ neg) - neg) & ((1 << e.bits) - 1);
+  return mag | (neg & (1 << (e.bits - 1)));
+}
+
+// Float value of element code c times scale (2^s). The element's magnitude is first made a float without ever
+// handling a float denormal (slow on many CPUs): fixed-point magnitudes convert from int exactly; for a float
+// element the code's exponent and fraction are placed in a float's bits and the exponent rebiased, and a subnormal
+// element (exponent field 0) is given exponent field 1 and then has 2^emin subtracted, leaving exactly
+// fraction * 2^emin. The final product is exact as well: elements have at most 16 significant bits and the
+// smallest one, times 2^-127, is still a multiple of 2^-149.
+template <class I, class F>
+SMARTCOLL_INLINE F element_value(const I& c, const F& scale, const ElemFormat& e) {
+  const int up = 32 - e.bits;
+  I neg, mag;
+  if (e.twos_complement) {
+    const I wide = (c << up) >> up;
+    neg = wide >> 31;
+    mag = (wide ^ neg) - neg;
+  } else {
+    neg = (c << up) >> 31;
+    mag = c & ((1 << (e.bits - 1)) - 1);
+  }
+  F v;
+  if (e.ebits == 0) {
+    v = to_float(mag) * pow2f(1 - e.bias - e.mbits);
+  } else {
+    const I placed = mag << (23 - e.mbits);
+    const I normal = placed + ((127 - e.bias) << 23);
+    const I subnormal = lanes_as<I>(lanes_as<F>(placed + ((128 - e.bias) << 23)) - pow2f(1 - e.bias));
+    v = lanes_as<F>((mag >> e.mbits) == 0 ? subnormal : normal);
+  }
+  v = v * scale;
+  const I sign = neg & static_cast<int32_t>(0x80000000u);
+  I r = lanes_as<I>(v) | sign;
+  if (e.inf_mag != 0) r = mag == e.inf_mag ? (sign | 0x7f800000) : r;
+  if (e.nan_mag < (1 << (e.bits - 1))) r = mag >= e.nan_mag ? (sign | static_cast<int32_t>(kQuietNaN)) : r;
+  return lanes_as<F>(r);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Packing. Elements are a little-endian bit stream: element i of a block occupies bits [i * bits, (i + 1) * bits)
+// of the bytes after the scale byte, bit j being bit (j % 8) of byte j / 8.
+
+class BitWriter {
+ public:
+  explicit BitWriter(uint8_t* p) : p_(p) {}
+  void put(uint32_t v, int bits) {
+    acc_ |= static_cast<uint64_t>(v) << n_;
+    n_ += bits;
+    for (; n_ >= 8; n_ -= 8, acc_ >>= 8) *p_++ = static_cast<uint8_t>(acc_);
+  }
+  void flush() {
+    if (n_ > 0) *p_++ = static_cast<uint8_t>(acc_);
+    acc_ = 0;
+    n_ = 0;
+  }
+
+ private:
+  uint8_t* p_;
+  uint64_t acc_ = 0;
+  int n_ = 0;
+};
+
+class BitReader {
+ public:
+  explicit BitReader(const uint8_t* p) : p_(p) {}
+  uint32_t get(int bits) {
+    for (; n_ < bits; n_ += 8) acc_ |= static_cast<uint64_t>(*p_++) << n_;
+    const auto v = static_cast<uint32_t>(acc_ & ((1u << bits) - 1));
+    acc_ >>= bits;
+    n_ -= bits;
+    return v;
+  }
+
+ private:
+  const uint8_t* p_;
+  uint64_t acc_ = 0;
+  int n_ = 0;
+};
+
+// Eight codes of kBits (4 or 6) bits: from the low 8 * kBits bits of the stream to one byte each, and back. Each
+// step halves the field width, moving the upper half of every field up (or down) into its own slot.
+template <int kBits>
+SMARTCOLL_INLINE uint64_t spread_codes(uint64_t x) {
+  static_assert(kBits == 4 || kBits == 6);
+  if constexpr (kBits == 4) {
+    x = (x | x << 16) & 0x0000ffff0000ffffull;
+    x = (x | x << 8) & 0x00ff00ff00ff00ffull;
+    return (x | x << 4) & 0x0f0f0f0f0f0f0f0full;
+  } else {
+    x = (x & 0xffffffull) | (x & 0xffffff000000ull) << 8;
+    x = (x & 0x00000fff00000fffull) | (x & 0x00fff00000fff000ull) << 4;
+    return (x & 0x003f003f003f003full) | (x & 0x0fc00fc00fc00fc0ull) << 2;
+  }
+}
+
+template <int kBits>
+SMARTCOLL_INLINE uint64_t gather_codes(uint64_t x) {
+  static_assert(kBits == 4 || kBits == 6);
+  if constexpr (kBits == 4) {
+    x = (x | x >> 4) & 0x00ff00ff00ff00ffull;
+    x = (x | x >> 8) & 0x0000ffff0000ffffull;
+    return (x | x >> 16) & 0xffffffffull;
+  } else {
+    x = (x & 0x003f003f003f003full) | (x & 0x3f003f003f003f00ull) >> 2;
+    x = (x & 0x00000fff00000fffull) | (x & 0x0fff00000fff0000ull) >> 4;
+    return (x & 0xffffffull) | (x & 0xffffff00000000ull) >> 8;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Scalar blocks: any element width. `e` is l.elem, passed separately so that the per-format instantiations below
+// see it as a compile-time constant.
+
+inline int32_t float_bits(float f) { return std::bit_cast<int32_t>(f); }
+
+SMARTCOLL_INLINE void encode_block_scalar(const BlockLayout& l, const ElemFormat& e, const float* x, size_t n,
+                                          uint8_t* out) {
+  int32_t amax = 0;
+  for (size_t i = 0; i < n; ++i) amax = std::max(amax, float_bits(x[i]) & 0x7fffffff);
+  if (amax >= 0x7f800000) {
+    out[0] = static_cast<uint8_t>(l.nan_field);
+    std::memset(out + 1, 0, l.bytes(n) - 1);
+    return;
+  }
+  const int s = l.scale_for(amax);
+  out[0] = static_cast<uint8_t>(s + l.scale_bias);
+  const int32_t C = s + 127 - e.bias;
+  BitWriter w(out + 1);
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t u = float_bits(x[i]);
+    const int32_t code = C < 0 ? element_code<true>(u, C, e) : element_code<false>(u, C, e);
+    w.put(static_cast<uint32_t>(code), e.bits);
+  }
+  w.flush();
+}
+
+SMARTCOLL_INLINE void decode_block_scalar(const BlockLayout& l, const ElemFormat& e, const uint8_t* in, size_t n,
+                                          float* out) {
+  // Fields above the all-ones one (stray high bits when scale_bits < 8) are invalid: decoded as NaN too.
+  if (in[0] >= l.nan_field) {
+    std::fill_n(out, n, std::bit_cast<float>(kQuietNaN));
+    return;
+  }
+  const float scale = pow2f(in[0] - l.scale_bias);
+  BitReader r(in + 1);
+  for (size_t i = 0; i < n; ++i) out[i] = element_value(static_cast<int32_t>(r.get(e.bits)), scale, e);
+}
+
+// Whole blocks (the caller encodes a partial last block with encode_block_scalar).
+using BlockEncodeFn = void (*)(const BlockLayout&, const float*, size_t nblocks, uint8_t*);
+using BlockDecodeFn = void (*)(const BlockLayout&, const uint8_t*, size_t nblocks, float*);
+struct BlockKernels {
+  BlockEncodeFn encode;
+  BlockDecodeFn decode;
+};
+
+// The scalar kernels, for the preset element formats (E) and for any other (l.elem at run time).
+template <ElemFormat E>
+void encode_blocks_preset(const BlockLayout& l, const float* x, size_t nblocks, uint8_t* out) {
+  for (size_t b = 0; b < nblocks; ++b) encode_block_scalar(l, E, x + b * l.block, l.block, out + b * l.full_bytes());
+}
+template <ElemFormat E>
+void decode_blocks_preset(const BlockLayout& l, const uint8_t* in, size_t nblocks, float* out) {
+  for (size_t b = 0; b < nblocks; ++b) decode_block_scalar(l, E, in + b * l.full_bytes(), l.block, out + b * l.block);
+}
+void encode_blocks_any(const BlockLayout& l, const float* x, size_t nblocks, uint8_t* out) {
+  for (size_t b = 0; b < nblocks; ++b) {
+    encode_block_scalar(l, l.elem, x + b * l.block, l.block, out + b * l.full_bytes());
+  }
+}
+void decode_blocks_any(const BlockLayout& l, const uint8_t* in, size_t nblocks, float* out) {
+  for (size_t b = 0; b < nblocks; ++b) {
+    decode_block_scalar(l, l.elem, in + b * l.full_bytes(), l.block, out + b * l.block);
+  }
+}
+template <ElemFormat E>
+constexpr BlockKernels kScalarBlocks{encode_blocks_preset<E>, decode_blocks_preset<E>};
+constexpr BlockKernels kAnyBlocks{encode_blocks_any, decode_blocks_any};
+
+// Calls fn.template operator()<E>() for the preset element format equal to e; returns null for any other.
+template <class Fn>
+const BlockKernels* with_preset(const ElemFormat& e, Fn&& fn) {
+  if (e == kE4M3) return fn.template operator()<kE4M3>();
+  if (e == kE5M2) return fn.template operator()<kE5M2>();
+  if (e == kE3M2) return fn.template operator()<kE3M2>();
+  if (e == kE2M3) return fn.template operator()<kE2M3>();
+  if (e == kE2M1) return fn.template operator()<kE2M1>();
+  if (e == kInt8) return fn.template operator()<kInt8>();
+  if (e == kBfp8) return fn.template operator()<kBfp8>();
+  return nullptr;
+}
+
+void store_u16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
+uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// SIMD kernels.
+
+// Elements converted by an element-wise kernel (a multiple of its width); the caller converts the rest.
+using ElemEncodeFn = size_t (*)(const float*, size_t, uint8_t*);
+using ElemDecodeFn = size_t (*)(const uint8_t*, size_t, float*);
+struct ElemKernels {
+  ElemEncodeFn encode;
+  ElemDecodeFn decode;
+};
+
+#if SMARTCOLL_X86
+
+#define SMARTCOLL_AVX2 __attribute__((target("avx2,f16c")))
+#define SMARTCOLL_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c")))
+#define SMARTCOLL_AVX2_ENTRY __attribute__((target("avx2,f16c"), flatten))
+#define SMARTCOLL_AVX512_ENTRY __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c"), flatten))
+
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef float f32x16 __attribute__((vector_size(64)));
+
+// The Isa policies: W lanes of int32 (I), uint32 (U) and float (F), and the memory operations the kernels need.
+// Narrowing stores keep the low 8 or 16 bits of each lane; narrow_u8 and widen_u8 move W byte lanes to and from
+// W / 8 64-bit words in registers. splat() broadcasts a run-time value (GCC 12 builds a generic vector splat of a
+// run-time value lane by lane, with one masked broadcast per lane).
+struct Avx2 {
+  using I = i32x8;
+  using U = u32x8;
+  using F = f32x8;
+  static constexpr size_t W = 8;
+  SMARTCOLL_AVX2 static I splat(int32_t v) { return (I)_mm256_set1_epi32(v); }
+  SMARTCOLL_AVX2 static I load_bits(const float* p) {
+    return (I)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  SMARTCOLL_AVX2 static void store(float* p, F v) { _mm256_storeu_ps(p, (__m256)v); }
+  SMARTCOLL_AVX2 static int32_t hmax(I v) {
+    __m128i m = _mm_max_epi32(_mm256_castsi256_si128((__m256i)v), _mm256_extracti128_si256((__m256i)v, 1));
+    m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0x4e));
+    m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0xb1));
+    return _mm_cvtsi128_si32(m);
+  }
+  SMARTCOLL_AVX2 static I load_u8(const uint8_t* p) {
+    return (I)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  SMARTCOLL_AVX2 static void narrow_u8(I v, uint64_t* bytes) {
+    // Low byte of each lane to the bottom of its 128-bit half, then the two halves' 4 bytes side by side.
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,  //
+                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i picked = _mm256_shuffle_epi8((__m256i)v, pick);
+    const __m256i joined = _mm256_permutevar8x32_epi32(picked, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+    bytes[0] = static_cast<uint64_t>(_mm_cvtsi128_si64(_mm256_castsi256_si128(joined)));
+  }
+  SMARTCOLL_AVX2 static I widen_u8(const uint64_t* bytes) {
+    return (I)_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(bytes[0])));
+  }
+  SMARTCOLL_AVX2 static void store_u8(uint8_t* p, I v) {
+    uint64_t bytes;
+    narrow_u8(v, &bytes);
+    std::memcpy(p, &bytes, 8);
+  }
+  SMARTCOLL_AVX2 static I load_u16(const uint8_t* p) {
+    return (I)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  SMARTCOLL_AVX2 static void store_u16(uint8_t* p, I v) {
+    // Lanes hold 0..0xffff, so the unsigned-saturating pack is a plain narrowing.
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128((__m256i)v), _mm256_extracti128_si256((__m256i)v, 1)));
+  }
+  SMARTCOLL_AVX2 static F load_f16(const uint8_t* p) {
+    return (F)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  SMARTCOLL_AVX2 static void store_f16(uint8_t* p, F v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
+  }
+};
+
+struct Avx512 {
+  using I = i32x16;
+  using U = u32x16;
+  using F = f32x16;
+  static constexpr size_t W = 16;
+  SMARTCOLL_AVX512 static I splat(int32_t v) { return (I)_mm512_set1_epi32(v); }
+  SMARTCOLL_AVX512 static I load_bits(const float* p) { return (I)_mm512_loadu_si512(p); }
+  SMARTCOLL_AVX512 static void store(float* p, F v) { _mm512_storeu_ps(p, (__m512)v); }
+  SMARTCOLL_AVX512 static int32_t hmax(I v) { return _mm512_reduce_max_epi32((__m512i)v); }
+  SMARTCOLL_AVX512 static I load_u8(const uint8_t* p) {
+    return (I)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  SMARTCOLL_AVX512 static void narrow_u8(I v, uint64_t* bytes) {
+    const __m128i b = _mm512_cvtepi32_epi8((__m512i)v);
+    bytes[0] = static_cast<uint64_t>(_mm_cvtsi128_si64(b));
+    bytes[1] = static_cast<uint64_t>(_mm_extract_epi64(b, 1));
+  }
+  SMARTCOLL_AVX512 static I widen_u8(const uint64_t* bytes) {
+    return (I)_mm512_cvtepu8_epi32(_mm_set_epi64x(static_cast<long long>(bytes[1]), static_cast<long long>(bytes[0])));
+  }
+  SMARTCOLL_AVX512 static void store_u8(uint8_t* p, I v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8((__m512i)v));
+  }
+  SMARTCOLL_AVX512 static I load_u16(const uint8_t* p) {
+    return (I)_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  SMARTCOLL_AVX512 static void store_u16(uint8_t* p, I v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16((__m512i)v));
+  }
+  SMARTCOLL_AVX512 static F load_f16(const uint8_t* p) {
+    return (F)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  SMARTCOLL_AVX512 static void store_f16(uint8_t* p, F v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT));
+  }
+};
+
+// W element codes to W * bits / 8 bytes of the stream and back (whole bytes: W is 8 or 16, bits 4, 6 or 8). The
+// sub-byte codes go through 64-bit words of eight, never through a narrow store followed by a wide load (which
+// stalls store-to-load forwarding).
+template <class Isa, int kBits>
+SMARTCOLL_INLINE void store_codes(uint8_t* p, const typename Isa::I& codes) {
+  if constexpr (kBits == 8) {
+    Isa::store_u8(p, codes);
+  } else {
+    uint64_t words[Isa::W / 8];
+    Isa::narrow_u8(codes, words);
+    for (size_t g = 0; g < Isa::W / 8; ++g) {
+      const uint64_t packed = gather_codes<kBits>(words[g]);
+      const auto low = static_cast<uint32_t>(packed);
+      const auto high = static_cast<uint16_t>(packed >> 32);
+      std::memcpy(p + kBits * g, &low, 4);
+      std::memcpy(p + kBits * g + 4, &high, kBits - 4);
+    }
+  }
+}
+
+template <class Isa, int kBits>
+SMARTCOLL_INLINE typename Isa::I load_codes(const uint8_t* p) {
+  if constexpr (kBits == 8) {
+    return Isa::load_u8(p);
+  } else {
+    uint64_t words[Isa::W / 8];
+    for (size_t g = 0; g < Isa::W / 8; ++g) {
+      // Two loads of the 4 + (kBits - 4) bytes, so the compiler cannot assemble the word through the stack.
+      uint32_t low;
+      uint16_t high = 0;
+      std::memcpy(&low, p + kBits * g, 4);
+      std::memcpy(&high, p + kBits * g + 4, kBits - 4);
+      words[g] = spread_codes<kBits>(low | static_cast<uint64_t>(high) << 32);
+    }
+    return Isa::widen_u8(words);
+  }
+}
+
+// The elements of one block (C as in quantize_magnitude).
+template <class Isa, ElemFormat E, bool kTinyScale>
+SMARTCOLL_INLINE void quantize_block(const float* x, size_t block, const typename Isa::I& C, uint8_t* out) {
+  for (size_t i = 0; i < block; i += Isa::W) {
+    store_codes<Isa, E.bits>(out + i * E.bits / 8, element_code<kTinyScale>(Isa::load_bits(x + i), C, E));
+  }
+}
+
+// Whole blocks, block a multiple of W: the same steps as encode_block_scalar / decode_block_scalar. kBlock is the
+// block length when it is known at compile time (the presets' 16 and 32: the loops over a block then unroll and
+// every constant stays in a register), 0 to take it from the layout.
+template <class Isa, ElemFormat E, size_t kBlock>
+SMARTCOLL_INLINE void encode_blocks_simd(const BlockLayout& layout, const float* x, size_t nblocks, uint8_t* out) {
+  using I = typename Isa::I;
+  constexpr size_t W = Isa::W;
+  const BlockLayout l = layout;  // a local copy: the byte stores below cannot alias it
+  const size_t block = kBlock != 0 ? kBlock : l.block;
+  const size_t stride = l.full_bytes();
+  for (size_t b = 0; b < nblocks; ++b, x += block, out += stride) {
+    I m = Isa::load_bits(x) & 0x7fffffff;
+    for (size_t i = W; i < block; i += W) m = vmax(m, Isa::load_bits(x + i) & 0x7fffffff);
+    const int32_t amax = Isa::hmax(m);
+    if (amax >= 0x7f800000) {
+      out[0] = static_cast<uint8_t>(l.nan_field);
+      std::memset(out + 1, 0, stride - 1);
+      continue;
+    }
+    const int s = l.scale_for(amax);
+    out[0] = static_cast<uint8_t>(s + l.scale_bias);
+    const int32_t c = s + 127 - E.bias;
+    if (c < 0) {
+      quantize_block<Isa, E, true>(x, block, Isa::splat(c), out + 1);
+    } else {
+      quantize_block<Isa, E, false>(x, block, Isa::splat(c), out + 1);
+    }
+  }
+}
+
+template <class Isa, ElemFormat E, size_t kBlock>
+SMARTCOLL_INLINE void decode_blocks_simd(const BlockLayout& layout, const uint8_t* in, size_t nblocks, float* out) {
+  using F = typename Isa::F;
+  constexpr size_t W = Isa::W;
+  const BlockLayout l = layout;
+  const size_t block = kBlock != 0 ? kBlock : l.block;
+  const size_t stride = l.full_bytes();
+  for (size_t b = 0; b < nblocks; ++b, in += stride, out += block) {
+    if (in[0] >= l.nan_field) {
+      std::fill_n(out, block, std::bit_cast<float>(kQuietNaN));
+      continue;
+    }
+    const F scale = lanes_as<F>(Isa::splat(std::bit_cast<int32_t>(pow2f(in[0] - l.scale_bias))));
+    for (size_t i = 0; i < block; i += W) {
+      Isa::store(out + i, element_value(load_codes<Isa, E.bits>(in + 1 + i * E.bits / 8), scale, E));
+    }
+  }
+}
+
+// float32 -> bfloat16 lane by lane, the same rounding as float_to_bf16() (reduce.h): nearest-even on the bits, a
+// NaN keeps its top payload bits and is made quiet.
+template <class Isa>
+SMARTCOLL_INLINE size_t bf16_encode_simd(const float* x, size_t n, uint8_t* out) {
+  using U = typename Isa::U;
+  size_t i = 0;
+  for (; i + Isa::W <= n; i += Isa::W) {
+    const U u = (U)Isa::load_bits(x + i);
+    const U rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const U nan = (u >> 16) | 0x40u;
+    Isa::store_u16(out + 2 * i, (typename Isa::I)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded));
+  }
+  return i;
+}
+
+template <class Isa>
+SMARTCOLL_INLINE size_t bf16_decode_simd(const uint8_t* in, size_t n, float* out) {
+  size_t i = 0;
+  for (; i + Isa::W <= n; i += Isa::W) Isa::store(out + i, lanes_as<typename Isa::F>(Isa::load_u16(in + 2 * i) << 16));
+  return i;
+}
+
+// float16 through F16C, whose rounding float_to_half() (reduce.h) matches bit for bit.
+template <class Isa>
+SMARTCOLL_INLINE size_t fp16_encode_simd(const float* x, size_t n, uint8_t* out) {
+  size_t i = 0;
+  for (; i + Isa::W <= n; i += Isa::W) Isa::store_f16(out + 2 * i, lanes_as<typename Isa::F>(Isa::load_bits(x + i)));
+  return i;
+}
+
+template <class Isa>
+SMARTCOLL_INLINE size_t fp16_decode_simd(const uint8_t* in, size_t n, float* out) {
+  size_t i = 0;
+  for (; i + Isa::W <= n; i += Isa::W) Isa::store(out + i, Isa::load_f16(in + 2 * i));
+  return i;
+}
+
+// Entry points, one per (level, kernel).
+template <ElemFormat E, size_t kBlock>
+SMARTCOLL_AVX2_ENTRY void encode_blocks_avx2(const BlockLayout& l, const float* x, size_t nb, uint8_t* out) {
+  encode_blocks_simd<Avx2, E, kBlock>(l, x, nb, out);
+}
+template <ElemFormat E, size_t kBlock>
+SMARTCOLL_AVX2_ENTRY void decode_blocks_avx2(const BlockLayout& l, const uint8_t* in, size_t nb, float* out) {
+  decode_blocks_simd<Avx2, E, kBlock>(l, in, nb, out);
+}
+template <ElemFormat E, size_t kBlock>
+SMARTCOLL_AVX512_ENTRY void encode_blocks_avx512(const BlockLayout& l, const float* x, size_t nb, uint8_t* out) {
+  encode_blocks_simd<Avx512, E, kBlock>(l, x, nb, out);
+}
+template <ElemFormat E, size_t kBlock>
+SMARTCOLL_AVX512_ENTRY void decode_blocks_avx512(const BlockLayout& l, const uint8_t* in, size_t nb, float* out) {
+  decode_blocks_simd<Avx512, E, kBlock>(l, in, nb, out);
+}
+SMARTCOLL_AVX2_ENTRY size_t bf16_encode_avx2(const float* x, size_t n, uint8_t* o) {
+  return bf16_encode_simd<Avx2>(x, n, o);
+}
+SMARTCOLL_AVX2_ENTRY size_t bf16_decode_avx2(const uint8_t* in, size_t n, float* o) {
+  return bf16_decode_simd<Avx2>(in, n, o);
+}
+SMARTCOLL_AVX2_ENTRY size_t fp16_encode_avx2(const float* x, size_t n, uint8_t* o) {
+  return fp16_encode_simd<Avx2>(x, n, o);
+}
+SMARTCOLL_AVX2_ENTRY size_t fp16_decode_avx2(const uint8_t* in, size_t n, float* o) {
+  return fp16_decode_simd<Avx2>(in, n, o);
+}
+SMARTCOLL_AVX512_ENTRY size_t bf16_encode_avx512(const float* x, size_t n, uint8_t* o) {
+  return bf16_encode_simd<Avx512>(x, n, o);
+}
+SMARTCOLL_AVX512_ENTRY size_t bf16_decode_avx512(const uint8_t* in, size_t n, float* o) {
+  return bf16_decode_simd<Avx512>(in, n, o);
+}
+SMARTCOLL_AVX512_ENTRY size_t fp16_encode_avx512(const float* x, size_t n, uint8_t* o) {
+  return fp16_encode_simd<Avx512>(x, n, o);
+}
+SMARTCOLL_AVX512_ENTRY size_t fp16_decode_avx512(const uint8_t* in, size_t n, float* o) {
+  return fp16_decode_simd<Avx512>(in, n, o);
+}
+
+template <ElemFormat E, size_t kBlock>
+struct Avx2Blocks {
+  static constexpr BlockKernels value{encode_blocks_avx2<E, kBlock>, decode_blocks_avx2<E, kBlock>};
+};
+template <ElemFormat E, size_t kBlock>
+struct Avx512Blocks {
+  static constexpr BlockKernels value{encode_blocks_avx512<E, kBlock>, decode_blocks_avx512<E, kBlock>};
+};
+
+// The level's kernels for element format E and this block length (a multiple of the level's width).
+template <ElemFormat E, template <ElemFormat, size_t> class Kernels>
+const BlockKernels* for_block(size_t block) {
+  if (block == kMxBlockElems) return &Kernels<E, kMxBlockElems>::value;
+  if (block == kBfp16BlockElems) return &Kernels<E, kBfp16BlockElems>::value;
+  return &Kernels<E, 0>::value;
+}
+
+#endif  // SMARTCOLL_X86
+
+// The kernels for this layout at the active SIMD level. Vectorized: every preset element format (all MX formats
+// and 7-bit-mantissa BFP) in blocks a multiple of the width (16 for AVX-512, 8 for AVX2; narrower blocks fall back
+// to AVX2, then to scalar). Other BFP parameters are scalar.
+const BlockKernels& block_kernels(const BlockLayout& l) {
+  const SimdLevel level = simd_active();
+  const BlockKernels* k = with_preset(l.elem, [&]<ElemFormat E>() -> const BlockKernels* {
+#if SMARTCOLL_X86
+    if (level == SimdLevel::avx512 && l.block % Avx512::W == 0) return for_block<E, Avx512Blocks>(l.block);
+    if (level != SimdLevel::scalar && l.block % Avx2::W == 0) return for_block<E, Avx2Blocks>(l.block);
+#endif
+    return &kScalarBlocks<E>;
+  });
+  (void)level;
+  return k != nullptr ? *k : kAnyBlocks;
+}
+
+const ElemKernels* simd_elems(CodecKind kind) {
+#if SMARTCOLL_X86
+  static constexpr ElemKernels kFp16[] = {{fp16_encode_avx2, fp16_decode_avx2},
+                                          {fp16_encode_avx512, fp16_decode_avx512}};
+  static constexpr ElemKernels kBf16[] = {{bf16_encode_avx2, bf16_decode_avx2},
+                                          {bf16_encode_avx512, bf16_decode_avx512}};
+  const SimdLevel level = simd_active();
+  if (level == SimdLevel::scalar) return nullptr;
+  const int i = level == SimdLevel::avx512 ? 1 : 0;
+  if (kind == CodecKind::fp16) return &kFp16[i];
+  if (kind == CodecKind::bf16) return &kBf16[i];
+#else
+  (void)kind;
+#endif
+  return nullptr;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Whole calls.
+
+void encode_blocks(const BlockLayout& l, const float* x, size_t count, uint8_t* out) {
+  const size_t full = count / l.block;
+  block_kernels(l).encode(l, x, full, out);
+  if (const size_t rest = count - full * l.block; rest > 0) {
+    encode_block_scalar(l, l.elem, x + full * l.block, rest, out + full * l.full_bytes());
+  }
+}
+
+void decode_blocks(const BlockLayout& l, const uint8_t* in, size_t count, float* out) {
+  const size_t full = count / l.block;
+  block_kernels(l).decode(l, in, full, out);
+  if (const size_t rest = count - full * l.block; rest > 0) {
+    decode_block_scalar(l, l.elem, in + full * l.full_bytes(), rest, out + full * l.block);
+  }
+}
+
+void encode_elems(CodecKind kind, const float* x, size_t count, uint8_t* out) {
+  if (kind == CodecKind::identity) {
+    std::memcpy(out, x, count * sizeof(float));
+    return;
+  }
+  size_t i = 0;
+  if (const ElemKernels* k = simd_elems(kind)) i = k->encode(x, count, out);
+  const bool half = kind == CodecKind::fp16;
+  for (; i < count; ++i) store_u16(out + 2 * i, half ? float_to_half(x[i]) : float_to_bf16(x[i]));
+}
+
+void decode_elems(CodecKind kind, const uint8_t* in, size_t count, float* out) {
+  if (kind == CodecKind::identity) {
+    std::memcpy(out, in, count * sizeof(float));
+    return;
+  }
+  size_t i = 0;
+  if (const ElemKernels* k = simd_elems(kind)) i = k->decode(in, count, out);
+  const bool half = kind == CodecKind::fp16;
+  for (; i < count; ++i) out[i] = half ? half_to_float(load_u16(in + 2 * i)) : bf16_to_float(load_u16(in + 2 * i));
+}
+
+struct MxPreset {
+  std::string_view name;
+  CodecKind kind;
+  ElemFormat elem;
+};
+constexpr MxPreset kMxPresets[] = {
+    {"mxint8", CodecKind::mxint8, kInt8},          {"mxfp8_e4m3", CodecKind::mxfp8_e4m3, kE4M3},
+    {"mxfp8_e5m2", CodecKind::mxfp8_e5m2, kE5M2},  {"mxfp6_e3m2", CodecKind::mxfp6_e3m2, kE3M2},
+    {"mxfp6_e2m3", CodecKind::mxfp6_e2m3, kE2M3},  {"mxfp4_e2m1", CodecKind::mxfp4_e2m1, kE2M1},
+};
+constexpr int kMxScaleBits = 8;  // E8M0
+constexpr int kBfp16Mant = 7, kBfp16Exp = 8;
+constexpr int kMaxBfpBlock = 4096;
+
+bool is_block_kind(CodecKind k) { return k != CodecKind::identity && k != CodecKind::fp16 && k != CodecKind::bf16; }
+
+BlockLayout layout_of(const Codec& c) {
+  if (c.kind() == CodecKind::bfp) {
+    return BlockLayout(bfp_element(c.mant_bits()), static_cast<size_t>(c.block()), c.exp_bits());
+  }
+  for (const MxPreset& p : kMxPresets)
+    if (p.kind == c.kind()) return BlockLayout(p.elem, kMxBlockElems, kMxScaleBits);
+  throw InvalidArgument("codec: " + c.name() + " is not a block format");
+}
+
+std::string valid_names() {
+  return "identity (or none), fp16, bf16, bfp16, bfp:block=B,mant=M,exp=E (1 <= B <= 4096, 1 <= M <= 15, "
+         "1 <= E <= 8), mxint8, mxfp8_e4m3, mxfp8_e5m2, mxfp6_e3m2, mxfp6_e2m3, mxfp4_e2m1";
+}
+
+[[noreturn]] void bad_name(std::string_view name, std::string_view why) {
+  throw InvalidArgument("codec '" + std::string(name) + "': " + std::string(why) + "; valid codecs: " + valid_names());
+}
+
+// Elements per chunk of the fused calls: a multiple of the block, small enough that the decoded chunk stays in L1.
+constexpr size_t kChunkFloats = 4096;
+size_t chunk_elems(size_t block) { return std::max<size_t>(1, 2048 / block) * block; }
+
+}  // namespace
+
+Codec Codec::parse(std::string_view name) {
+  Codec c;
+  if (name == "identity" || name == "none") return c;
+  if (name == "fp16" || name == "bf16") {
+    c.kind_ = name == "fp16" ? CodecKind::fp16 : CodecKind::bf16;
+    c.mant_bits_ = name == "fp16" ? 10 : 7;
+    c.exp_bits_ = name == "fp16" ? 5 : 8;
+    return c;
+  }
+  for (const MxPreset& p : kMxPresets) {
+    if (name == p.name) {
+      c.kind_ = p.kind;
+      c.block_ = static_cast<int>(kMxBlockElems);
+      c.exp_bits_ = p.elem.ebits;
+      c.mant_bits_ = p.elem.twos_complement ? p.elem.bits - 1 : p.elem.mbits;
+      return c;
+    }
+  }
+  constexpr std::string_view kBfpPrefix = "bfp:";
+  if (name != "bfp16" && !name.starts_with(kBfpPrefix)) bad_name(name, "unknown codec");
+  c.kind_ = CodecKind::bfp;
+  c.block_ = static_cast<int>(kBfp16BlockElems);
+  c.mant_bits_ = kBfp16Mant;
+  c.exp_bits_ = kBfp16Exp;
+  if (name == "bfp16") return c;
+
+  struct Param {
+    std::string_view key;
+    int* value;
+    int lo, hi;
+    bool seen;
+  };
+  Param params[] = {{"block", &c.block_, 1, kMaxBfpBlock, false},
+                    {"mant", &c.mant_bits_, 1, 15, false},
+                    {"exp", &c.exp_bits_, 1, 8, false}};
+  std::string_view rest = name.substr(kBfpPrefix.size());
+  while (!rest.empty()) {
+    const size_t comma = rest.find(',');
+    const std::string_view item = rest.substr(0, comma);
+    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+    const size_t eq = item.find('=');
+    if (eq == std::string_view::npos) bad_name(name, "expected key=value, got '" + std::string(item) + "'");
+    const std::string_view key = item.substr(0, eq), text = item.substr(eq + 1);
+    Param* p = std::find_if(std::begin(params), std::end(params), [&](const Param& q) { return q.key == key; });
+    if (p == std::end(params)) bad_name(name, "unknown bfp parameter '" + std::string(key) + "' (block, mant, exp)");
+    if (p->seen) bad_name(name, "bfp parameter '" + std::string(key) + "' given twice");
+    int v = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+    if (ec != std::errc{} || end != text.data() + text.size() || text.empty() || v < p->lo || v > p->hi) {
+      bad_name(name, "bfp " + std::string(key) + " must be an integer in [" + std::to_string(p->lo) + ", " +
+                         std::to_string(p->hi) + "], got '" + std::string(text) + "'");
+    }
+    *p->value = v;
+    p->seen = true;
+  }
+  return c;
+}
+
+std::vector<std::string> Codec::names() {
+  std::vector<std::string> out{"identity", "fp16", "bf16", "bfp16"};
+  for (const MxPreset& p : kMxPresets) out.emplace_back(p.name);
+  return out;
+}
+
+std::string Codec::name() const {
+  switch (kind_) {
+    case CodecKind::identity: return "identity";
+    case CodecKind::fp16: return "fp16";
+    case CodecKind::bf16: return "bf16";
+    case CodecKind::bfp:
+      if (block_ == static_cast<int>(kBfp16BlockElems) && mant_bits_ == kBfp16Mant && exp_bits_ == kBfp16Exp) {
+        return "bfp16";
+      }
+      return "bfp:block=" + std::to_string(block_) + ",mant=" + std::to_string(mant_bits_) +
+             ",exp=" + std::to_string(exp_bits_);
+    default: break;
+  }
+  for (const MxPreset& p : kMxPresets)
+    if (p.kind == kind_) return std::string(p.name);
+  return "unknown";
+}
+
+size_t Codec::block_elems() const { return is_block_kind(kind_) ? static_cast<size_t>(block_) : 1; }
+
+size_t Codec::encoded_size(size_t count) const {
+  switch (kind_) {
+    case CodecKind::identity: return count * 4;
+    case CodecKind::fp16:
+    case CodecKind::bf16: return count * 2;
+    default: break;
+  }
+  const BlockLayout l = layout_of(*this);
+  const size_t rest = count % l.block;
+  return count / l.block * l.full_bytes() + (rest > 0 ? l.bytes(rest) : 0);
+}
+
+double Codec::ratio() const {
+  const size_t block = block_elems();
+  return 4.0 * static_cast<double>(block) / static_cast<double>(encoded_size(block));
+}
+
+ErrorBound Codec::error_bound() const {
+  switch (kind_) {
+    case CodecKind::identity: return {};
+    // Half an ulp of the nearest-even rounding; below the normal range, half the smallest denormal.
+    case CodecKind::fp16: return {std::ldexp(1.0, -11), std::ldexp(1.0, -25), 65520.0, false};
+    case CodecKind::bf16:  // values from 2^128 - 2^119 on round to infinity
+      return {std::ldexp(1.0, -8), std::ldexp(1.0, -134), std::ldexp(1.0, 128) - std::ldexp(1.0, 119), false};
+    default: break;
+  }
+  // max|x| in [2^(s+emax), 2^(s+emax+1)). Rounding costs at most half the top binade's step, 2^-(mbits+1) of that;
+  // saturation at the largest element value vmax costs less than 2^(s+emax+1) - vmax * 2^s. When s sits at s_min
+  // the block can be arbitrarily small and only the absolute half-step bounds the error.
+  const BlockLayout l = layout_of(*this);
+  const double vmax = element_value(l.elem.max_code, 1.0f, l.elem);
+  const double rel = std::max(std::ldexp(1.0, -(l.elem.mbits + 1)), 1.0 - vmax / std::ldexp(1.0, l.elem.emax + 1));
+  const double abs = std::ldexp(1.0, l.s_min + l.elem.emax - l.elem.mbits - 1);
+  const int top = l.s_max + l.elem.emax + 1;  // beyond 2^top the scale field saturates
+  return {rel, abs, top >= 128 ? std::numeric_limits<double>::infinity() : std::ldexp(1.0, top), true};
+}
+
+void Codec::encode(const float* in, size_t count, uint8_t* out) const {
+  if (count == 0) return;
+  if (is_block_kind(kind_)) return encode_blocks(layout_of(*this), in, count, out);
+  encode_elems(kind_, in, count, out);
+}
+
+void Codec::decode(const uint8_t* in, size_t count, float* out) const {
+  if (count == 0) return;
+  if (is_block_kind(kind_)) return decode_blocks(layout_of(*this), in, count, out);
+  decode_elems(kind_, in, count, out);
+}
+
+// The fused calls run the unfused kernels chunk by chunk through an L1-resident buffer, so they give exactly the
+// unfused bits (the add is reduce()'s float32 sum) while touching main memory once per operand.
+void Codec::decode_add(const uint8_t* in, size_t count, const float* addend, float* out) const {
+  const size_t chunk = chunk_elems(block_elems());
+  std::array<float, kChunkFloats> decoded;
+  for (size_t i = 0; i < count; i += chunk) {
+    const size_t n = std::min(chunk, count - i);
+    decode(in + encoded_size(i), n, decoded.data());
+    reduce(DataType::f32, ReduceOp::sum, out + i, addend + i, decoded.data(), n);
+  }
+}
+
+void Codec::decode_add_encode(const uint8_t* in, size_t count, const float* addend, uint8_t* out, float* sum) const {
+  const size_t chunk = chunk_elems(block_elems());
+  std::array<float, kChunkFloats> scratch;
+  for (size_t i = 0; i < count; i += chunk) {
+    const size_t n = std::min(chunk, count - i);
+    const size_t offset = encoded_size(i);
+    float* s = sum != nullptr ? sum + i : scratch.data();
+    decode(in + offset, n, scratch.data());
+    reduce(DataType::f32, ReduceOp::sum, s, addend + i, scratch.data(), n);
+    encode(s, n, out + offset);
+  }
+}
+
+}  // namespace smartcoll
