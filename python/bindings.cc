@@ -119,8 +119,8 @@ NB_MODULE(_core, m) {
         {"simd", std::string(simd_name(simd_active()))},
         {"simd_supported", std::string(simd_name(simd_supported()))},
         {"compiler", __VERSION__},
-        {"allreduce_algorithms", "auto, ring, rhd"},
-        {"transports", "tcp"},
+        {"allreduce_algorithms", "auto, ring, rhd, cma"},
+        {"transports", "tcp, cma (same host)"},
         {"codecs", [] {
            std::string all;
            for (const auto& n : Codec::names()) all += (all.empty() ? "" : ", ") + n;
@@ -170,6 +170,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("rank", &Communicator::rank)
       .def_prop_ro("size", &Communicator::size)
       .def_prop_ro("options", [](const Communicator& c) { return c.options().values(); })
+      .def_prop_ro("cma_unusable_reason", &Communicator::cma_unusable_reason)
       .def("choose_allreduce", [](const Communicator& c, size_t count, const std::string& dtype,
                                   const std::string& algo, const std::string& op, const std::string& codec) {
         const DataType dt = parse_dtype(dtype);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "algorithms.h"
+#include "cma.h"
 #include "smartcoll/reduce.h"
 #include "transport.h"
 
@@ -20,7 +21,7 @@ std::string_view collective_name(Collective c) {
 }
 
 std::string_view algorithm_name(Algorithm a) {
-  constexpr std::string_view names[] = {"auto", "ring", "rhd", "chain", "direct", "local"};
+  constexpr std::string_view names[] = {"auto", "ring", "rhd", "chain", "direct", "local", "cma"};
   return names[static_cast<int>(a)];
 }
 
@@ -28,7 +29,8 @@ Algorithm parse_algorithm(std::string_view name) {
   if (name == "auto") return Algorithm::automatic;
   if (name == "ring") return Algorithm::ring;
   if (name == "rhd") return Algorithm::rhd;
-  throw InvalidArgument("unknown allreduce algorithm '" + std::string(name) + "'; choose auto, ring or rhd");
+  if (name == "cma") return Algorithm::cma;
+  throw InvalidArgument("unknown allreduce algorithm '" + std::string(name) + "'; choose auto, ring, rhd or cma");
 }
 
 bool Request::test() {
@@ -65,6 +67,7 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
   if (options_.integer("segment_size") < 64) throw InvalidArgument("option 'segment_size' must be at least 64 bytes");
   Codec::parse(options_.str("codec"));  // a bad SMARTCOLL_CODEC fails here, not at the first collective
   transport_ = std::make_unique<Transport>(rank, size, *store_, options_, route_hint);
+  if (size > 1 && options_.str("cma") == "auto") cma_ = std::make_unique<cma::Local>(*transport_);
   engine_ = std::thread([this] { engine_loop(); });
   if (int cpu = static_cast<int>(options_.integer("engine_cpu")); cpu >= 0) {
     cpu_set_t set;
@@ -80,6 +83,12 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
 
 Communicator::~Communicator() { close(); }
 
+std::string Communicator::cma_unusable_reason() const {
+  if (size_ == 1) return "";
+  if (!cma_) return "disabled (cma=off)";
+  return cma_->why_not();
+}
+
 void Communicator::close() {
   {
     std::lock_guard lock(mu_);
@@ -88,6 +97,7 @@ void Communicator::close() {
   }
   cv_.notify_all();
   if (engine_.joinable()) engine_.join();
+  cma_.reset();
   transport_.reset();
   store_.reset();
 }
@@ -212,9 +222,13 @@ Algorithm Communicator::choose_allreduce(size_t count, DataType dt, Algorithm re
       throw InvalidArgument("allreduce: algo 'rhd' does not support codecs; use 'ring' or 'auto'");
     return Algorithm::ring;
   }
+  const bool cma_usable = cma_ && cma_->usable();
+  if (requested == Algorithm::cma && !cma_usable)
+    throw InvalidArgument("allreduce: algo 'cma' is not usable here: " + cma_unusable_reason());
   if (requested != Algorithm::automatic) return requested;
   const auto small = static_cast<size_t>(options_.integer("rhd_max_bytes"));
-  return count * dtype_size(dt) <= small ? Algorithm::rhd : Algorithm::ring;
+  if (count * dtype_size(dt) <= small) return Algorithm::rhd;
+  return cma_usable ? Algorithm::cma : Algorithm::ring;
 }
 
 namespace {
@@ -261,6 +275,8 @@ std::shared_ptr<Request> Communicator::allreduce(const void* in, void* out, size
       if (dst != src) std::memcpy(dst, src, count * dtype_size(dt));
     } else if (chosen == Algorithm::rhd) {
       algo::allreduce_rhd(*transport_, src, dst, count, dt, op);
+    } else if (chosen == Algorithm::cma) {
+      cma_->allreduce(*transport_, src, dst, count, dt, op);
     } else {
       algo::allreduce_ring(*transport_, src, dst, count, dt, op, params);
     }

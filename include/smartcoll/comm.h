@@ -24,16 +24,19 @@
 namespace smartcoll {
 
 class Transport;
+namespace cma {
+class Local;
+}
 namespace algo {
 struct Params;
 }
 
 enum class Collective : uint8_t { allreduce, reduce_scatter, allgather, broadcast, reduce, alltoall, barrier };
-enum class Algorithm : uint8_t { automatic, ring, rhd, chain, direct, local };
+enum class Algorithm : uint8_t { automatic, ring, rhd, chain, direct, local, cma };
 
 std::string_view collective_name(Collective c);
 std::string_view algorithm_name(Algorithm a);
-Algorithm parse_algorithm(std::string_view name);  // "auto", "ring", "rhd"
+Algorithm parse_algorithm(std::string_view name);  // "auto", "ring", "rhd", "cma"
 
 class Request {
  public:
@@ -92,6 +95,9 @@ class Communicator {
   // The codec a call uses: `requested`, or the knob's where it applies; identity means raw elements.
   Codec choose_codec(DataType dt, ReduceOp op, const std::optional<Codec>& requested) const;
 
+  // Empty when the same-host path (cma) is usable; otherwise why not.
+  std::string cma_unusable_reason() const;
+
   // Finishes queued tasks, stops the engine and closes connections. Idempotent.
   void close();
 
@@ -114,6 +120,7 @@ class Communicator {
   Options options_;
   std::shared_ptr<Store> store_;
   std::unique_ptr<Transport> transport_;
+  std::unique_ptr<cma::Local> cma_;
   uint64_t seq_ = 0;          // engine thread only
   std::string failure_;       // engine thread only: first error; later tasks fail with it
 

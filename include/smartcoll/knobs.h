@@ -17,9 +17,13 @@ struct Knob {
 };
 
 inline constexpr Knob kKnobs[] = {
-    {"algo", "auto", "choice:auto|ring|rhd",
+    {"algo", "auto", "choice:auto|ring|rhd|cma",
      "allreduce algorithm: ring (pipelined, segmented; bandwidth-optimal), rhd (recursive halving-doubling; "
-     "fewer steps for small messages) or auto (rhd below rhd_max_bytes, ring above)"},
+     "fewer steps for small messages), cma (ranks on one host read each other's buffers once with "
+     "process_vm_readv) or auto (rhd up to rhd_max_bytes; above, cma where usable, else ring)"},
+    {"cma", "auto", "choice:auto|off",
+     "same-host fast path: auto probes at start-up whether every rank shares this host and can read its peers' "
+     "memory (process_vm_readv); off never uses it. Must be the same on every rank"},
     {"rhd_max_bytes", "262144", "int", "auto picks rhd for allreduce messages up to this many bytes"},
     {"segment_size", "262144", "int",
      "bytes per pipeline segment: the unit the ring sends, reduces and forwards while the next one is on the wire"},

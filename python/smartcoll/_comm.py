@@ -100,6 +100,11 @@ class Communicator:
         """The settings in force (defaults, then SMARTCOLL_* variables, then init() options)."""
         return dict(self._core.options)
 
+    @property
+    def same_host_path(self) -> str:
+        """'usable' when allreduce can use the same-host path (algo 'cma'), otherwise why it cannot."""
+        return self._core.cma_unusable_reason or "usable"
+
     def __enter__(self) -> "Communicator":
         return self
 

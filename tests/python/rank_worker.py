@@ -70,7 +70,7 @@ def _case(coll, dtype, op, count, algo="", in_place=False, comm="main") -> Case:
 def cases() -> list[Case]:
     """Every collective call of the `collectives` scenario, in the order every rank makes them."""
     out = []
-    for algo in ("ring", "rhd"):
+    for algo in ("ring", "rhd", "cma"):
         for in_place in (True, False):
             for dtype in DTYPES:
                 for op in ops_for(dtype):
@@ -420,6 +420,8 @@ def scenario_api_pair(outdir: Path) -> None:
         comm.barrier()
         res["algo_small"] = comm.allreduce_algorithm(16, "float32")
         res["algo_large"] = comm.allreduce_algorithm(1 << 20, "float32")
+        res["algo_large_compressed"] = comm.allreduce_algorithm(1 << 20, "float32", codec="bfp16")
+        res["same_host_path"] = comm.same_host_path
     _write_json(outdir, rank, res)
 
 

@@ -112,7 +112,7 @@ VALUE_ERRORS = {
     "unknown_op": (lambda c: c.allreduce(np.zeros(4, np.float32), op="mean"),
                    r"unknown op 'mean'.*sum, prod, min, max or avg"),
     "unknown_algo": (lambda c: c.allreduce(np.zeros(4, np.float32), algo="tree"),
-                     r"unknown allreduce algorithm 'tree'.*auto, ring or rhd"),
+                     r"unknown allreduce algorithm 'tree'.*auto, ring, rhd or cma"),
     "alltoall_in_place": (lambda c: (lambda x: c.alltoall(x, x))(np.zeros(4, np.float32)),
                           r"alltoall cannot run in place"),
     "broadcast_root_too_big": (lambda c: c.broadcast(np.zeros(4, np.float32), root=1),
@@ -309,7 +309,7 @@ def test_knobs_table():
         assert len(k.description) >= 20 and k.description.strip() == k.description, k
         assert k.type in ("int", "float", "str") or k.type.startswith("choice:"), k
     by_name = {k.name: k for k in table}
-    assert by_name["algo"].default == "auto" and by_name["algo"].type == "choice:auto|ring|rhd"
+    assert by_name["algo"].default == "auto" and by_name["algo"].type == "choice:auto|ring|rhd|cma"
     assert by_name["segment_size"].default == "262144"
     assert by_name["streams"].default == "1"
 
@@ -399,7 +399,10 @@ def test_two_ranks_api(ranks, tmp_path):
         assert o["multi"] == [[3 * (i + 1)] for i in range(5)]
         assert o["alltoall_alias"]["error_type"] == "ValueError", o["alltoall_alias"]
         assert "in place" in o["alltoall_alias"]["message"], o["alltoall_alias"]
-        assert o["algo_small"] == "rhd" and o["algo_large"] == "ring"
+        # Two processes on one host: large messages take the same-host path, unless compressed.
+        assert o["same_host_path"] == "usable", o["same_host_path"]
+        assert o["algo_small"] == "rhd" and o["algo_large"] == "cma", o
+        assert o["algo_large_compressed"] == "ring", o
     # rank 0 started while rank 1 slept 1.5 s: not done yet, and a short wait says so
     assert out[0]["test_early"] is False
     w = out[0]["wait_short"]

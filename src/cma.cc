@@ -1,0 +1,361 @@
+#include "cma.h"
+
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <random>
+
+#include "smartcoll/reduce.h"
+
+namespace smartcoll::cma {
+
+namespace {
+
+constexpr uint32_t kHelloMagic = 0x434d4131;    // "CMA1"
+constexpr uint32_t kVerdictMagic = 0x434d4156;  // "CMAV"
+constexpr uint32_t kAddrMagic = 0x434d4141;     // "CMAA"
+
+struct Hello {
+  uint32_t magic;
+  int32_t pid;
+  uint64_t token_addr;  // address of an 8-byte token in the sender's memory
+  uint64_t token;       // its value
+  char identity[232];   // host identity, NUL-terminated; empty when it could not be read
+};
+static_assert(sizeof(Hello) == 256);
+
+struct Verdict {
+  uint32_t magic;
+  uint32_t ok;
+  char reason[248];  // NUL-terminated
+};
+static_assert(sizeof(Verdict) == 256);
+
+struct Addresses {
+  uint32_t magic;
+  uint8_t dtype, op, pad[2];
+  uint64_t count;
+  uint64_t in, out;
+};
+
+// Sends the same `bytes` at `mine` to every peer and receives each peer's into all + peer * bytes (all + rank * bytes
+// gets a copy of mine), all at once over the Transport.
+void exchange(Transport& t, const void* mine, void* all, size_t bytes) {
+  const int n = t.size(), r = t.rank();
+  auto* base = static_cast<char*>(all);
+  std::memcpy(base + static_cast<size_t>(r) * bytes, mine, bytes);
+  std::vector<Transport::Op> ops;
+  ops.reserve(2 * static_cast<size_t>(n));
+  for (int p = 0; p < n; ++p) {
+    if (p == r) continue;
+    ops.push_back({p, true, const_cast<char*>(static_cast<const char*>(mine)), bytes});
+    ops.push_back({p, false, base + static_cast<size_t>(p) * bytes, bytes});
+  }
+  t.run(ops);
+}
+
+std::string first_line(const char* path) {
+  std::ifstream f(path);
+  std::string line;
+  if (!f || !std::getline(f, line)) return "";
+  while (!line.empty() && (line.back() == '\n' || line.back() == '\r' || line.back() == ' ')) line.pop_back();
+  return line;
+}
+
+// Which kernel and namespaces this process runs in: two processes may read each other's memory by pid only when
+// these all match (same boot of the same machine, same pid namespace so that pids mean the same process).
+std::string host_identity(std::string& error) {
+  std::string boot = first_line("/proc/sys/kernel/random/boot_id");
+  if (boot.empty()) {
+    error = "cannot read /proc/sys/kernel/random/boot_id";
+    return "";
+  }
+  char host[256] = {};
+  if (gethostname(host, sizeof host - 1) != 0) {
+    error = std::string("gethostname failed: ") + std::strerror(errno);
+    return "";
+  }
+  std::string id = "host=" + std::string(host) + " boot_id=" + boot;
+  for (const char* ns : {"net", "pid"}) {
+    struct stat st {};
+    std::string path = std::string("/proc/self/ns/") + ns;
+    if (stat(path.c_str(), &st) != 0) {
+      error = "cannot stat " + path + ": " + std::strerror(errno);
+      return "";
+    }
+    id += std::string(" ") + ns + "ns=" + std::to_string(st.st_ino);
+  }
+  return id;
+}
+
+template <size_t N>
+void copy_cstr(char (&dst)[N], const std::string& s) {
+  size_t len = std::min(s.size(), N - 1);
+  std::memcpy(dst, s.data(), len);
+  dst[len] = '\0';
+}
+
+template <size_t N>
+std::string from_cstr(const char (&src)[N]) {
+  return std::string(src, strnlen(src, N));
+}
+
+std::string prefix(const Transport& t) { return t.context.empty() ? "cma" : t.context + " (cma)"; }
+
+std::string access_hint(int err) {
+  if (err != EPERM && err != EACCES) return "";
+  std::string scope = first_line("/proc/sys/kernel/yama/ptrace_scope");
+  return " (ptrace access denied: different user, a non-dumpable process, a seccomp filter" +
+         (scope.empty() ? std::string() : ", or kernel.yama.ptrace_scope=" + scope) + ")";
+}
+
+int open_pidfd(int pid) {
+#ifdef SYS_pidfd_open
+  long fd = syscall(SYS_pidfd_open, pid, 0);
+  return fd < 0 ? -1 : static_cast<int>(fd);
+#else
+  (void)pid;
+  return -1;
+#endif
+}
+
+uint64_t random_token() {
+  uint64_t x = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+               (static_cast<uint64_t>(getpid()) << 40);
+  try {
+    std::random_device rd;
+    x ^= rd() | (static_cast<uint64_t>(rd()) << 32);
+  } catch (const std::exception&) {  // no entropy source: the clock and pid still make a mix-up unlikely
+  }
+  return x | 1;
+}
+
+// Restores the transport's context (used in error messages) when setup ends.
+struct ContextGuard {
+  Transport& t;
+  std::string saved;
+  ContextGuard(Transport& t, std::string now) : t(t), saved(std::move(t.context)) { t.context = std::move(now); }
+  ~ContextGuard() { t.context = std::move(saved); }
+};
+
+}  // namespace
+
+Local::Local(Transport& t) : pids_(t.size(), 0), pidfds_(t.size(), -1) {
+  const int n = t.size(), r = t.rank();
+  pids_[r] = static_cast<int>(getpid());
+  if (n == 1) {
+    usable_ = true;
+    return;
+  }
+  // Yama ptrace_scope=1 only lets ancestors read a process unless it names a tracer (one pid, or any: peers are
+  // several). Only then: it widens who may ptrace this process to every process of this user, as under scope 0.
+  if (first_line("/proc/sys/kernel/yama/ptrace_scope") == "1") prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+  ContextGuard guard(t, "cma setup on rank " + std::to_string(r));
+
+  std::string reason;
+  const std::string identity = host_identity(reason);
+  token_ = random_token();
+  Hello mine{};
+  mine.magic = kHelloMagic;
+  mine.pid = pids_[r];
+  mine.token_addr = reinterpret_cast<uintptr_t>(&token_);
+  mine.token = token_;
+  copy_cstr(mine.identity, identity);
+  std::vector<Hello> hellos(n);
+  exchange(t, &mine, hellos.data(), sizeof(Hello));
+
+  for (int p = 0; p < n && reason.empty(); ++p) {
+    if (p == r) continue;
+    const Hello& h = hellos[p];
+    std::string theirs = from_cstr(h.identity);
+    if (h.magic != kHelloMagic)
+      reason = "rank " + std::to_string(p) + " sent a foreign setup message (a different smartcoll version?)";
+    else if (theirs.empty())
+      reason = "rank " + std::to_string(p) + " could not read its host identity";
+    else if (theirs != identity)
+      reason = "rank " + std::to_string(p) + " is on another host or in other namespaces (" + theirs +
+               "; this rank: " + identity + ")";
+    else
+      pids_[p] = h.pid;
+  }
+  // Probe: read every peer's token. Peers keep their token alive until the verdicts are exchanged below, which
+  // happens only after every rank has finished probing.
+  for (int p = 0; p < n && reason.empty(); ++p) {
+    if (p == r) continue;
+    if (pids_[p] != pids_[r]) pidfds_[p] = open_pidfd(pids_[p]);
+    uint64_t got = 0;
+    iovec local{&got, sizeof got};
+    iovec remote{reinterpret_cast<void*>(static_cast<uintptr_t>(hellos[p].token_addr)), sizeof got};
+    ssize_t k = process_vm_readv(pids_[p], &local, 1, &remote, 1, 0);
+    if (k < 0) {
+      int err = errno;
+      reason = "process_vm_readv of rank " + std::to_string(p) + " (pid " + std::to_string(pids_[p]) +
+               ") failed: " + std::strerror(err) + access_hint(err);
+    } else if (k != static_cast<ssize_t>(sizeof got) || got != hellos[p].token) {
+      reason = "process_vm_readv of rank " + std::to_string(p) + " (pid " + std::to_string(pids_[p]) +
+               ") read the wrong bytes (is the pid that of another process?)";
+    }
+  }
+
+  Verdict v{};
+  v.magic = kVerdictMagic;
+  v.ok = reason.empty() ? 1 : 0;
+  copy_cstr(v.reason, reason);
+  std::vector<Verdict> verdicts(n);
+  exchange(t, &v, verdicts.data(), sizeof(Verdict));
+  usable_ = true;
+  for (int p = 0; p < n && usable_; ++p) {
+    if (verdicts[p].magic == kVerdictMagic && verdicts[p].ok == 1) continue;
+    usable_ = false;
+    why_not_ = "rank " + std::to_string(p) + ": " +
+               (verdicts[p].magic == kVerdictMagic ? from_cstr(verdicts[p].reason) : "foreign setup message");
+  }
+  if (!usable_) {
+    for (int& fd : pidfds_)
+      if (fd >= 0) close(fd), fd = -1;
+    return;
+  }
+  staging_.resize(2 * kPieceBytes + 64);
+}
+
+Local::~Local() {
+  for (int fd : pidfds_)
+    if (fd >= 0) close(fd);
+}
+
+void Local::read_peer(Transport& t, int peer, void* local, uint64_t remote, size_t len) {
+  auto* dst = static_cast<char*>(local);
+  while (len > 0) {
+    const size_t step = std::min<size_t>(len, size_t{1} << 30);  // the kernel caps one call near 2 GiB
+    iovec l{dst, step};
+    iovec rm{reinterpret_cast<void*>(static_cast<uintptr_t>(remote)), step};
+    ssize_t k = process_vm_readv(pids_[peer], &l, 1, &rm, 1, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) {
+      int err = k < 0 ? errno : 0;
+      std::string what = err == ESRCH  ? "; that rank exited, crashed or failed (see its output)"
+                         : err == EFAULT ? "; its buffer is unmapped: did that rank fail or free the buffer?"
+                                         : access_hint(err);
+      throw CommError(prefix(t) + ": reading the memory of rank " + std::to_string(peer) + " (pid " +
+                      std::to_string(pids_[peer]) + ") failed: " + (err ? std::strerror(err) : "short read") +
+                      what);
+    }
+    dst += k;
+    remote += static_cast<uint64_t>(k);
+    len -= static_cast<size_t>(k);
+  }
+}
+
+void Local::check_alive(Transport& t) {
+  std::vector<pollfd> fds;
+  std::vector<int> ranks;
+  for (int p = 0; p < static_cast<int>(pidfds_.size()); ++p)
+    if (pidfds_[p] >= 0) fds.push_back({pidfds_[p], POLLIN, 0}), ranks.push_back(p);
+  if (fds.empty()) return;
+  int k = poll(fds.data(), fds.size(), 0);
+  if (k <= 0) return;
+  for (size_t i = 0; i < fds.size(); ++i)
+    if (fds[i].revents & (POLLIN | POLLHUP | POLLERR))
+      throw CommError(prefix(t) + ": rank " + std::to_string(ranks[i]) + " (pid " + std::to_string(pids_[ranks[i]]) +
+                      ") exited during the call; that rank crashed or failed (see its output)");
+}
+
+void Local::barrier(Transport& t, uint8_t phase) {
+  const int n = t.size(), r = t.rank();
+  std::vector<uint8_t> got(n, 0);
+  exchange(t, &phase, got.data(), 1);
+  for (int p = 0; p < n; ++p)
+    if (p != r && got[p] != phase)
+      throw CommError(prefix(t) + ": rank " + std::to_string(p) + " is out of step (barrier " +
+                      std::to_string(got[p]) + ", expected " + std::to_string(phase) + ")");
+}
+
+void Local::allreduce(Transport& t, const char* in, char* out, size_t count, DataType dt, ReduceOp op) {
+  if (!usable_) throw InvalidArgument("cma allreduce: cross-memory attach is not usable here: " + why_not_);
+  if (op == ReduceOp::avg && !is_floating(dt))
+    throw InvalidArgument("op 'avg' needs a floating-point dtype, got " + std::string(dtype_name(dt)));
+  const int n = t.size(), r = t.rank();
+  const size_t esize = dtype_size(dt);
+  if (n == 1) {
+    if (out != in && count) std::memcpy(out, in, count * esize);
+    return;
+  }
+
+  // Addresses (and the call, so that a mismatch fails cleanly instead of reading past a peer's buffer).
+  Addresses mine{kAddrMagic, static_cast<uint8_t>(dt), static_cast<uint8_t>(op), {0, 0}, count,
+                 reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out)};
+  std::vector<Addresses> addrs(n);
+  exchange(t, &mine, addrs.data(), sizeof(Addresses));
+  for (int p = 0; p < n; ++p) {
+    const Addresses& a = addrs[p];
+    if (a.magic == kAddrMagic && a.dtype == mine.dtype && a.op == mine.op && a.count == count) continue;
+    throw CommError(prefix(t) + ": ranks disagree: rank " + std::to_string(p) + " called allreduce(count=" +
+                    std::to_string(a.count) + ", " +
+                    (a.dtype < std::size(kAllDataTypes) ? std::string(dtype_name(static_cast<DataType>(a.dtype)))
+                                                        : "?") +
+                    ", op=" +
+                    (a.op < std::size(kAllReduceOps) ? std::string(op_name(static_cast<ReduceOp>(a.op))) : "?") +
+                    "), this rank (" + std::to_string(r) + ") allreduce(count=" + std::to_string(count) + ", " +
+                    std::string(dtype_name(dt)) + ", op=" + std::string(op_name(op)) + ")");
+  }
+  if (count == 0) return;
+
+  // Chunk c (the same split as the ring) is reduced by rank c.
+  auto chunk_begin = [&](int c) {
+    size_t base = count / n, extra = count % n, uc = static_cast<size_t>(c);
+    return uc * base + std::min(uc, extra);
+  };
+  auto chunk_end = [&](int c) { return chunk_begin(c + 1); };
+
+  // Phase 1: reduce chunk r, piece by piece. x_0 op x_1 op ... accumulates in staging (s0); the last step writes
+  // out. This rank's own input is read in place; where out == in, out[chunk r] is written only by the last step
+  // of each piece, which reads that same piece of in (exact aliasing, allowed by reduce()), and no peer reads
+  // this rank's chunk r of in.
+  {
+    char* s0 = staging_.data() + (64 - reinterpret_cast<uintptr_t>(staging_.data()) % 64) % 64;
+    char* s1 = s0 + kPieceBytes;
+    const size_t piece = kPieceBytes / esize;
+    const size_t end = chunk_end(r);
+    for (size_t off = chunk_begin(r); off < end; off += piece) {
+      const size_t len = std::min(piece, end - off), bytes = len * esize;
+      auto fetch = [&](int p, char* buf) -> const char* {
+        if (p == r) return in + off * esize;
+        read_peer(t, p, buf, addrs[p].in + off * esize, bytes);
+        return buf;
+      };
+      const char* acc = fetch(0, s0);
+      for (int p = 1; p < n; ++p) {
+        const char* x = fetch(p, s1);
+        char* dst = p == n - 1 ? out + off * esize : s0;
+        reduce(dt, op, dst, acc, x, len);
+        acc = dst;
+      }
+      if (op == ReduceOp::avg) scale_divide(dt, out + off * esize, len, n);
+    }
+  }
+  check_alive(t);
+  // Every chunk is final in its owner's out, and nobody reads any in any more: out may now be overwritten (in place,
+  // out[chunk p] of this rank is in[chunk p], which rank p was reading until it reached this barrier).
+  barrier(t, 1);
+
+  // Phase 2: gather every other rank's reduced chunk straight from its out into this rank's out.
+  for (int k = 1; k < n; ++k) {
+    const int p = (r + k) % n;
+    const size_t b = chunk_begin(p), e = chunk_end(p);
+    if (e > b) read_peer(t, p, out + b * esize, addrs[p].out + b * esize, (e - b) * esize);
+  }
+  check_alive(t);
+  // No rank returns (and lets its caller touch out) while a peer may still be reading its chunk.
+  barrier(t, 2);
+}
+
+}  // namespace smartcoll::cma

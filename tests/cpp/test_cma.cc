@@ -1,0 +1,528 @@
+// Same-host allreduce over cross-memory attach (src/cma.h). Ranks as threads (one pid: checks the algorithm) and
+// as forked processes (real cross-process reads, setup verdicts, a peer that dies mid-call).
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cma.h"
+#include "smartcoll/knobs.h"
+#include "smartcoll/reduce.h"
+#include "smartcoll/store.h"
+#include "transport.h"
+
+namespace smartcoll {
+namespace {
+
+Options cma_options(const std::string& timeout = "20") {
+  return Options::resolve({{"timeout", timeout}, {"connect_timeout", "20"}});
+}
+
+// ---- data and the serial reference (rank order 0..n-1, one rounding per step, avg divides once) ----
+
+struct Case {
+  const char* name;
+  DataType dt;
+  ReduceOp op;
+};
+constexpr Case kCases[] = {{"f32_sum", DataType::f32, ReduceOp::sum},
+                           {"f32_avg", DataType::f32, ReduceOp::avg},
+                           {"i32_max", DataType::i32, ReduceOp::max},
+                           {"bf16_sum", DataType::bf16, ReduceOp::sum}};
+
+uint32_t mix(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  return x ^ (x >> 16);
+}
+
+// Inexact floats (so a different summation order would change the bits) and full-range integers.
+std::vector<char> input(const Case& c, int rank, size_t count) {
+  std::vector<char> v(count * dtype_size(c.dt));
+  for (size_t i = 0; i < count; ++i) {
+    uint32_t h = mix(static_cast<uint32_t>(i) * 2654435761u + static_cast<uint32_t>(rank) * 40503u + 17u);
+    float f = static_cast<float>(h >> 8) / 16777216.0f * 2.0f - 1.0f;
+    switch (c.dt) {
+      case DataType::f32: std::memcpy(&v[i * 4], &f, 4); break;
+      case DataType::i32: {
+        auto x = static_cast<int32_t>(h);
+        std::memcpy(&v[i * 4], &x, 4);
+        break;
+      }
+      case DataType::bf16: {
+        uint16_t b = float_to_bf16(f * 100.0f);
+        std::memcpy(&v[i * 2], &b, 2);
+        break;
+      }
+      default: ADD_FAILURE() << "no generator";
+    }
+  }
+  return v;
+}
+
+std::vector<char> reference(const Case& c, int n, size_t count) {
+  std::vector<std::vector<char>> ins;
+  for (int r = 0; r < n; ++r) ins.push_back(input(c, r, count));
+  std::vector<char> out = ins[0];
+  for (size_t i = 0; i < count; ++i) {
+    if (c.dt == DataType::f32) {
+      float acc;
+      std::memcpy(&acc, &ins[0][i * 4], 4);
+      for (int r = 1; r < n; ++r) {
+        float x;
+        std::memcpy(&x, &ins[r][i * 4], 4);
+        acc = acc + x;
+      }
+      if (c.op == ReduceOp::avg) acc = acc / static_cast<float>(n);
+      std::memcpy(&out[i * 4], &acc, 4);
+    } else if (c.dt == DataType::i32) {
+      int32_t acc;
+      std::memcpy(&acc, &ins[0][i * 4], 4);
+      for (int r = 1; r < n; ++r) {
+        int32_t x;
+        std::memcpy(&x, &ins[r][i * 4], 4);
+        acc = std::max(acc, x);
+      }
+      std::memcpy(&out[i * 4], &acc, 4);
+    } else {
+      uint16_t acc;
+      std::memcpy(&acc, &ins[0][i * 2], 2);
+      for (int r = 1; r < n; ++r) {
+        uint16_t x;
+        std::memcpy(&x, &ins[r][i * 2], 2);
+        acc = float_to_bf16(bf16_to_float(acc) + bf16_to_float(x));
+      }
+      std::memcpy(&out[i * 2], &acc, 2);
+    }
+  }
+  return out;
+}
+
+// Runs every case in place and out of place on one Local; returns the concatenated results.
+std::vector<char> run_cases(Transport& t, cma::Local& local, size_t count) {
+  std::vector<char> all;
+  for (const Case& c : kCases) {
+    for (bool in_place : {false, true}) {
+      std::vector<char> in = input(c, t.rank(), count);
+      const std::vector<char> original = in;
+      std::vector<char> out(in.size(), static_cast<char>(0xAB));
+      char* dst = in_place ? in.data() : out.data();
+      local.allreduce(t, in.data(), dst, count, c.dt, c.op);
+      if (!in_place && in != original) throw std::runtime_error(std::string(c.name) + ": input was modified");
+      all.insert(all.end(), dst, dst + in.size());
+    }
+  }
+  return all;
+}
+
+std::vector<char> expected_cases(int n, size_t count) {
+  std::vector<char> all;
+  for (const Case& c : kCases) {
+    std::vector<char> ref = reference(c, n, count);
+    for (int k = 0; k < 2; ++k) all.insert(all.end(), ref.begin(), ref.end());
+  }
+  return all;
+}
+
+// Names the first case and element where `got` differs from `want`.
+std::string first_difference(int n, size_t count, const std::vector<char>& got, const std::vector<char>& want) {
+  if (got.size() != want.size())
+    return "size " + std::to_string(got.size()) + " != " + std::to_string(want.size());
+  size_t pos = 0;
+  for (const Case& c : kCases)
+    for (const char* place : {"out of place", "in place"}) {
+      size_t bytes = count * dtype_size(c.dt);
+      for (size_t i = 0; i < bytes; ++i)
+        if (got[pos + i] != want[pos + i])
+          return std::string(c.name) + " " + place + " n=" + std::to_string(n) + " element " +
+                 std::to_string(i / dtype_size(c.dt));
+      pos += bytes;
+    }
+  return "";
+}
+
+// ---- ranks as threads ----
+
+void run_threads(int n, const std::function<void(Transport&, cma::Local&)>& body,
+                 const Options& options = cma_options()) {
+  MemoryStore store;
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(n);
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        Transport t(r, n, store, options, "");
+        cma::Local local(t);
+        if (!local.usable()) throw std::runtime_error("not usable: " + local.why_not());
+        body(t, local);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& th : threads) th.join();
+  for (int r = 0; r < n; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+}
+
+struct Shape {
+  int world;
+  size_t count;
+};
+
+class CmaThreads : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(CmaThreads, AllreduceMatchesSerialReferenceBitwise) {
+  const auto [n, count] = GetParam();
+  std::vector<std::vector<char>> results(n);
+  run_threads(n, [&](Transport& t, cma::Local& local) { results[t.rank()] = run_cases(t, local, count); });
+  const std::vector<char> want = expected_cases(n, count);
+  for (int r = 0; r < n; ++r) EXPECT_EQ(first_difference(n, count, results[r], want), "") << "rank " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cma, CmaThreads,
+                         ::testing::Values(Shape{2, 0}, Shape{2, 1}, Shape{2, 7}, Shape{2, 100003}, Shape{3, 0},
+                                           Shape{3, 1}, Shape{3, 7}, Shape{3, 100003}, Shape{4, 0}, Shape{4, 1},
+                                           Shape{4, 7}, Shape{4, 100003}, Shape{5, 0}, Shape{5, 1}, Shape{5, 7},
+                                           Shape{5, 100003},
+                                           // chunks of several staging pieces, with a ragged last piece
+                                           Shape{2, (1u << 20) + 3}, Shape{3, 1000003}),
+                         [](const auto& info) {
+                           return "n" + std::to_string(info.param.world) + "_count" +
+                                  std::to_string(info.param.count);
+                         });
+
+TEST(CmaThreadsSingle, WorldOfOneIsUsableAndCopies) {
+  run_threads(1, [](Transport& t, cma::Local& local) {
+    EXPECT_EQ(local.why_not(), "");
+    std::vector<float> in{1.5f, -2.0f, 3.25f}, out(3, 0.0f);
+    local.allreduce(t, reinterpret_cast<char*>(in.data()), reinterpret_cast<char*>(out.data()), 3, DataType::f32,
+                    ReduceOp::avg);
+    EXPECT_EQ(out, in);
+  });
+}
+
+TEST(CmaThreadsErrors, MismatchedCountIsCommErrorOnEveryRank) {
+  const int n = 3;
+  std::vector<std::string> errors(n);
+  run_threads(n, [&](Transport& t, cma::Local& local) {
+    const size_t count = t.rank() == 1 ? 10 : 12;
+    std::vector<float> buf(count, 1.0f);
+    try {
+      local.allreduce(t, reinterpret_cast<char*>(buf.data()), reinterpret_cast<char*>(buf.data()), count,
+                      DataType::f32, ReduceOp::sum);
+    } catch (const CommError& e) {
+      errors[t.rank()] = e.what();
+    }
+  });
+  for (int r = 0; r < n; ++r) {
+    EXPECT_NE(errors[r].find("disagree"), std::string::npos) << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("count=10"), std::string::npos) << "rank " << r << ": " << errors[r];
+  }
+}
+
+TEST(CmaThreadsErrors, IntegerAvgIsInvalidArgument) {
+  run_threads(2, [](Transport& t, cma::Local& local) {
+    int32_t x = 1;
+    EXPECT_THROW(local.allreduce(t, reinterpret_cast<char*>(&x), reinterpret_cast<char*>(&x), 1, DataType::i32,
+                                 ReduceOp::avg),
+                 InvalidArgument);
+  });
+}
+
+// ---- ranks as forked processes ----
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char tmpl[] = "/tmp/smartcoll-cma-XXXXXX";
+    const char* p = mkdtemp(tmpl);
+    if (p) path = p;
+    if (p) chmod(p, 0777);  // a child may drop privileges
+  }
+  ~TempDir() {
+    std::error_code ec;
+    if (!path.empty()) std::filesystem::remove_all(path, ec);
+  }
+};
+
+struct ChildOutcome {
+  std::string output;  // what the child wrote to its pipe
+  int status = -1;     // waitpid status
+  bool killed = false; // the parent killed it at the deadline
+};
+
+// What a child gets: its rank, a way to report, and a way to wait until every rank has reported (so that no
+// rank's exit closes its connections while others are still inside a call).
+struct ChildIo {
+  int rank;
+  int out_fd;
+  int release_fd;
+  void write(const std::string& s) const {
+    for (size_t done = 0; done < s.size();) {
+      ssize_t k = ::write(out_fd, s.data() + done, s.size() - done);
+      if (k <= 0) _exit(97);
+      done += static_cast<size_t>(k);
+    }
+  }
+  // Closes the report pipe and blocks until the parent has every report.
+  void finish() const {
+    ::close(out_fd);
+    char c;
+    while (::read(release_fd, &c, 1) > 0) {
+    }
+  }
+};
+
+// Forks `n` children running body(io) (exit status: body's return value, 99 on an exception, whose text is
+// written as "EXCEPTION: ..."); collects their outputs, then releases them; kills all at `deadline_s`.
+std::vector<ChildOutcome> run_processes(int n, const std::function<int(const ChildIo&)>& body,
+                                        double deadline_s = 120) {
+  std::vector<ChildOutcome> outcomes(n);
+  std::vector<pid_t> pids(n, -1);
+  std::vector<int> outs(n, -1), releases(n, -1);
+  for (int r = 0; r < n; ++r) {
+    int out[2], rel[2];
+    if (pipe(out) != 0 || pipe(rel) != 0) {
+      ADD_FAILURE() << "pipe failed";
+      break;
+    }
+    pid_t pid = fork();
+    if (pid == 0) {
+      ::close(out[0]);
+      ::close(rel[1]);
+      for (int q = 0; q < r; ++q) ::close(outs[q]), ::close(releases[q]);
+      ChildIo io{r, out[1], rel[0]};
+      int code = 99;
+      try {
+        code = body(io);
+      } catch (const std::exception& e) {
+        io.write(std::string("EXCEPTION: ") + e.what());
+        io.finish();
+      }
+      _exit(code);
+    }
+    ::close(out[1]);
+    ::close(rel[0]);
+    pids[r] = pid;
+    outs[r] = out[0];
+    releases[r] = rel[1];
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(deadline_s);
+  auto left_ms = [&] {
+    return static_cast<int>(std::max<int64_t>(
+        0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count()));
+  };
+  bool timed_out = false;
+  for (;;) {
+    std::vector<pollfd> fds;
+    std::vector<int> who;
+    for (int r = 0; r < n; ++r)
+      if (outs[r] >= 0) fds.push_back({outs[r], POLLIN, 0}), who.push_back(r);
+    if (fds.empty()) break;
+    int ms = left_ms();
+    if (ms == 0 || poll(fds.data(), fds.size(), ms) == 0) {
+      timed_out = true;
+      break;
+    }
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (!fds[i].revents) continue;
+      char buf[65536];
+      ssize_t k = ::read(fds[i].fd, buf, sizeof buf);
+      if (k > 0) {
+        outcomes[who[i]].output.append(buf, static_cast<size_t>(k));
+      } else if (k == 0 || errno != EINTR) {
+        ::close(outs[who[i]]);
+        outs[who[i]] = -1;
+      }
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    if (outs[r] >= 0) ::close(outs[r]);
+    if (releases[r] >= 0) ::close(releases[r]);
+  }
+  for (int r = 0; r < n; ++r) {
+    if (pids[r] < 0) continue;
+    for (;;) {
+      pid_t w = waitpid(pids[r], &outcomes[r].status, WNOHANG);
+      if (w == pids[r]) break;
+      if (timed_out || left_ms() == 0) {
+        kill(pids[r], SIGKILL);
+        waitpid(pids[r], &outcomes[r].status, 0);
+        outcomes[r].killed = true;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  return outcomes;
+}
+
+bool exited_with(const ChildOutcome& o, int code) {
+  return !o.killed && WIFEXITED(o.status) && WEXITSTATUS(o.status) == code;
+}
+
+class CmaProcesses : public ::testing::TestWithParam<int> {};
+
+TEST_P(CmaProcesses, AllreduceAcrossProcessesMatchesReferenceBitwise) {
+  const int n = GetParam();
+  const std::vector<size_t> counts{0, 1, 7, 100003, 600011};
+  TempDir dir;
+  ASSERT_FALSE(dir.path.empty());
+  auto outcomes = run_processes(n, [&](const ChildIo& io) {
+    FileStore store(dir.path);
+    Transport t(io.rank, n, store, cma_options(), "");
+    cma::Local local(t);
+    if (!local.usable()) {
+      io.write("NOT USABLE: " + local.why_not());
+      io.finish();
+      return 3;
+    }
+    std::string report = std::to_string(getpid()) + "\n";
+    for (size_t count : counts) {
+      std::vector<char> got = run_cases(t, local, count);
+      report.append(got.begin(), got.end());
+    }
+    io.write(report);
+    io.finish();
+    return 0;
+  });
+  std::vector<std::string> pids;
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(exited_with(outcomes[r], 0)) << "rank " << r << " status " << outcomes[r].status << " killed "
+                                             << outcomes[r].killed << ": " << outcomes[r].output.substr(0, 500);
+    auto nl = outcomes[r].output.find('\n');
+    ASSERT_NE(nl, std::string::npos);
+    pids.push_back(outcomes[r].output.substr(0, nl));
+    outcomes[r].output.erase(0, nl + 1);
+  }
+  for (int r = 1; r < n; ++r) EXPECT_NE(pids[r], pids[0]) << "ranks must be distinct processes";
+  size_t pos = 0;
+  for (size_t count : counts) {
+    const std::vector<char> want = expected_cases(n, count);
+    for (int r = 0; r < n; ++r) {
+      ASSERT_GE(outcomes[r].output.size(), pos + want.size());
+      std::vector<char> got(outcomes[r].output.begin() + static_cast<ptrdiff_t>(pos),
+                            outcomes[r].output.begin() + static_cast<ptrdiff_t>(pos + want.size()));
+      EXPECT_EQ(first_difference(n, count, got, want), "") << "rank " << r << " count " << count;
+      if (r > 0) {  // bitwise agreement across processes
+        EXPECT_EQ(outcomes[r].output.compare(pos, want.size(), outcomes[0].output, pos, want.size()), 0);
+      }
+    }
+    pos += want.size();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cma, CmaProcesses, ::testing::Values(2, 3, 4, 5),
+                         [](const auto& info) { return "n" + std::to_string(info.param); });
+
+// One rank that cannot read its peers (another user, or not readable by them) disables the path on every rank,
+// with the same reason everywhere.
+TEST(CmaProcessesSetup, OneRankFailingItsProbeDisablesItEverywhere) {
+  const int n = 3;
+  TempDir dir;
+  ASSERT_FALSE(dir.path.empty());
+  const bool root = geteuid() == 0;
+  auto outcomes = run_processes(n, [&](const ChildIo& io) {
+    if (io.rank == 1) {
+      if (root) {  // nobody cannot read root's processes
+        if (setresgid(65534, 65534, 65534) != 0 || setresuid(65534, 65534, 65534) != 0) return 4;
+      } else {  // peers of the same user cannot read a non-dumpable process
+        prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+      }
+    }
+    FileStore store(dir.path);
+    Transport t(io.rank, n, store, cma_options(), "");
+    cma::Local local(t);
+    std::string report = (local.usable() ? "usable|" : "unusable|") + local.why_not();
+    float x = 1.0f;
+    try {
+      local.allreduce(t, reinterpret_cast<char*>(&x), reinterpret_cast<char*>(&x), 1, DataType::f32, ReduceOp::sum);
+      report += "|allreduce ran";
+    } catch (const InvalidArgument&) {
+      report += "|allreduce refused";
+    }
+    io.write(report);
+    io.finish();
+    return 0;
+  });
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(exited_with(outcomes[r], 0)) << "rank " << r << ": " << outcomes[r].output;
+    EXPECT_EQ(outcomes[r].output.rfind("unusable|rank ", 0), 0u) << "rank " << r << ": " << outcomes[r].output;
+    EXPECT_NE(outcomes[r].output.find("not permitted"), std::string::npos) << outcomes[r].output;
+    EXPECT_NE(outcomes[r].output.find("|allreduce refused"), std::string::npos) << outcomes[r].output;
+    EXPECT_EQ(outcomes[r].output, outcomes[0].output) << "ranks must agree";
+  }
+}
+
+// Rank 2 exits abruptly while ranks 0 and 1 run allreduce after allreduce: each survivor gets a CommError (never a
+// crash or a hang) within the 3 s no-progress timeout, and the error names rank 2 on at least one of them (the
+// other may first see the survivor that failed and aborted its connections, as the Communicator does).
+TEST(CmaProcessesErrors, PeerDyingMidCallIsCommErrorNamingIt) {
+  const int n = 3;
+  const size_t count = 8u << 20;  // 32 MiB of float32 per rank
+  for (int delay_ms : {0, 15, 60}) {
+    TempDir dir;
+    ASSERT_FALSE(dir.path.empty());
+    auto outcomes = run_processes(n, [&](const ChildIo& io) {
+      FileStore store(dir.path);
+      Transport t(io.rank, n, store, cma_options("3"), "");
+      t.context = "allreduce on rank " + std::to_string(io.rank);
+      cma::Local local(t);
+      if (!local.usable()) {
+        io.write("NOT USABLE: " + local.why_not());
+        io.finish();
+        return 3;
+      }
+      std::vector<float> buf(count, 1.0f);
+      char* p = reinterpret_cast<char*>(buf.data());
+      local.allreduce(t, p, p, count, DataType::f32, ReduceOp::sum);  // all alive
+      if (io.rank == 2) {
+        std::thread([delay_ms] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+          _exit(42);
+        }).detach();
+        for (;;) local.allreduce(t, p, p, count, DataType::f32, ReduceOp::sum);
+      }
+      for (int i = 0; i < 100000; ++i) {
+        auto start = std::chrono::steady_clock::now();
+        try {
+          local.allreduce(t, p, p, count, DataType::f32, ReduceOp::sum);
+        } catch (const CommError& e) {
+          double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          t.abort();  // as the Communicator does, so that the other survivor fails at once
+          io.write("COMMERROR after " + std::to_string(s) + " s: " + e.what());
+          io.finish();
+          return s < 5.0 ? 0 : 5;
+        }
+      }
+      io.write("all calls succeeded");
+      io.finish();
+      return 6;
+    });
+    EXPECT_TRUE(exited_with(outcomes[2], 42)) << "rank 2: " << outcomes[2].output;
+    bool named = false;
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_TRUE(exited_with(outcomes[r], 0)) << "delay " << delay_ms << " rank " << r << ": " << outcomes[r].output;
+      EXPECT_EQ(outcomes[r].output.rfind("COMMERROR", 0), 0u) << outcomes[r].output;
+      named |= outcomes[r].output.find("rank 2") != std::string::npos;
+    }
+    EXPECT_TRUE(named) << outcomes[0].output << "\n" << outcomes[1].output;
+  }
+}
+
+}  // namespace
+}  // namespace smartcoll
