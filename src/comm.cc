@@ -166,9 +166,16 @@ std::string describe(const Descriptor& d) {
   if (coll == Collective::allreduce || coll == Collective::reduce_scatter || coll == Collective::reduce)
     s += ", op=" + std::string(op_name(static_cast<ReduceOp>(d.op)));
   if (coll == Collective::allreduce) s += ", algo=" + std::string(algorithm_name(static_cast<Algorithm>(d.algo)));
-  if (static_cast<CodecKind>(d.codec) != CodecKind::identity)
-    s += ", codec=" + std::to_string(d.codec) + "/" + std::to_string(d.codec_block) + "/" +
-         std::to_string(d.codec_mant) + "/" + std::to_string(d.codec_exp) + (d.codec_owner ? "/owner" : "/hop");
+  if (const auto kind = static_cast<CodecKind>(d.codec); kind != CodecKind::identity) {
+    std::string name = "kind " + std::to_string(d.codec);
+    for (const std::string& preset : Codec::names())
+      if (Codec::parse(preset).kind() == kind) name = preset;
+    if (kind == CodecKind::bfp)
+      name = "bfp:block=" + std::to_string(d.codec_block) + ",mant=" + std::to_string(d.codec_mant) +
+             ",exp=" + std::to_string(d.codec_exp);
+    s += ", codec=" + name;
+    if (coll == Collective::allreduce) s += std::string(", codec_mode=") + (d.codec_owner ? "owner" : "hop");
+  }
   if (coll == Collective::broadcast || coll == Collective::reduce) s += ", root=" + std::to_string(d.root);
   return s + ")";
 }
@@ -188,7 +195,9 @@ void Communicator::check_agreement(const Call& call) {
                   static_cast<uint8_t>(c.kind()),
                   static_cast<uint8_t>(compressed ? c.mant_bits() : 0),
                   static_cast<uint8_t>(compressed ? c.exp_bits() : 0),
-                  static_cast<uint8_t>(compressed && options_.str("codec_mode") == "owner"),
+                  // codec_mode changes only allreduce
+                  static_cast<uint8_t>(compressed && call.coll == Collective::allreduce &&
+                                       options_.str("codec_mode") == "owner"),
                   static_cast<uint32_t>(compressed ? c.block() : 0),
                   call.root,
                   call.count};
@@ -211,7 +220,8 @@ void Communicator::check_agreement(const Call& call) {
   }
   std::string msg = "ranks disagree on the collective call:";
   for (const auto& [what, ranks] : groups) msg += " rank(s) " + ranks + " called " + what + ";";
-  throw CommError(msg + " every rank must make the same calls in the same order with the same count, dtype and op");
+  throw CommError(msg + " every rank must make the same calls in the same order with the same arguments and "
+                        "settings (count, dtype, op, root, algo, codec, codec_mode)");
 }
 
 Algorithm Communicator::choose_allreduce(size_t count, DataType dt, Algorithm requested, bool compressed) const {
@@ -249,12 +259,17 @@ void check_root(int root, int size) {
 
 }  // namespace
 
-Codec Communicator::choose_codec(DataType dt, ReduceOp op, const std::optional<Codec>& requested) const {
-  const bool applies = dt == DataType::f32 && (op == ReduceOp::sum || op == ReduceOp::avg);
-  if (!requested) return applies ? Codec::parse(options_.str("codec")) : Codec::parse("identity");
-  require(applies || requested->kind() == CodecKind::identity,
-          "codec '" + requested->name() + "' needs float32 data reduced with sum or avg (got " +
-              std::string(dtype_name(dt)) + ", " + std::string(op_name(op)) + ")");
+Codec Communicator::choose_codec(DataType dt, std::optional<ReduceOp> op,
+                                 const std::optional<Codec>& requested) const {
+  const bool applies = dt == DataType::f32 && (!op || *op == ReduceOp::sum || *op == ReduceOp::avg);
+  if (!requested) return applies ? Codec::parse(options_.str("codec")) : Codec();
+  if (!applies && requested->kind() != CodecKind::identity) {
+    if (!op)
+      throw InvalidArgument("codec '" + requested->name() + "' needs float32 data (got " +
+                            std::string(dtype_name(dt)) + ")");
+    throw InvalidArgument("codec '" + requested->name() + "' needs float32 data reduced with sum or avg (got " +
+                          std::string(dtype_name(dt)) + ", " + std::string(op_name(*op)) + ")");
+  }
   return *requested;
 }
 
@@ -299,7 +314,7 @@ std::shared_ptr<Request> Communicator::reduce_scatter(const void* in, void* out,
 
 std::shared_ptr<Request> Communicator::allgather(const void* in, void* out, size_t sendcount, DataType dt,
                                                  std::optional<Codec> codec) {
-  const Codec wire = choose_codec(dt, ReduceOp::sum, codec);
+  const Codec wire = choose_codec(dt, std::nullopt, codec);
   return submit({Collective::allgather, dt, ReduceOp::sum, Algorithm::ring, -1, sendcount, wire}, [=, this] {
     const algo::Params params = this->params(wire);
     if (size_ == 1)

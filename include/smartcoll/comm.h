@@ -93,7 +93,8 @@ class Communicator {
   // Which allreduce algorithm `automatic` resolves to for this message.
   Algorithm choose_allreduce(size_t count, DataType dt, Algorithm requested, bool compressed = false) const;
   // The codec a call uses: `requested`, or the knob's where it applies; identity means raw elements.
-  Codec choose_codec(DataType dt, ReduceOp op, const std::optional<Codec>& requested) const;
+  // op: nullopt for collectives that do not reduce (allgather).
+  Codec choose_codec(DataType dt, std::optional<ReduceOp> op, const std::optional<Codec>& requested) const;
 
   // Empty when the same-host path (cma) is usable; otherwise why not.
   std::string cma_unusable_reason() const;

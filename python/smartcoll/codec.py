@@ -8,7 +8,7 @@ Formats (``formats()``): identity, fp16, bf16, block floating point (``bfp16``, 
 and the OCP Microscaling formats mxint8, mxfp8_e4m3, mxfp8_e5m2, mxfp6_e3m2, mxfp6_e2m3, mxfp4_e2m1. Rounding is
 to nearest, ties to even; docs/wire-format.md gives each byte layout. ``error_bound(fmt)`` says how far a decoded
 value may be from the original. Encoding in pieces whose lengths are multiples of ``block_elems(fmt)`` gives the
-same bytes as encoding at once.
+same bytes as encoding at once. ``ErrorFeedback`` carries a buffer's compression error over to the next step.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from . import _core
 
 __all__ = [
     "ErrorBound",
+    "ErrorFeedback",
     "block_elems",
     "decode",
     "decode_add",
@@ -153,3 +154,119 @@ def decode_add_encode(
     total = None if sum is None else _output(sum, np.float32, add.size, "sum")
     _core.codec_decode_add_encode(fmt, _bytes_view(buf), add, dst, total)
     return dst if out is None else out
+
+
+class ErrorFeedback:
+    """Error feedback (EF-SGD) for one buffer sent through a compressed collective.
+
+        ef = codec.ErrorFeedback("bfp16")          # one instance per gradient bucket
+        ef.step(grad)                              # grad += residual; residual = grad - decode(encode(grad))
+        comm.allreduce(grad, codec="bfp16")        # in place: grad now holds the compressed sum
+
+    A compressed allreduce sends ``decode(encode(y))`` instead of ``y``; error feedback keeps what was lost,
+    ``residual = y - decode(encode(y))``, and adds it to the next step's data, so that over many steps nothing
+    this rank contributes is lost (the time-average of what was sent converges to the time-average of the
+    data). Two ways to use it, both before the collective:
+
+    * ``ef.step(x)``: ``x += residual`` in place, then ``residual = x - decode(encode(x))``; returns ``x``. The
+      residual is computed from ``x`` *before* the collective overwrites it, so an in-place allreduce right
+      after is fine. This is the one call a DDP comm hook makes per bucket.
+    * ``y = ef.compensate(x)`` (a new array or tensor; ``inplace=True`` writes into ``x``), then
+      ``ef.update(y)`` with exactly the values that are sent. ``update`` must see those values, so call it
+      before an in-place collective replaces them (or pass a copy).
+
+    Which error is compensated: this rank's encoding of its own contribution, i.e. the first quantization of
+    every element. That is exactly what the ``owner`` codec_mode loses at the contributors (each rank encodes
+    its vector once, whole blocks at a time, so chunking does not change the bytes); the owner's second
+    quantization (of the float32 sum, before the allgather) is not seen by any contributor and is not
+    compensated. In the ``hop`` mode a partial sum is re-encoded at every hop, and only the rank that starts a
+    chunk sends its own data encoded on its own. So the time-average of what each rank *sends* converges to
+    its data like 1/steps, while that of an allreduce's *result* improves by a bounded factor and then stops
+    (bfp16, 2 ranks, a fixed input: 3.7x in hop mode, 2.4x in owner mode, the same after 200 or 1600 steps;
+    tests/python/test_compressed.py). Use it only where the collective really compresses: at world size 1, or
+    with a codec that does not apply (not float32, not sum/avg), nothing is quantized and adding the residual
+    only biases the data.
+
+    Works on float32 NumPy arrays and contiguous CPU float32 torch tensors, of any shape. Residuals are kept
+    per buffer shape (created as zeros on first use), so a bucket whose size changes (DDP rebuilds its buckets
+    after the first iteration) starts over instead of failing; two different buckets of the same shape need
+    two instances. Non-finite residual entries (from an inf or NaN gradient, or a value beyond the format's
+    ``limit``) are stored as zero, so that one overflowing step (which AMP skips) does not poison later ones.
+
+    Exposed for the torch integration: a DDP communication hook calls ``step`` on each bucket before its
+    compressed allreduce.
+    """
+
+    def __init__(self, fmt: str):
+        self.fmt = fmt
+        info(fmt)  # an unknown format fails here, not at the first step
+        self._residual: dict[tuple[int, ...], np.ndarray] = {}
+
+    def __repr__(self) -> str:
+        return f"ErrorFeedback({self.fmt!r}, shapes={sorted(self._residual)})"
+
+    @staticmethod
+    def _shape(x: Any) -> tuple[int, ...]:
+        return tuple(int(d) for d in x.shape)
+
+    @staticmethod
+    def _writable_view(x: Any, what: str) -> np.ndarray:
+        """A flat float32 NumPy view sharing memory with ``x`` (for in-place updates)."""
+        if type(x).__module__.startswith("torch"):
+            if x.device.type != "cpu":
+                raise TypeError(f"{what} is a {x.device.type} tensor; ErrorFeedback works on CPU memory")
+            if not x.is_contiguous():
+                raise TypeError(f"{what} is a non-contiguous tensor: pass {what}.contiguous()")
+            a = x.detach().numpy()
+        elif isinstance(x, np.ndarray):
+            a = x
+        else:
+            raise TypeError(f"{what} must be a NumPy array or a CPU torch tensor, got {type(x).__name__}")
+        if a.dtype != np.float32:
+            raise TypeError(f"{what} has dtype {a.dtype}; error feedback applies to float32 data")
+        if not a.flags.c_contiguous or not a.flags.writeable:
+            raise TypeError(f"{what} must be a writeable, C-contiguous float32 array to be updated in place")
+        return a.reshape(-1)
+
+    def residual(self, shape: Any) -> np.ndarray:
+        """The residual kept for buffers of ``shape`` (a float32 array of that shape, zeros if none yet)."""
+        shape = tuple(int(d) for d in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        if shape not in self._residual:
+            self._residual[shape] = np.zeros(int(np.prod(shape, dtype=np.int64)), dtype=np.float32)
+        return self._residual[shape].reshape(shape)
+
+    def reset(self) -> None:
+        """Forget every residual (e.g. after loading a checkpoint)."""
+        self._residual.clear()
+
+    def compensate(self, x: Any, inplace: bool = False) -> Any:
+        """``x + residual`` in float32: a new array (or tensor, for a tensor ``x``), or ``x`` itself if inplace."""
+        res = self.residual(self._shape(x)).reshape(-1)
+        if inplace:
+            view = self._writable_view(x, "x")
+            np.add(view, res, out=view)
+            return x
+        flat = _float32_view(x, "x")
+        y = flat + res
+        if type(x).__module__.startswith("torch"):
+            import torch
+
+            return torch.from_numpy(y.reshape(self._shape(x)))
+        return y.reshape(self._shape(x))
+
+    def update(self, y: Any) -> None:
+        """``residual = y - decode(encode(y))`` for the values ``y`` this rank sends (see the class doc)."""
+        flat = _float32_view(y, "y")
+        res = self.residual(self._shape(y)).reshape(-1)
+        decode(encode(flat, self.fmt), self.fmt, flat.size, out=res)  # res = decode(encode(y))
+        with np.errstate(invalid="ignore", over="ignore"):
+            np.subtract(flat, res, out=res)
+        bad = ~np.isfinite(res)
+        if bad.any():
+            res[bad] = 0.0
+
+    def step(self, x: Any) -> Any:
+        """Before a compressed collective: ``x += residual`` in place, then ``update(x)``; returns ``x``."""
+        self.compensate(x, inplace=True)
+        self.update(x)
+        return x
