@@ -15,17 +15,8 @@ import time
 import numpy as np
 
 from smartcoll import _core
+from codec_bench import best_seconds  # benchmarks/ is on sys.path when run as a script
 from smartcoll.bench import parse_size
-
-
-def best_seconds(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def iperf3_loopback(seconds: int) -> float | None:

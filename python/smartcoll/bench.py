@@ -11,6 +11,11 @@ Shape of a run (nccl-tests' figures, the peers of DESIGN.md measured side by sid
 * the driver takes, per size, the max over ranks of the mean per-iteration time and the sum of wrong elements,
   and prints the table (and the JSON file).
 
+With ``--cluster NAME`` every rank (smartcoll and gloo through the launcher's per-rank hooks, Open MPI through
+an mpirun started inside host 0's namespace, see ``peers.run_mpi``) runs on its own host of an emulated
+cluster (smartcoll.cluster), and the driver first measures what the links carry (iperf3, ring pattern) so that
+busbw is reported as a percentage of it.
+
 Reducing the per-rank figures in the driver, rather than with the library under test, keeps a bug in the
 library's own max-reduction from corrupting its report, and treats smartcoll and its peers identically.
 """
@@ -80,6 +85,13 @@ def format_size(nbytes: int) -> str:
         if nbytes % _UNITS[suffix] == 0:
             return f"{nbytes // _UNITS[suffix]}{suffix}"
     return str(nbytes)
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def _sizes_arg(spec: str) -> list[int]:
@@ -250,19 +262,49 @@ class SmartcollRunner:
 
 def measure(runner, case: Case, iters: int, warmup: int) -> tuple[float, int]:
     """Mean seconds per call over `iters` timed calls (after `warmup` untimed ones), and wrong elements."""
-    call, result = runner.bind(case)
+    elapsed = time_calls(runner, case, iters, warmup)
+    return elapsed, check(runner, case)
+
+
+def time_calls(runner, case: Case, iters: int, warmup: int) -> float:
+    """Mean seconds per call over `iters` timed calls, after `warmup` untimed ones and a barrier."""
+    call, _ = runner.bind(case)
     for _ in range(warmup):
         call()
     runner.barrier()
     start = time.perf_counter()
     for _ in range(iters):
         call()
-    elapsed = (time.perf_counter() - start) / iters
-    # Check one fresh call: in-place forms (gloo's allreduce, MPI's Bcast) fold their output back into their
-    # input during the timed loop, and a fresh sentinel in the output catches a call that writes nothing.
+    return (time.perf_counter() - start) / iters
+
+
+def check(runner, case: Case) -> int:
+    """Wrong elements of one fresh call: in-place forms (gloo's allreduce, MPI's Bcast) fold their output back
+    into their input during a timed loop, and a fresh sentinel in the output catches a call that writes
+    nothing."""
+    call, result = runner.bind(case)
     case.reset()
     call()
-    return elapsed, case.wrong(result)
+    return case.wrong(result)
+
+
+def split_rounds(iters: int, rounds: int) -> list[int]:
+    """`iters` timed calls in `rounds` (at most iters) nearly equal parts."""
+    rounds = max(1, min(rounds, iters))
+    return [iters // rounds + (1 if k < iters % rounds else 0) for k in range(rounds)]
+
+
+def iterations(nbytes: int, iters: int, warmup: int, iter_bytes: Optional[int]) -> tuple[int, int]:
+    """(timed calls, warmup calls) for one size: `iters` and `warmup`, or with `iter_bytes`, fewer for large
+    sizes so that timed calls x size stays within iter_bytes (never fewer than MIN_ITERS timed calls, nor
+    fewer than one warmup call unless warmup is 0): large sizes then cost about as much time as small ones."""
+    if not iter_bytes:
+        return iters, warmup
+    k = max(min(iters, MIN_ITERS), min(iters, iter_bytes // nbytes))
+    return k, min(warmup, max(1, k // 4))
+
+
+MIN_ITERS = 3
 
 
 def status(text: str) -> None:
@@ -275,24 +317,48 @@ def run_sizes(runners: list, cfg: dict, rank: int, nranks: int, workdir: Path) -
 
     A peer runner that raises (a dtype or op its backend does not support) is reported and dropped for the
     remaining sizes; a smartcoll failure propagates, failing the rank and so the run.
+
+    With cfg["rounds"] > 1 the timed calls of each size are split into rounds, and the runners take turns
+    round by round (smartcoll, gloo, smartcoll, gloo, ...), so that a change in the machine's background
+    load during the size affects every implementation alike; each round after the first starts with one
+    untimed call (idle TCP connections restart from a small window).
     """
     results: dict[str, dict] = {r.name: {"rank": rank, "info": r.info(), "results": []} for r in runners}
     active = list(runners)
     for index, count in enumerate(cfg["counts"]):
         nbytes = count * np.dtype(cfg["dtype"]).itemsize
         case = Case(cfg["collective"], rank, nranks, count, cfg["dtype"], cfg["op"], cfg["root"])
+        iters, warmup = iterations(nbytes, cfg["iters"], cfg["warmup"], cfg.get("iter_bytes"))
+        parts = split_rounds(iters, cfg.get("rounds", 1))
+        totals = {runner.name: 0.0 for runner in active}
+
+        def drop(runner, e: Exception) -> None:
+            if runner.name == SmartcollRunner.name:
+                raise e
+            results[runner.name]["error"] = f"{type(e).__name__}: {e}"
+            status(f"{runner.name} failed at {format_size(nbytes)} and is skipped from here on: {e}")
+            active.remove(runner)
+
+        for k, part in enumerate(parts):
+            for runner in list(active):
+                try:
+                    case.reset()  # a peer's in-place calls changed the input
+                    first = warmup if k == 0 else min(warmup, 1)
+                    totals[runner.name] += part * time_calls(runner, case, part, first)
+                except Exception as e:  # whatever a peer raises is reported the same way
+                    drop(runner, e)
         timings = []
         for runner in list(active):
             try:
-                elapsed, wrong = measure(runner, case, cfg["iters"], cfg["warmup"])
-            except Exception as e:  # whatever a peer raises is reported the same way
-                if runner.name == SmartcollRunner.name:
-                    raise
-                results[runner.name]["error"] = f"{type(e).__name__}: {e}"
-                status(f"{runner.name} failed at {format_size(nbytes)} and is skipped from here on: {e}")
-                active.remove(runner)
+                wrong = check(runner, case)
+            except Exception as e:
+                drop(runner, e)
                 continue
-            results[runner.name]["results"].append({"count": count, "time_s": elapsed, "wrong": wrong})
+            elapsed = totals[runner.name] / iters
+            results[runner.name]["results"].append(
+                {"count": count, "time_s": elapsed, "wrong": wrong, "iters": iters, "warmup": warmup,
+                 "rounds": len(parts)}
+            )
             timings.append(f"{runner.name} {elapsed * 1e6:.1f} us" + (f" ({wrong} wrong)" if wrong else ""))
         if rank == 0:
             status(
@@ -419,6 +485,7 @@ def aggregate(workdir: Path, impl: str, nranks: int) -> Optional[dict]:
             "time_s": max(p["results"][i]["time_s"] for p in per_rank),
             "rank_times_s": [p["results"][i]["time_s"] for p in per_rank],
             "wrong": sum(p["results"][i]["wrong"] for p in per_rank),
+            "iters": per_rank[0]["results"][i].get("iters"),
         }
         for i in range(measured)
     ]
@@ -426,14 +493,16 @@ def aggregate(workdir: Path, impl: str, nranks: int) -> Optional[dict]:
     return {"info": per_rank[0]["info"], "results": results, "error": error}
 
 
-def build_rows(cfg: dict, measured: dict[str, dict]) -> list[dict]:
-    """One record per size: bytes, count and, per implementation, time/algbw/busbw/wrong."""
+def build_rows(cfg: dict, measured: dict[str, dict], link_GBps: Optional[float] = None) -> list[dict]:
+    """One record per size: bytes, count and, per implementation, time/algbw/busbw/wrong (and pct_link, busbw
+    as a percentage of `link_GBps`, when the link limit was measured)."""
     itemsize = np.dtype(cfg["dtype"]).itemsize
     n = cfg["world_size"]
     rows = []
     for index, count in enumerate(cfg["counts"]):
         nbytes = count * itemsize
-        row = {"bytes": nbytes, "count": count}
+        iters, warmup = iterations(nbytes, cfg["iters"], cfg["warmup"], cfg.get("iter_bytes"))
+        row = {"bytes": nbytes, "count": count, "iters": iters, "warmup": warmup}
         for impl, data in measured.items():
             if index >= len(data["results"]):
                 continue
@@ -446,24 +515,35 @@ def build_rows(cfg: dict, measured: dict[str, dict]) -> list[dict]:
                 "wrong": r["wrong"],
                 "rank_times_us": [t * 1e6 for t in r["rank_times_s"]],
             }
+            if link_GBps:
+                row[impl]["pct_link"] = 100.0 * busbw / link_GBps
         rows.append(row)
     return rows
 
 
-def format_report(cfg: dict, rows: list[dict], peers: Sequence[str]) -> str:
-    headers = ["size(B)", "count", "type", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"]
+def format_report(cfg: dict, rows: list[dict], peers: Sequence[str], link: Optional[dict] = None) -> str:
+    """The table. `link`: the cluster run's {"cluster": layout summary, "iperf": measure_iperf's result,
+    "GBps": the limit busbw is compared with}, which adds header lines and a %link column."""
+    varying = len({row.get("iters") for row in rows}) > 1
+    headers = ["size(B)", "count", "type"] + (["iters"] if varying else [])
+    headers += ["time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"]
+    with_link = bool(link and link.get("GBps"))
+    if with_link:
+        headers.append("%link")
     for peer in peers:
         headers += [f"{peer} busbw", f"smartcoll/{peer}"]
     cells = []
     notes = []
     for row in rows:
         sc = row.get("smartcoll")
-        line = [str(row["bytes"]), str(row["count"]), cfg["dtype"]]
+        line = [str(row["bytes"]), str(row["count"]), cfg["dtype"]] + ([str(row["iters"])] if varying else [])
         line += (
             [f"{sc['time_us']:.1f}", f"{sc['algbw_GBps']:.3f}", f"{sc['busbw_GBps']:.3f}", str(sc["wrong"])]
             if sc
             else ["-"] * 4
         )
+        if with_link:
+            line.append(f"{sc['pct_link']:.1f}" if sc and "pct_link" in sc else "-")
         for peer in peers:
             p = row.get(peer)
             if p is None:
@@ -484,16 +564,45 @@ def format_report(cfg: dict, rows: list[dict], peers: Sequence[str]) -> str:
         title += f", root {cfg['root']}"
     if cfg["collective"] == "allreduce":
         title += f", algo {cfg['algo']}"
-    title += f", {cfg['iters']} iterations after {cfg['warmup']} warmup"
-    lines = [
-        title,
-        "# time: max over ranks of the mean time per call; busbw = algbw x "
-        + _factor_text(cfg["collective"]),
-    ]
+    if varying:
+        title += (
+            f", {cfg['iters']} iterations (fewer for large sizes: iters x size <= "
+            f"{format_size(cfg['iter_bytes'])}, at least {MIN_ITERS}; column iters) after up to "
+            f"{cfg['warmup']} warmup"
+        )
+    else:
+        title += f", {rows[0]['iters'] if rows else cfg['iters']} iterations after "
+        title += f"{rows[0]['warmup'] if rows else cfg['warmup']} warmup"
+    lines = [title]
+    if link:
+        lines += link_lines(link)
+    lines.append(
+        "# time: max over ranks of the mean time per call; busbw = algbw x " + _factor_text(cfg["collective"])
+    )
     if peers:
         lines.append("# smartcoll/<peer> = smartcoll busbw / peer busbw: above 1 means smartcoll is faster")
     lines.append(format_table(headers, cells))
     return "\n".join(lines + notes)
+
+
+def link_lines(link: dict) -> list[str]:
+    """Header lines describing a cluster run's network and the link limit measured in the same run."""
+    c = link["cluster"]
+    lines = [
+        f"# cluster {c['name']}: {c['hosts']} hosts, {c['topology']} topology, links {c['rate']}"
+        + (f", latency {c['latency_us']} us" if c.get("latency_us") else "")
+        + "; one rank per host, traffic over the shaped veth links"
+    ]
+    r = link.get("iperf")
+    if r:
+        lines.append(
+            f"# link limit, measured in this run: iperf3 TCP goodput, {r['pattern']} pattern ({r['hosts']} "
+            f"flows at once, {r['seconds']:g} s): mean {r['mean_mbps']:.0f} Mbit/s per link (min "
+            f"{r['min_mbps']:.0f}, max {r['max_mbps']:.0f}) = {link['GBps']:.4f} GB/s; %link = busbw / that"
+        )
+    elif link.get("error"):
+        lines.append(f"# link limit not measured: {link['error']}")
+    return lines
 
 
 def _factor_text(collective: str) -> str:
@@ -525,6 +634,8 @@ def metadata(cfg: dict, measured: dict[str, dict]) -> dict:
         "root": cfg["root"],
         "iters": cfg["iters"],
         "warmup": cfg["warmup"],
+        "iter_bytes": cfg.get("iter_bytes"),
+        "rounds": cfg.get("rounds", 1),
         "build_info": measured["smartcoll"]["info"]["build_info"],
         "knobs": measured["smartcoll"]["info"]["options"],
         "python": platform.python_version(),
@@ -544,7 +655,25 @@ def metadata(cfg: dict, measured: dict[str, dict]) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("collective", choices=list(COLLECTIVES), help="the collective to time")
     parser.add_argument(
-        "-n", "--nprocs", type=int, default=2, metavar="N", help="ranks to start (default: %(default)s)"
+        "-n",
+        "--nprocs",
+        type=int,
+        metavar="N",
+        help="ranks to start (default: 2, or one per host of --cluster)",
+    )
+    parser.add_argument(
+        "--cluster",
+        metavar="NAME",
+        help="run the ranks on the emulated cluster NAME (`smartcoll cluster up --name NAME`), rank i on "
+        "host i: smartcoll and gloo in the hosts' network namespaces, Open MPI's ranks too (mpirun in host "
+        "0's, TCP over the veths); measures the links with iperf3 first and adds busbw as %%link",
+    )
+    parser.add_argument(
+        "--no-iperf",
+        dest="iperf",
+        action="store_false",
+        help="with --cluster: skip the iperf3 measurement of the link limit (about 4 s) and the %%link "
+        "column",
     )
     parser.add_argument(
         "--sizes",
@@ -576,6 +705,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--warmup", type=int, default=5, metavar="W", help="untimed calls before them (default: %(default)s)"
     )
     parser.add_argument(
+        "--iter-bytes",
+        type=_size_arg,
+        metavar="SIZE",
+        help="fewer calls for large sizes: timed calls per size = min(K, SIZE / size), at least "
+        f"{MIN_ITERS}; warmup = min(W, calls / 4), at least 1 (e.g. --iters 20 --iter-bytes 256M: 20 calls "
+        "up to 8M, 4 at 64M) (default: always K and W)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="R",
+        help="split each size's timed calls into R rounds and let smartcoll and gloo take turns round by "
+        "round (each round after the first adds one untimed call), so that background load that comes and "
+        "goes during a size hits both alike (default: %(default)s)",
+    )
+    parser.add_argument(
         "--vs",
         action="append",
         choices=["gloo", "mpi"],
@@ -586,9 +732,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mpi-transport",
         choices=["shm", "tcp"],
-        default="shm",
         help="Open MPI's byte transfer layer: shm (vader, its default on one host) or tcp over loopback "
-        "(default: %(default)s)",
+        "(default: shm; with --cluster always tcp over the hosts' veths)",
+    )
+    parser.add_argument(
+        "--mpi-mca",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra Open MPI MCA parameter for mpirun (--mca NAME VALUE), e.g. btl_tcp_links=2; repeatable. "
+        "Cluster runs set mpi_yield_when_idle=1 unless given (the emulated hosts share this machine's cores)",
     )
     parser.add_argument(
         "--json", type=Path, metavar="FILE", help="write all measurements and run metadata to FILE"
@@ -604,6 +757,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_knob_options(parser)
 
 
+def measure_link(c, iperf: bool = True) -> dict:
+    """The cluster's layout and, with `iperf`, the TCP goodput its links carry (iperf3, ring pattern: every
+    host sends to the next at once, as a ring collective does), measured now, in this run. The limit busbw
+    is compared with ("GBps") is the mean goodput per link in GB/s (1e9 bytes/s)."""
+    from smartcoll import cluster
+
+    link: dict = {
+        "cluster": {
+            "name": c.name, "topology": c.topology, "hosts": c.size, "rate": c.rate, "rate_bps": c.rate_bps,
+            "latency_us": c.latency_us,
+        },
+        "GBps": None,
+    }
+    if not iperf:
+        link["error"] = "--no-iperf"
+        return link
+    if c.size < 2:
+        link["error"] = "a cluster of one host has no link to measure"
+        return link
+    status(f"measuring the link limit of cluster {c.name} (iperf3, ring pattern, {c.size} hosts)")
+    try:
+        r = cluster.measure_iperf(c, "ring")
+    except cluster.ClusterError as e:
+        link["error"] = str(e)
+        status(f"could not measure the link limit: {e}")
+        return link
+    link["iperf"] = r
+    link["GBps"] = r["mean_mbps"] * 1e6 / 8 / 1e9
+    status(
+        f"link limit: mean {r['mean_mbps']:.0f} Mbit/s per link (min {r['min_mbps']:.0f}) = "
+        f"{link['GBps']:.4f} GB/s"
+    )
+    return link
+
+
 def core_missing() -> Optional[str]:
     """Why smartcoll collectives cannot run here, or None if they can."""
     try:
@@ -614,10 +802,15 @@ def core_missing() -> Optional[str]:
 
 
 def _validate(args: argparse.Namespace) -> Optional[str]:
+    if getattr(args, "cluster", None) and getattr(args, "mpi_transport", None) == "shm":
+        return ("--mpi-transport shm does not apply to --cluster: one rank per host, so MPI's ranks talk TCP "
+                "over the hosts' links")
     if args.nprocs < 1:
         return f"-n must be at least 1, got {args.nprocs}"
     if args.iters < 1 or args.warmup < 0:
         return "--iters must be at least 1 and --warmup at least 0"
+    if getattr(args, "rounds", 1) < 1:
+        return "--rounds must be at least 1"
     if COLLECTIVES[args.collective].rooted and not 0 <= args.root < args.nprocs:
         return f"--root {args.root} is not a rank of {args.nprocs}"
     if args.algo != "auto" and args.collective != "allreduce":
@@ -628,6 +821,28 @@ def _validate(args: argparse.Namespace) -> Optional[str]:
 def main(args: argparse.Namespace) -> int:
     from smartcoll import peers
 
+    cluster_name = getattr(args, "cluster", None)
+    hooks: dict = {}
+    c = None
+    if cluster_name:
+        from smartcoll import cluster
+
+        try:
+            c = cluster.get(cluster_name)
+            if args.nprocs is None:
+                args.nprocs = c.size
+            hooks["rank_prefix"], hooks["rank_env"] = launcher.cluster_hooks(cluster_name, args.nprocs)
+        except (ValueError, cluster.ClusterError) as e:
+            print(f"smartcoll bench: {e}", file=sys.stderr)
+            return 2
+    elif args.nprocs is None:
+        args.nprocs = 2
+    transport = getattr(args, "mpi_transport", None) or ("tcp" if c else "shm")
+    try:
+        mca = peers.parse_mca(getattr(args, "mpi_mca", []))
+    except ValueError as e:
+        print(f"smartcoll bench: {e}", file=sys.stderr)
+        return 2
     problem = _validate(args) or core_missing()
     if problem:
         print(f"smartcoll bench: {problem}", file=sys.stderr)
@@ -651,39 +866,63 @@ def main(args: argparse.Namespace) -> int:
         "root": args.root,
         "iters": args.iters,
         "warmup": args.warmup,
+        "iter_bytes": getattr(args, "iter_bytes", None),
+        "rounds": getattr(args, "rounds", 1),
         "knobs": knobs,
         "peers": [p for p in vs if p == "gloo"],
         "world_size": args.nprocs,
         "timeout": args.time_limit,
     }
+    link = measure_link(c, getattr(args, "iperf", True)) if c else None
+    where = f" on cluster {c.name} (one per host)" if c else ""
     with tempfile.TemporaryDirectory(prefix="smartcoll-bench-") as tmp:
         workdir = Path(tmp)
         (workdir / "config.json").write_text(json.dumps(cfg))
-        status(f"{args.nprocs} ranks: smartcoll{' and gloo' if 'gloo' in vs else ''}, {len(counts)} sizes")
+        status(
+            f"{args.nprocs} ranks{where}: smartcoll{' and gloo' if 'gloo' in vs else ''}, {len(counts)} sizes"
+        )
         rc = launcher.launch(
             [sys.executable, "-m", "smartcoll.bench", "--worker", str(workdir)],
             args.nprocs,
             timeout=args.time_limit,
             # MASTER_PORT for smartcoll, MASTER_PORT+1 for gloo's store
             master_port=launcher.free_port(count=2),
+            **hooks,
         )
         if rc != 0:
             print(f"smartcoll bench: the benchmark ranks failed (status {rc}); no results", file=sys.stderr)
             return rc
         measured = {impl: aggregate(workdir, impl, args.nprocs) for impl in ["smartcoll"] + cfg["peers"]}
+        mpi_failure = None
         if "mpi" in vs:
-            status(f"{args.nprocs} ranks: Open MPI ({args.mpi_transport}) under mpirun")
-            rc = peers.run_mpi(workdir, args.nprocs, args.time_limit, args.mpi_transport)
+            how = f"tcp over the veths of cluster {c.name}, mpirun in host 0's namespace" if c else transport
+            status(f"{args.nprocs} ranks: Open MPI ({how}) under mpirun")
+            rc = peers.run_mpi(workdir, args.nprocs, args.time_limit, transport, cluster=c, mca=mca)
             if rc == 0:
                 measured["mpi"] = aggregate(workdir, "mpi", args.nprocs)
-            else:
-                status(f"the MPI part failed (status {rc}); leaving out its columns")
+            if not measured.get("mpi"):
+                mpi_failure = f"the MPI part failed (status {rc}); its columns are left out"
+                status(mpi_failure)
     shown = [p for p in vs if measured.get(p)]
     measured = {impl: data for impl, data in measured.items() if data}
-    rows = build_rows(cfg, measured)
-    print(format_report(cfg, rows, shown))
+    rows = build_rows(cfg, measured, link["GBps"] if link else None)
+    print(format_report(cfg, rows, shown, link))
+    mpi_mca = {**(peers.CLUSTER_MCA_DEFAULTS if c else {}), **mca}
+    if "mpi" in shown:
+        how = "TCP over the hosts' veths, mpirun in host 0's namespace" if c else f"btl {transport}"
+        print(f"# mpi: Open MPI, {how}" + "".join(f"; --mca {k} {v}" for k, v in mpi_mca.items()))
+    if mpi_failure:
+        print(f"# {mpi_failure}")
     if args.json:
-        report = {"metadata": metadata(cfg, measured), "results": rows}
+        meta = metadata(cfg, measured)
+        if link:
+            meta["cluster"] = link["cluster"]
+            meta["link"] = {k: v for k, v in link.items() if k != "cluster"}
+        if mpi_failure:
+            meta["mpi_failure"] = mpi_failure
+        if "mpi" in vs:
+            meta["mpi_mca"] = mpi_mca
+        report = {"metadata": meta, "results": rows}
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         status(f"wrote {args.json}")
     wrong = sum(row["smartcoll"]["wrong"] for row in rows if "smartcoll" in row)

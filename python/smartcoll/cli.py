@@ -1,4 +1,4 @@
-"""The `smartcoll` command: run, info, bench, demo.
+"""The `smartcoll` command: run, info, bench, demo, cluster.
 
 Each subcommand lives in its own module with add_arguments(parser) and main(args) -> exit status; this file
 only wires them into one argparse tree (and implements the few lines of `info`).
@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from smartcoll import bench, demo, launcher
+from smartcoll import bench, cluster, demo, launcher
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -49,7 +49,13 @@ _SUBCOMMANDS = {
         "MASTER_PORT. Output lines are prefixed with [rank K]. If a rank fails, the others are stopped\n"
         "(SIGTERM, then SIGKILL after --grace seconds) and run exits with that rank's status (128+N for\n"
         "signal N); --timeout stops them all with status 124.\n\n"
-        "example:\n  smartcoll run -n 4 --timeout 120 -- python train.py --epochs 1",
+        "With --cluster NAME, rank i runs on host i of an emulated cluster (smartcoll cluster up): inside\n"
+        "that host's network namespace, with MASTER_ADDR = host 0's address and SMARTCOLL_IFNAME (and\n"
+        "GLOO_SOCKET_IFNAME) = the host's interface, so rendezvous and traffic cross the shaped links.\n\n"
+        "examples:\n"
+        "  smartcoll run -n 4 --timeout 120 -- python train.py --epochs 1\n"
+        "  smartcoll cluster up -n 4 --link 1gbit --name c4\n"
+        "  smartcoll run --cluster c4 -n 4 -- python train.py --epochs 1",
     ),
     "info": (
         None,  # no options
@@ -67,9 +73,14 @@ _SUBCOMMANDS = {
         "Columns, as nccl-tests: time = max over ranks of the mean time per call; algbw = size / time;\n"
         "busbw = algbw x 2(n-1)/n (allreduce), (n-1)/n (reduce_scatter, allgather, alltoall), 1 (broadcast,\n"
         "reduce). With --vs, each peer adds its busbw and smartcoll/peer (above 1: smartcoll is faster).\n\n"
+        "With --cluster NAME the ranks (smartcoll, gloo and Open MPI alike) run one per host of an\n"
+        "emulated cluster and talk over its shaped links; the run first measures what the links carry\n"
+        "(iperf3, every host sending to the next at once) and reports busbw as a % of that.\n\n"
         "examples:\n"
         "  smartcoll bench allreduce -n 4 --sizes 1K:64M --vs gloo --vs mpi\n"
-        "  smartcoll bench allgather -n 2 --sizes 1M,16M --dtype int32 --json allgather.json",
+        "  smartcoll bench allgather -n 2 --sizes 1M,16M --dtype int32 --json allgather.json\n"
+        "  smartcoll cluster up -n 4 --link 1gbit --name c4\n"
+        "  smartcoll bench allreduce --cluster c4 --sizes 1M:64M --vs gloo --vs mpi",
     ),
     "demo": (
         demo.add_arguments,
@@ -77,6 +88,21 @@ _SUBCOMMANDS = {
         "the headline measurement: smartcoll all-reduce against gloo and MPI on 4 ranks",
         "Runs `smartcoll bench allreduce` with --vs gloo --vs mpi (those installed) on a few float32 sizes\n"
         "and explains the table.",
+    ),
+    "cluster": (
+        cluster.add_arguments,
+        cluster.main,
+        "emulated Ethernet cluster: network namespaces on shaped links (up, down, status, fault, iperf)",
+        "One network namespace per host, veth links to a switch namespace, shaped with tc tbf. Needs root.\n"
+        "Run ranks on it with `smartcoll run --cluster NAME` and `smartcoll bench ... --cluster NAME`;\n"
+        "docs/cluster.md describes the layout and the shaping; `smartcoll cluster ACTION --help` tells\n"
+        "more.\n\n"
+        "examples:\n"
+        "  smartcoll cluster up -n 4 --link 1gbit --topology switch\n"
+        "  smartcoll cluster status\n"
+        "  smartcoll cluster fault 2 link-down\n"
+        "  smartcoll cluster iperf --pattern ring\n"
+        "  smartcoll cluster down",
     ),
 }
 

@@ -6,7 +6,9 @@ set. Output is relayed line by line with a ``[rank K] `` prefix. When one rank f
 collective; a wall-clock timeout does the same for a job that hangs.
 
 ``launch()`` is the Python entry point (bench, demo and tests use it); ``add_arguments()`` and ``main()`` are
-the ``smartcoll run`` subcommand.
+the ``smartcoll run`` subcommand. With ``--cluster NAME`` (``cluster_hooks()``), rank i runs on host i of an
+emulated cluster (smartcoll.cluster): inside that host's network namespace, with MASTER_ADDR set to host 0's
+address and SMARTCOLL_IFNAME to the host's interface, so rendezvous and data go over the emulated links.
 """
 
 from __future__ import annotations
@@ -28,11 +30,37 @@ EXIT_INTERRUPTED = 130
 EXIT_CANNOT_START = 127  # the shell's "command not found"
 _POLL_S = 0.1
 
-# Hooks for running ranks somewhere other than the plain local host (a later `--cluster` option runs each rank
-# in its own network namespace): a per-rank command prefix, e.g. ["ip", "netns", "exec", f"h{rank}"], and a
-# per-rank environment, e.g. {"MASTER_ADDR": "10.0.0.1", "SMARTCOLL_IFNAME": f"veth-h{rank}"}.
+# Hooks for running ranks somewhere other than the plain local host (`--cluster` runs each rank in its own
+# network namespace, see cluster_hooks): a per-rank command prefix, e.g. ["ip", "netns", "exec", f"h{rank}"],
+# and a per-rank environment, e.g. {"MASTER_ADDR": "10.0.0.1", "SMARTCOLL_IFNAME": f"veth-h{rank}"}.
 RankPrefix = Callable[[int], Sequence[str]]
 RankEnv = Callable[[int], Mapping[str, str]]
+
+
+def cluster_hooks(name: str, nprocs: int) -> tuple[RankPrefix, RankEnv]:
+    """(rank_prefix, rank_env) that run rank i on host i of the emulated cluster `name`.
+
+    rank_env(i) is the cluster's env(i) (SMARTCOLL_IFNAME, MASTER_ADDR = host 0's address, ...) plus
+    GLOO_SOCKET_IFNAME, so that torch's gloo in the rank also uses the host's link. Raises ValueError naming
+    the cluster's host count if nprocs is larger (one rank per host), and cluster.ClusterError if there is no
+    such cluster.
+    """
+    from smartcoll import cluster
+
+    c = cluster.get(name)
+    if nprocs > c.size:
+        raise ValueError(
+            f"cluster {name!r} has {c.size} hosts, and runs one rank per host: -n {nprocs} is too many "
+            f"(use -n {c.size} or less, or bring up a bigger cluster: smartcoll cluster up -n {nprocs} "
+            f"--name {name})"
+        )
+
+    def rank_env(rank: int) -> dict[str, str]:
+        env = c.env(rank)
+        env["GLOO_SOCKET_IFNAME"] = env["SMARTCOLL_IFNAME"]
+        return env
+
+    return c.exec_prefix, rank_env
 
 
 def free_port(host: str = MASTER_ADDR, count: int = 1, tries: int = 100) -> int:
@@ -260,13 +288,25 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "-n", "--nprocs", type=int, required=True, metavar="N", help="number of ranks to start"
+        "-n",
+        "--nprocs",
+        type=int,
+        metavar="N",
+        help="number of ranks to start (required, except with --cluster: default one per host)",
+    )
+    parser.add_argument(
+        "--cluster",
+        metavar="NAME",
+        help="run rank i on host i of the emulated cluster NAME (`smartcoll cluster up --name NAME`): inside "
+        "its network namespace, with MASTER_ADDR = host 0's address and SMARTCOLL_IFNAME = the host's "
+        "interface, so rendezvous and traffic cross the emulated links",
     )
     parser.add_argument(
         "--master-port",
         type=int,
         metavar="P",
-        help="rendezvous port on 127.0.0.1 exported as MASTER_PORT (default: a free port)",
+        help="rendezvous port exported as MASTER_PORT, on 127.0.0.1 (or host 0 of --cluster) "
+        "(default: a free port)",
     )
     parser.add_argument(
         "--timeout",
@@ -298,16 +338,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
-        _message("no command given (usage: smartcoll run -n N -- CMD ...)")
+        _message("no command given (usage: smartcoll run -n N [--cluster NAME] -- CMD ...)")
         return 2
-    if args.nprocs < 1:
-        _message(f"-n must be at least 1, got {args.nprocs}")
+    nprocs = args.nprocs
+    hooks: dict = {}
+    if getattr(args, "cluster", None):
+        from smartcoll import cluster
+
+        try:
+            if nprocs is None:
+                nprocs = cluster.get(args.cluster).size
+            hooks["rank_prefix"], hooks["rank_env"] = cluster_hooks(args.cluster, nprocs)
+        except (ValueError, cluster.ClusterError) as e:
+            _message(str(e))
+            return 2
+    if nprocs is None:
+        _message("-n N is required (the number of ranks) unless --cluster is given")
+        return 2
+    if nprocs < 1:
+        _message(f"-n must be at least 1, got {nprocs}")
         return 2
     return launch(
         cmd,
-        args.nprocs,
+        nprocs,
         timeout=args.timeout,
         prefix=args.prefix,
         master_port=args.master_port,
         grace=args.grace,
+        **hooks,
     )

@@ -5,6 +5,15 @@
 * mpi: Open MPI through mpi4py, run as its own job after the smartcoll part:
   ``mpirun ... python -m smartcoll.peers --mpi DIR`` (``run_mpi`` starts it, ``mpi_main`` is each rank).
 
+On an emulated cluster (``bench --cluster``), MPI's ranks run one per host too, talking TCP over the hosts'
+veths (btl self,tcp: no shared memory, which would bypass the network). mpirun itself runs inside host 0's
+namespace with a hostfile of the hosts' addresses; to start its daemon (orted) on another host, Open MPI's rsh
+launcher calls ``plm_rsh_agent HOST CMD...`` where it would call ssh, and our agent (a generated shell script)
+runs CMD with ``ip netns exec <that host's namespace> sh -c``. mpirun's out-of-band channel to the daemons and
+the daemons' to their ranks then also cross the cluster's network (oob_tcp_if_include = the cluster's
+subnet), as they would between real hosts. (A per-rank wrapper that enters a namespace after mpirun started
+the rank locally does not work: mpirun, in the root namespace, could not reach the ranks' addresses.)
+
 Both plug into bench's measurement loop (bench.run_sizes), so data, checks and timing are the same code for
 every implementation.
 """
@@ -95,6 +104,9 @@ class GlooRunner:
         if ipaddress.ip_address(addr).is_loopback:
             # gloo otherwise picks the interface the hostname resolves to, which takes traffic off loopback.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        elif os.environ.get("SMARTCOLL_IFNAME"):
+            # The interface smartcoll uses (an emulated cluster's veth): the same link for both.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", os.environ["SMARTCOLL_IFNAME"])
         timeout = datetime.timedelta(seconds=cfg["timeout"])
         store = dist.TCPStore(addr, int(os.environ["MASTER_PORT"]) + 1, nranks, rank == 0, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=nranks, timeout=timeout)
@@ -166,10 +178,153 @@ def mpirun_command(nprocs: int, transport: str = "shm") -> list[str]:
     return ["mpirun", *MPIRUN_OPTIONS, *MPI_TRANSPORTS[transport], "-n", str(nprocs)]
 
 
-def run_mpi(workdir: Path, nprocs: int, timeout: float, transport: str = "shm") -> int:
-    """Run the MPI part of a bench run (config in workdir) and return mpirun's status (124 on timeout)."""
-    cmd = mpirun_command(nprocs, transport) + [sys.executable, "-m", "smartcoll.peers", "--mpi", str(workdir)]
+def cluster_subnet(c) -> str:
+    """The CIDR that holds every address of cluster `c` (both topologies): what MPI may use."""
+    from smartcoll import cluster
+
+    return f"{cluster.SUBNET}.{c.subnet}.0/24"
+
+
+def write_mpi_agent(c, nprocs: int, directory: Path) -> tuple[Path, Path]:
+    """Writes (hostfile, agent script) for an mpirun across hosts 0..nprocs-1 of cluster `c`.
+
+    The hostfile lists one slot per host address, in host order, so that rank i lands on host i. The agent is
+    what Open MPI's rsh launcher runs instead of ssh: `agent [ssh-style options] HOST COMMAND...`; it runs
+    COMMAND (orted) through `sh -c`, as sshd would, inside HOST's network namespace.
+
+    Every emulated host shares this machine's file system and host name, and Open MPI puts each daemon's
+    session directory at <tmpdir>/ompi.<hostname>.<uid>/jf.<job family>/...: daemons starting at once then race
+    to create the same directories ("File exists", orte_init fails and the job hangs or dies; about 1 launch
+    in 12 on 8 hosts). So the agent gives each host's daemon (and its ranks) a tmpdir of its own
+    (OMPI_MCA_orte_tmpdir_base = DIRECTORY/ompi-h<i>), as separate machines would have.
+    """
+    hostfile = directory / "mpi.hosts"
+    hostfile.write_text("".join(f"{c.host(i).addr} slots=1\n" for i in range(nprocs)))
+    cases = "".join(
+        f"  {h.addr}) ns={h.ns}; tmp={directory / f'ompi-h{h.index}'} ;;\n" for h in c.hosts[:nprocs]
+    )
+    agent = directory / "mpi-agent.sh"
+    agent.write_text(
+        "#!/bin/sh\n"
+        f"# Open MPI plm_rsh_agent for cluster {c.name}: runs orted in the namespace of the host it names.\n"
+        'while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done\n'
+        'case "$1" in\n'
+        f"{cases}"
+        f'  *) echo "smartcoll mpi agent: no host $1 in cluster {c.name}" >&2; exit 255 ;;\n'
+        "esac\n"
+        "shift\n"
+        'mkdir -p "$tmp"\n'
+        'OMPI_MCA_orte_tmpdir_base="$tmp" exec ip netns exec "$ns" sh -c "$*"\n'
+    )
+    agent.chmod(0o755)
+    return hostfile, agent
+
+
+# MCA settings of cluster runs that a user's --mpi-mca may override. The emulated hosts share this machine's
+# cores, but each has one slot in the hostfile, so Open MPI believes every rank has a core to itself and lets
+# idle ranks spin without yielding; it yields when it knows a node is oversubscribed (as in local runs with
+# --oversubscribe), which is the situation here. Measured on 2 cores, 2 hosts, 1gbit: one-way 16 MiB
+# transfers 0.090 GB/s without yielding, 0.119 (the link) with it.
+CLUSTER_MCA_DEFAULTS = {"mpi_yield_when_idle": "1"}
+
+
+def parse_mca(items: Sequence[str]) -> dict[str, str]:
+    """{"name": "value"} from ["name=value", ...] (bench's --mpi-mca)."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"bad --mpi-mca {item!r}: expected NAME=VALUE, e.g. btl_tcp_links=2")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def _mca_args(mca: dict[str, str]) -> list[str]:
+    return [arg for name, value in mca.items() for arg in ("--mca", name, value)]
+
+
+def mpirun_cluster_command(
+    c, nprocs: int, directory: Path, mca: Optional[dict[str, str]] = None
+) -> list[str]:
+    """mpirun, started inside host 0's namespace, with rank i on host i of cluster `c` and all of MPI's
+    traffic (its runtime's and the ranks') on the cluster's links: TCP only, no shared memory. `mca`: extra
+    MCA parameters (they override CLUSTER_MCA_DEFAULTS)."""
+    hostfile, agent = write_mpi_agent(c, nprocs, directory)
+    subnet = cluster_subnet(c)
+    return c.exec_prefix(0) + [
+        "mpirun",
+        "--allow-run-as-root",
+        "--bind-to",
+        "none",
+        "--hostfile",
+        str(hostfile),
+        # Rank i on the i-th host of the hostfile (one slot each).
+        "--map-by",
+        "slot",
+        "--mca",
+        "plm_rsh_agent",
+        str(agent),
+        "--mca",
+        "pml",
+        "ob1",
+        "--mca",
+        "oob_tcp_if_include",
+        subnet,
+        "--mca",
+        "btl",
+        "self,tcp",
+        "--mca",
+        "btl_tcp_if_include",
+        subnet,
+        *_mca_args({**CLUSTER_MCA_DEFAULTS, **(mca or {})}),
+        "-n",
+        str(nprocs),
+    ]
+
+
+def _reap_marked(c, marker: str) -> list[int]:
+    """SIGKILLs the processes on cluster `c`'s hosts whose environment carries SMARTCOLL_MPI_JOB=marker (the
+    daemons and ranks of one mpirun, which it should have stopped itself); returns their pids."""
+    import signal
+
+    needle = f"SMARTCOLL_MPI_JOB={marker}".encode()
+    killed = []
+    for h in c.hosts:
+        try:
+            pids = c.pids(h.index)
+        except Exception:  # noqa: BLE001 - the cluster may be gone: nothing of ours is left there
+            continue
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if needle not in f.read().split(b"\0"):
+                        continue
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except OSError:
+                continue
+    return killed
+
+
+def run_mpi(workdir: Path, nprocs: int, timeout: float, transport: str = "shm", cluster=None,
+            mca: Optional[dict[str, str]] = None) -> int:
+    """Run the MPI part of a bench run (config in workdir) and return mpirun's status (124 on timeout).
+
+    With `cluster` (a smartcoll.cluster.Cluster), rank i runs on host i over TCP (mpirun_cluster_command);
+    `transport` is then ignored. `mca`: extra MCA parameters {name: value} for mpirun."""
+    rank_cmd = [sys.executable, "-m", "smartcoll.peers", "--mpi", str(workdir)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if cluster is not None:
+        cmd = mpirun_cluster_command(cluster, nprocs, workdir, mca) + rank_cmd
+        # The daemons inherit mpirun's environment (the agent is its child), so they need the root permission
+        # too; the marker finds whatever of this job outlives mpirun.
+        env.update(
+            OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", SMARTCOLL_MPI_JOB=str(workdir)
+        )
+    else:
+        cmd = mpirun_command(nprocs, transport)
+        cmd[-2:-2] = _mca_args(mca or {})
+        cmd += rank_cmd
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         return proc.wait(timeout=timeout)
@@ -179,6 +334,10 @@ def run_mpi(workdir: Path, nprocs: int, timeout: float, transport: str = "shm") 
     finally:
         # SIGTERM lets mpirun take its ranks down with it; SIGKILL follows for one that does not stop.
         launcher.stop([proc], grace=3.0)
+        if cluster is not None:
+            left = _reap_marked(cluster, str(workdir))
+            if left:
+                bench.status(f"killed {len(left)} MPI processes left on the cluster's hosts: {left}")
 
 
 def mpi_main(argv: Sequence[str]) -> int:

@@ -7,8 +7,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import pytest
 
@@ -62,8 +63,10 @@ def run_ranks(
     rank_env: Optional[dict[int, dict]] = None,
     must_finish: Optional[Iterable[int]] = None,
     logdir: Optional[Path] = None,
+    worker: Path = WORKER,
 ) -> list[RankResult]:
-    """Starts ranks 0..n-1 of `python rank_worker.py *args` with env:// rendezvous variables; waits for them.
+    """Starts ranks 0..n-1 of `python worker *args` (default rank_worker.py) with env:// rendezvous variables;
+    waits for them.
 
     env: extra variables for every rank; rank_env: extra variables per rank. world_size defaults to n (pass a
     larger one to start fewer ranks than the world has). must_finish: the ranks the test waits for (default:
@@ -92,7 +95,7 @@ def run_ranks(
             files.append((out, err))
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(WORKER), *map(str, args)],
+                    [sys.executable, str(worker), *map(str, args)],
                     env=e,
                     stdout=out,
                     stderr=err,

@@ -21,8 +21,6 @@ segments striped over two connections). The checks below run in the test process
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,7 @@ import compressed_worker as cw
 import numpy as np
 import pytest
 from compressed_worker import Case
-from conftest import RankResult, clean_env, describe, free_port
+from conftest import RankResult, assert_all_ok, clean_env, free_port, run_ranks
 from smartcoll import codec
 
 SIZES = [2, 3, 4, 8]
@@ -47,51 +45,8 @@ def launch(n: int, outdir: Path, timeout: float) -> list[RankResult]:
     """Ranks 0..n-1 of compressed_worker.py on loopback; all are killed if they are not done after `timeout`."""
     ports = ",".join(str(free_port()) for _ in cw.COMMS)
     growth = "1" if n in (2, 8) else "0"
-    logdir = outdir / "logs"
-    logdir.mkdir(parents=True, exist_ok=True)
-    procs, files = [], []
-    try:
-        for r in range(n):
-            env = clean_env()
-            env.update(RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
-            out = open(logdir / f"rank{r}.out", "w+")  # noqa: SIM115 - closed below, after the ranks exit
-            err = open(logdir / f"rank{r}.err", "w+")  # noqa: SIM115
-            files.append((out, err))
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), str(outdir), ports, growth],
-                    env=env,
-                    stdout=out,
-                    stderr=err,
-                    stdin=subprocess.DEVNULL,
-                    cwd=str(WORKER.parent),
-                )
-            )
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        hung = [r for r, p in enumerate(procs) if p.poll() is None]
-    finally:
-        for p in procs:  # only the processes started here, by their own handles
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:  # pragma: no cover
-                pass
-    results = []
-    for (out, err), p in zip(files, procs):
-        out.seek(0)
-        err.seek(0)
-        results.append(RankResult(p.returncode, out.read(), err.read()))
-        out.close()
-        err.close()
-    if hung:
-        pytest.fail(f"rank(s) {hung} of {n} still running after {timeout} s (killed)\n" + describe(results))
-    bad = [r for r, res in enumerate(results) if res.returncode != 0]
-    if bad:
-        pytest.fail(f"rank(s) {bad} of {n} failed\n" + describe(results))
+    results = run_ranks(n, [outdir, ports, growth], clean_env(), timeout, logdir=outdir / "logs", worker=WORKER)
+    assert_all_ok(results)
     return results
 
 
