@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from smartcoll import _core
-from codec_bench import best_seconds  # benchmarks/ is on sys.path when run as a script
+from smartcoll.codec_bench import best_seconds
 from smartcoll.bench import parse_size
 
 

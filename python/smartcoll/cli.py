@@ -18,14 +18,43 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the line breaks of descriptions and epilogs (the examples) while wrapping option help."""
 
 
+def knobs_markdown() -> str:
+    """docs/knobs.md: the knob table as the core declares it (a test keeps the file equal to this)."""
+    import smartcoll
+
+    lines = [
+        "# Settings",
+        "",
+        "Generated from the knob table in `include/smartcoll/knobs.h` by `smartcoll info --markdown`; do not edit.",
+        "Each setting is a keyword option of `smartcoll.init()`, an option of `smartcoll bench`, and an",
+        "environment variable; an explicit option overrides the variable, which overrides the default.",
+        "",
+        "| option | environment variable | default | type | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for k in smartcoll.knobs():
+        kind = k.type.replace("|", "\\|")  # a bare | would end the table cell
+        lines.append(f"| `{k.name}` | `{k.env}` | `{k.default}` | {kind} | {k.description} |")
+    return "\n".join(lines) + "\n"
+
+
+def _info_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--markdown", action="store_true", help="print only the knob table, as Markdown (docs/knobs.md)"
+    )
+
+
 def _info_main(args: argparse.Namespace) -> int:
     import smartcoll
 
-    print(f"smartcoll {getattr(smartcoll, '__version__', 'unknown')}")
     missing = bench.core_missing()
     if missing:
         print(f"smartcoll info: {missing}", file=sys.stderr)
         return 1
+    if args.markdown:
+        print(knobs_markdown(), end="")
+        return 0
+    print(f"smartcoll {getattr(smartcoll, '__version__', 'unknown')}")
     print("\nbuild:")
     build = smartcoll.build_info()
     width = max(len(key) for key in build)
@@ -58,7 +87,7 @@ _SUBCOMMANDS = {
         "  smartcoll run --cluster c4 -n 4 -- python train.py --epochs 1",
     ),
     "info": (
-        None,  # no options
+        _info_arguments,
         _info_main,
         "print version, build information and the table of knobs",
         "Every knob can be set as a keyword of smartcoll.init(), an option of `smartcoll bench`, or the\n"
@@ -76,6 +105,7 @@ _SUBCOMMANDS = {
         "With --cluster NAME the ranks (smartcoll, gloo and Open MPI alike) run one per host of an\n"
         "emulated cluster and talk over its shaped links; the run first measures what the links carry\n"
         "(iperf3, every host sending to the next at once) and reports busbw as a % of that.\n\n"
+        "`smartcoll bench codec --help`: encode/decode throughput per core of the wire codecs instead.\n\n"
         "examples:\n"
         "  smartcoll bench allreduce -n 4 --sizes 1K:64M --vs gloo --vs mpi\n"
         "  smartcoll bench allgather -n 2 --sizes 1M,16M --dtype int32 --json allgather.json\n"
@@ -126,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "codec"]:
+        # Codec throughput is a single-process measurement with options of its own, not a collective.
+        from smartcoll import codec_bench
+
+        return codec_bench.main(argv[2:])
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

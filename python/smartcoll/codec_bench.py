@@ -2,7 +2,7 @@
 of float32 data (input for encode, output for decode), on one thread, next to plain float32 -> bf16/fp16
 conversions and a float32 copy measured in the same run.
 
-    python benchmarks/codec_bench.py [--size 64M] [--repeat 5] [--formats bfp16,mxint8] [--simd avx2] [--json FILE]
+    smartcoll bench codec [--size 64M] [--repeat 5] [--formats bfp16,mxint8] [--simd avx2] [--json FILE]
 
 Arrays are allocated and touched once before timing, so page faults are not measured; the best of --repeat runs
 is reported. Data is gradient-like (normal values, block magnitudes spread over 2^-20..2^10).
@@ -83,8 +83,10 @@ def measure(fmt: str, x: np.ndarray, addend: np.ndarray, repeat: int) -> dict[st
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="smartcoll bench codec", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size", default="64M", help="bytes of float32 per array (K/M/G suffixes), default 64M")
     ap.add_argument("--repeat", type=int, default=5, help="timed repetitions; the best is reported")
     ap.add_argument("--formats", help="comma-separated codec names (default: every preset)")
@@ -92,7 +94,7 @@ def main() -> None:
         "--simd", choices=["scalar", "avx2", "avx512"], help="force a SIMD level (default: the best)"
     )
     ap.add_argument("--json", help="also write the figures to this JSON file")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     if args.simd:
         _core.simd_force(args.simd)
@@ -134,7 +136,8 @@ def main() -> None:
                 f,
                 indent=2,
             )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
