@@ -143,3 +143,26 @@ def assert_all_ok(results: list[RankResult], ranks: Optional[Iterable[int]] = No
 def ranks():
     """The run_ranks() launcher, for tests (fixtures of any scope may use it)."""
     return run_ranks
+
+
+def _core_available() -> bool:
+    try:
+        import smartcoll._core  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_core = pytest.mark.skipif(not _core_available(), reason="smartcoll._core is not built")
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`smartcoll ARGS` in a subprocess, without SMARTCOLL_* settings or rank variables from this shell."""
+    return subprocess.run(
+        [sys.executable, "-m", "smartcoll.cli", *args],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )

@@ -6,40 +6,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import clean_env
+from conftest import needs_core, run_cli as _smartcoll
 from smartcoll import bench, cli, launcher, peers
 
 PY = sys.executable
 
 
-def _core_available() -> bool:
-    try:
-        import smartcoll._core  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_core = pytest.mark.skipif(not _core_available(), reason="smartcoll._core is not built")
-
-
-def _smartcoll(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """`smartcoll ARGS` in a subprocess, without SMARTCOLL_* settings or rank variables from this shell."""
-    return subprocess.run(
-        [PY, "-m", "smartcoll.cli", *args],
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
 
 
 # ---------------------------------------------------------------------------------------------------------

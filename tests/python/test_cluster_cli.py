@@ -11,32 +11,12 @@ from pathlib import Path
 
 import pytest
 from cluster_fixture import cl, cluster4, require_netns  # noqa: F401
-from conftest import clean_env
+from conftest import clean_env, needs_core, run_cli as _smartcoll
 from smartcoll import bench, launcher, peers
 
 PY = sys.executable
 
 
-def _core_available() -> bool:
-    try:
-        import smartcoll._core  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_core = pytest.mark.skipif(not _core_available(), reason="smartcoll._core is not built")
-
-
-def _smartcoll(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PY, "-m", "smartcoll.cli", *args],
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
 
 
 # ---------------------------------------------------------------------------------------------------------
