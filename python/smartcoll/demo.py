@@ -23,8 +23,14 @@ each rank's link must carry per second (nccl-tests' figure: it is comparable acr
 by the link speed). smartcoll/<peer> above 1 means smartcoll is faster. Every result is checked exactly
 (#wrong must be 0).
 
-These ranks talk over loopback, so this measures memory and CPU, not a network: the papers' regime (a
-network slower than memory) needs the emulated cluster, which comes later.
+These ranks share one host, so smartcoll takes its same-host path (peers' buffers read once with
+process_vm_readv) and this measures memory and CPU, not a network. For the papers' regime, a network slower
+than memory, run the same on the emulated cluster (root needed; see docs/cluster.md), with and without
+compression:
+  smartcoll cluster up --name demo --hosts 4 --link 1gbit
+  smartcoll bench allreduce --cluster demo -n 4 --sizes 1M:64M --vs gloo --vs mpi
+  smartcoll bench allreduce --cluster demo -n 4 --sizes 1M:64M --codec bfp16
+  smartcoll cluster down --name demo
 """
 
 
