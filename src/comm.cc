@@ -67,6 +67,7 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
   if (options_.integer("segment_size") < 64) throw InvalidArgument("option 'segment_size' must be at least 64 bytes");
   Codec::parse(options_.str("codec"));  // a bad SMARTCOLL_CODEC fails here, not at the first collective
   transport_ = std::make_unique<Transport>(rank, size, *store_, options_, route_hint);
+  if (size > 1) agree_on_settings();
   if (size > 1 && options_.str("cma") == "auto") cma_ = std::make_unique<cma::Local>(*transport_);
   engine_ = std::thread([this] { engine_loop(); });
   if (int cpu = static_cast<int>(options_.integer("engine_cpu")); cpu >= 0) {
@@ -82,6 +83,38 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
 }
 
 Communicator::~Communicator() { close(); }
+
+void Communicator::agree_on_settings() {
+  // Knobs that change what goes on the wire outside of a call's descriptor: a rank that skips the argument
+  // check, or the same-host probe, would misframe every later message.
+  constexpr std::string_view kMustMatch[] = {"check", "cma"};
+  std::string mine;
+  for (std::string_view k : kMustMatch) mine += std::string(k) + "=" + options_.str(k) + " ";
+  mine.resize(64, ' ');
+  std::vector<std::string> all(size_, std::string(64, ' '));
+  all[rank_] = mine;
+  std::vector<Transport::Op> ops;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    ops.push_back({p, true, mine.data(), mine.size()});
+    ops.push_back({p, false, all[p].data(), all[p].size()});
+  }
+  transport_->context = "start-up settings check on rank " + std::to_string(rank_);
+  transport_->run(ops);
+  std::string msg;
+  for (int p = 0; p < size_; ++p) {
+    if (all[p] == mine) continue;
+    auto trim = [](std::string s) { return s.substr(0, s.find_last_not_of(' ') + 1); };
+    msg += " rank " + std::to_string(p) + " has " + trim(all[p]) + ";";
+    if (msg.find("rank " + std::to_string(rank_) + " has") == std::string::npos)
+      msg = " rank " + std::to_string(rank_) + " has " + trim(mine) + ";" + msg;
+  }
+  if (!msg.empty()) {
+    transport_->abort();
+    throw CommError("ranks disagree on settings that must match on every rank:" + msg +
+                    " set SMARTCOLL_CHECK and SMARTCOLL_CMA alike everywhere");
+  }
+}
 
 std::string Communicator::cma_unusable_reason() const {
   if (size_ == 1) return "";

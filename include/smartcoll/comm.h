@@ -115,6 +115,7 @@ class Communicator {
   std::shared_ptr<Request> submit(const Call& call, std::function<void()> body);
   algo::Params params(const Codec& codec) const;
   void check_agreement(const Call& call);
+  void agree_on_settings();  // at start-up: the knobs every rank must share
   void engine_loop();
 
   int rank_, size_;

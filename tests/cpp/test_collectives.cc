@@ -221,3 +221,29 @@ TEST(Knobs, UnknownAndMalformedOptionsAreNamed) {
 
 }  // namespace
 }  // namespace smartcoll
+
+namespace smartcoll {
+namespace {
+
+TEST(Errors, SettingsThatMustMatchAreCheckedAtStartUp) {
+  const int n = 3;
+  auto store = std::make_shared<MemoryStore>();
+  std::vector<std::string> errors(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        Communicator comm(r, n, store, test_options({{"check", r == 1 ? "0" : "1"}}));
+      } catch (const CommError& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) {
+    EXPECT_NE(errors[r].find("ranks disagree on settings"), std::string::npos) << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("check=0"), std::string::npos) << errors[r];
+  }
+}
+
+}  // namespace
+}  // namespace smartcoll
