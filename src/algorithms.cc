@@ -261,36 +261,52 @@ std::vector<char*> chunk_pointers(char* base, const Chunks& ch, size_t esize) {
   return p;
 }
 
-// Allreduce with a codec where each rank's contribution is encoded exactly once: every rank sends chunk c of
-// its encoded vector straight to rank c, which decodes and sums all n contributions in rank order in float32,
-// encodes the sum once and the ring allgathers it. Same bytes on the wire as the ring, but two quantizations
+// The owner step of the codec modes where each contribution is encoded exactly once: every rank sends chunk c
+// of its encoded vector (enc_in, laid out by ch) straight to rank c, all n-1 transfers at once; rank r decodes
+// the n contributions of its chunk and sums them in rank order in float32 into `mine` (avg divides once).
+void owner_reduce(Transport& t, const Chunks& ch, const uint8_t* enc_in, float* mine, const ReduceSpec& spec) {
+  const int n = t.size(), r = t.rank();
+  const Codec& codec = *spec.codec;
+  const size_t wlen = ch.wire_len[r];
+  auto* contributions = reinterpret_cast<uint8_t*>(scratch(2, wlen * n));  // one encoded copy per rank
+  std::vector<Transport::Op> ops;
+  for (int k = 1; k < n; ++k) {
+    const int to = mod(r + k, n), from = mod(r - k, n);
+    ops.push_back({to, true, const_cast<char*>(reinterpret_cast<const char*>(enc_in)) + ch.wire_off[to],
+                   ch.wire_len[to]});
+    ops.push_back({from, false, reinterpret_cast<char*>(contributions) + wlen * from, wlen});
+  }
+  std::memcpy(contributions + wlen * r, enc_in + ch.wire_off[r], wlen);
+  t.run(ops);
+  codec.decode(contributions, ch.len[r], mine);
+  for (int i = 1; i < n; ++i) codec.decode_add(contributions + wlen * i, ch.len[r], mine, mine);
+  if (spec.op == ReduceOp::avg) scale_divide(DataType::f32, mine, ch.len[r], n);
+}
+
+// Encodes every chunk of `in` on its own (chunk c at wire_off[c]) into a scratch buffer.
+uint8_t* encode_chunks(const Codec& codec, const Chunks& ch, const char* in) {
+  auto* enc = reinterpret_cast<uint8_t*>(scratch(1, ch.wire_off.back() + ch.wire_len.back()));
+  for (size_t c = 0; c < ch.off.size(); ++c)
+    codec.encode(reinterpret_cast<const float*>(in) + ch.off[c], ch.len[c], enc + ch.wire_off[c]);
+  return enc;
+}
+
+// Allreduce with a codec where each contribution is encoded once (owner_reduce), then the owner encodes the sum
+// once and the ring allgathers the encoded sums. Same bytes on the wire as the hop ring, but two quantizations
 // per element whatever the world size, instead of one per hop.
 void allreduce_codec_owner(Transport& t, const char* in, char* out, size_t count, const ReduceSpec& spec,
                            const Params& p) {
   const int n = t.size(), r = t.rank();
   const Codec& codec = *spec.codec;
   Chunks ch = split_vector(count, n, 4, &codec);
-  const size_t total_wire = ch.wire_off.back() + ch.wire_len.back();
-  uint8_t* enc_in = reinterpret_cast<uint8_t*>(scratch(1, total_wire));
-  codec.encode(reinterpret_cast<const float*>(in), count, enc_in);
-  uint8_t* enc_out = reinterpret_cast<uint8_t*>(scratch(2, total_wire + ch.wire_len[r] * n));
-  uint8_t* contributions = enc_out + total_wire;  // n encoded copies of chunk r, one per rank
-  std::vector<Transport::Op> ops;
-  for (int k = 1; k < n; ++k) {
-    const int to = mod(r + k, n), from = mod(r - k, n);
-    ops.push_back({to, true, reinterpret_cast<char*>(enc_in) + ch.wire_off[to], ch.wire_len[to]});
-    ops.push_back({from, false, reinterpret_cast<char*>(contributions) + ch.wire_len[r] * from, ch.wire_len[r]});
-  }
-  std::memcpy(contributions + ch.wire_len[r] * r, enc_in + ch.wire_off[r], ch.wire_len[r]);
-  t.run(ops);
+  uint8_t* enc = encode_chunks(codec, ch, in);
   auto* mine = reinterpret_cast<float*>(out) + ch.off[r];
-  codec.decode(contributions, ch.len[r], mine);
-  for (int i = 1; i < n; ++i) codec.decode_add(contributions + ch.wire_len[r] * i, ch.len[r], mine, mine);
-  if (spec.op == ReduceOp::avg) scale_divide(DataType::f32, mine, ch.len[r], n);
-  codec.encode(mine, ch.len[r], enc_out + ch.wire_off[r]);
-  codec.decode(enc_out + ch.wire_off[r], ch.len[r], mine);
+  owner_reduce(t, ch, enc, mine, spec);
+  // Every other rank's chunk in `enc` has been sent and is overwritten by the allgather; chunk r takes the sum.
+  codec.encode(mine, ch.len[r], enc + ch.wire_off[r]);
+  codec.decode(enc + ch.wire_off[r], ch.len[r], mine);
   ring(t, n - 1, r, [](int) { return Step::gather; }, ch, segment_elems(p.segment_bytes, 4, &codec), spec,
-       {in, chunk_pointers(out, ch, 4), enc_out, false, true});
+       {in, chunk_pointers(out, ch, 4), enc, false, true});
 }
 
 const Codec* wire_codec(const Params& p) { return p.codec && p.codec->kind() != CodecKind::identity ? p.codec : nullptr; }
@@ -318,6 +334,8 @@ void reduce_scatter_ring(Transport& t, const char* in, char* out, size_t recvcou
   const Codec* codec = wire_codec(p);
   const size_t esize = dtype_size(dt);
   Chunks ch = equal_blocks(recvcount, n, esize, codec);
+  if (codec && p.codec_owner)
+    return owner_reduce(t, ch, encode_chunks(*codec, ch, in), reinterpret_cast<float*>(out), {dt, op, n, codec});
   std::vector<char*> acc = chunk_pointers(scratch(2, recvcount * n * esize), ch, esize);
   acc[r] = out;
   uint8_t* enc = codec ? reinterpret_cast<uint8_t*>(scratch(1, ch.wire_off.back() + ch.wire_len.back())) : nullptr;

@@ -13,7 +13,7 @@ namespace smartcoll::algo {
 struct Params {
   size_t segment_bytes;          // pipeline unit of ring and chain algorithms
   const Codec* codec = nullptr;  // ring collectives on float32 sum/avg: wire representation (null: raw)
-  bool codec_owner = false;      // allreduce: encode each contribution once (see allreduce_codec_owner)
+  bool codec_owner = false;      // allreduce, reduce_scatter: encode each contribution once (owner_reduce)
 };
 
 // Pointers may alias (in == out) wherever the collective's Python form allows in-place use.

@@ -207,7 +207,8 @@ std::string describe(const Descriptor& d) {
       name = "bfp:block=" + std::to_string(d.codec_block) + ",mant=" + std::to_string(d.codec_mant) +
              ",exp=" + std::to_string(d.codec_exp);
     s += ", codec=" + name;
-    if (coll == Collective::allreduce) s += std::string(", codec_mode=") + (d.codec_owner ? "owner" : "hop");
+    if (coll == Collective::allreduce || coll == Collective::reduce_scatter)
+      s += std::string(", codec_mode=") + (d.codec_owner ? "owner" : "hop");
   }
   if (coll == Collective::broadcast || coll == Collective::reduce) s += ", root=" + std::to_string(d.root);
   return s + ")";
@@ -228,8 +229,8 @@ void Communicator::check_agreement(const Call& call) {
                   static_cast<uint8_t>(c.kind()),
                   static_cast<uint8_t>(compressed ? c.mant_bits() : 0),
                   static_cast<uint8_t>(compressed ? c.exp_bits() : 0),
-                  // codec_mode changes only allreduce
-                  static_cast<uint8_t>(compressed && call.coll == Collective::allreduce &&
+                  // codec_mode changes allreduce and reduce_scatter, not allgather
+                  static_cast<uint8_t>(compressed && call.coll != Collective::allgather &&
                                        options_.str("codec_mode") == "owner"),
                   static_cast<uint32_t>(compressed ? c.block() : 0),
                   call.root,

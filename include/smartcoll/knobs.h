@@ -40,8 +40,9 @@ inline constexpr Knob kKnobs[] = {
      "wire format for float32 sum/avg in allreduce, reduce_scatter and allgather: identity, fp16, bf16, bfp16, "
      "bfp:block=B,mant=M,exp=E, mxint8, mxfp8_e4m3, mxfp8_e5m2, mxfp6_e3m2, mxfp6_e2m3, mxfp4_e2m1"},
     {"codec_mode", "hop", "choice:hop|owner",
-     "compressed allreduce: hop (every ring hop decodes, adds, re-encodes; error grows with ranks) or owner (each "
-     "contribution is encoded once and summed in float32 by its chunk's owner; error independent of ranks)"},
+     "compressed allreduce and reduce_scatter: hop (every ring hop decodes, adds, re-encodes; error grows with "
+     "ranks) or owner (each contribution is encoded once and summed in float32 by its chunk's owner; error "
+     "independent of ranks)"},
     {"check", "1", "int",
      "1: ranks exchange each call's collective, count, dtype, op and root first and fail on a mismatch; "
      "0: skip (saves one small exchange per call)"},

@@ -180,13 +180,19 @@ def emulate_allreduce(xs: list[np.ndarray], fmt: str, mode: str, op: str) -> np.
     return out
 
 
-def emulate_reduce_scatter(xs: list[np.ndarray], fmt: str, rank: int, op: str) -> np.ndarray:
-    """reduce_scatter (ring in both modes): chunk c starts at rank c+1 (quantized alone), each next rank adds
-    and re-encodes, rank c adds the last partial to its own data in float32 (no final quantization)."""
+def emulate_reduce_scatter(xs: list[np.ndarray], fmt: str, rank: int, op: str, mode: str) -> np.ndarray:
+    """reduce_scatter, hop: chunk c starts at rank c+1 (quantized alone), each next rank adds and re-encodes,
+    rank c adds the last partial to its own data in float32. owner: every rank quantizes its block for rank c
+    once; rank c sums the n decoded blocks in rank order in float32. Neither quantizes the final sum."""
     n = len(xs)
     rc = xs[0].size // n
     lo, hi = rank * rc, (rank + 1) * rc
     q = (lambda v: v) if fmt == "identity" else (lambda v: quantize(v, fmt))
+    if mode == "owner" and fmt != "identity":
+        s = q(xs[0][lo:hi]).copy()
+        for r in range(1, n):
+            s = s + q(xs[r][lo:hi])
+        return s / np.float32(n) if op == "avg" else s
     part = q(xs[(rank + 1) % n][lo:hi])
     for j in range(2, n):
         part = q(xs[(rank + j) % n][lo:hi] + part)

@@ -110,7 +110,8 @@ def max_error(kind: str, fmt: str, n: int, S: float, op: str) -> float:
     reduction, from codec.error_bound(fmt) = (rel, abs) and S = sum over ranks of max |x_r| (every exact partial
     sum, and the full sum, is at most S in magnitude; for avg the full sum divided by n is at most S/n).
 
-    kind "hop": hop allreduce, "owner": owner allreduce, "rs": reduce_scatter (a ring in both modes).
+    kind "hop": hop allreduce, "owner": owner allreduce, "rs": hop reduce_scatter, "rs_owner": owner
+    reduce_scatter.
 
     Rules, for a computed value v within E of an exact one of magnitude <= M (so |v| <= M + E):
       quantize:   the block's max |v| is at most M + E, so the codec adds rel * (M + E) + abs (per_block formats;
@@ -131,8 +132,8 @@ def max_error(kind: str, fmt: str, n: int, S: float, op: str) -> float:
     First order: 2 * rel * S + (n + 1) * abs, the stated 2 (rel * S + abs) but for the abs count, which
     only matters for blocks of magnitude ~1e-38.
 
-    reduce_scatter: like hop but without the final quantization (the block's owner keeps the float32 sum):
-    n - 1 quantizations.
+    reduce_scatter: like the allreduce of its mode but without the final quantization (the block's owner keeps
+    the float32 sum): hop n - 1 quantizations, owner one per contribution.
 
     The float64 reference rounds too: n * 2^-53 * S at most.
     """
@@ -145,7 +146,7 @@ def max_error(kind: str, fmt: str, n: int, S: float, op: str) -> float:
     def add(E: float) -> float:
         return E + U32 * (S + E)
 
-    if kind == "owner" and fmt != "identity":
+    if kind in ("owner", "rs_owner") and fmt != "identity":
         E = rel * S + n * ab
         for _ in range(n - 1):
             E = add(E)
@@ -158,7 +159,7 @@ def max_error(kind: str, fmt: str, n: int, S: float, op: str) -> float:
     if op == "avg":
         E = E / n + U32 * (S + E) / n
         M = S / n
-    if kind != "rs":
+    if kind not in ("rs", "rs_owner"):
         E = quant(E, M)
     return E + n * U64 * S * 2
 
@@ -166,7 +167,7 @@ def max_error(kind: str, fmt: str, n: int, S: float, op: str) -> float:
 def stated_bound(kind: str, fmt: str, n: int, S: float) -> float:
     """The design's first-order statement (for the report in failure messages)."""
     b = codec.error_bound(fmt)
-    q = {"hop": n, "owner": 2, "rs": n - 1}[kind]
+    q = {"hop": n, "owner": 2, "rs": n - 1, "rs_owner": 1}[kind]
     return q * (b.rel * S + b.abs)
 
 
@@ -220,7 +221,7 @@ def test_results_match_the_algorithm_bit_for_bit(world):
         if case.coll == "allreduce":
             checks = [(0, cw.emulate_allreduce(xs, case.codec, case.mode, case.op))]
         elif case.coll == "reduce_scatter":
-            checks = [(r, cw.emulate_reduce_scatter(xs, case.codec, r, case.op)) for r in range(n)]
+            checks = [(r, cw.emulate_reduce_scatter(xs, case.codec, r, case.op, case.mode)) for r in range(n)]
         else:
             checks = [(0, cw.emulate_allgather(xs, case.codec))]
         for r, want in checks:
@@ -255,7 +256,7 @@ def test_error_within_bounds(world):
         if case.coll == "allgather" or case.count == 0:
             continue
         xs = world.inputs(case)
-        kind = "rs" if case.coll == "reduce_scatter" else case.mode
+        kind = ("rs_owner" if case.mode == "owner" else "rs") if case.coll == "reduce_scatter" else case.mode
         if case.coll == "allreduce":
             ref = np.sum([x.astype(np.float64) for x in xs], axis=0)
             outs = [(0, world.results[0][case.key], ref)]
