@@ -69,6 +69,8 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
   transport_ = std::make_unique<Transport>(rank, size, *store_, options_, route_hint);
   if (size > 1) agree_on_settings();
   if (size > 1 && options_.str("cma") == "auto") cma_ = std::make_unique<cma::Local>(*transport_);
+  cma_usable_ = cma_ && cma_->usable();
+  cma_reason_ = size == 1 ? "" : !cma_ ? "disabled (cma=off)" : cma_->why_not();
   engine_ = std::thread([this] { engine_loop(); });
   if (int cpu = static_cast<int>(options_.integer("engine_cpu")); cpu >= 0) {
     cpu_set_t set;
@@ -86,12 +88,13 @@ Communicator::~Communicator() { close(); }
 
 void Communicator::agree_on_settings() {
   // Knobs that change what goes on the wire outside of a call's descriptor: a rank that skips the argument
-  // check, or the same-host probe, would misframe every later message.
-  constexpr std::string_view kMustMatch[] = {"check", "cma"};
+  // check or the same-host probe, cuts segments differently (they are striped over streams by index) or picks
+  // another algorithm would misframe every later message.
+  constexpr std::string_view kMustMatch[] = {"check", "cma", "streams", "segment_size", "algo", "rhd_max_bytes"};
   std::string mine;
   for (std::string_view k : kMustMatch) mine += std::string(k) + "=" + options_.str(k) + " ";
-  mine.resize(64, ' ');
-  std::vector<std::string> all(size_, std::string(64, ' '));
+  mine.resize(160, ' ');
+  std::vector<std::string> all(size_, std::string(160, ' '));
   all[rank_] = mine;
   std::vector<Transport::Op> ops;
   for (int p = 0; p < size_; ++p) {
@@ -112,17 +115,14 @@ void Communicator::agree_on_settings() {
   if (!msg.empty()) {
     transport_->abort();
     throw CommError("ranks disagree on settings that must match on every rank:" + msg +
-                    " set SMARTCOLL_CHECK and SMARTCOLL_CMA alike everywhere");
+                    " set these SMARTCOLL_* variables (or init() options) alike everywhere");
   }
 }
 
-std::string Communicator::cma_unusable_reason() const {
-  if (size_ == 1) return "";
-  if (!cma_) return "disabled (cma=off)";
-  return cma_->why_not();
-}
+std::string Communicator::cma_unusable_reason() const { return cma_reason_; }
 
 void Communicator::close() {
+  std::lock_guard closing(close_mu_);  // two threads closing at once must not both join the engine
   {
     std::lock_guard lock(mu_);
     if (stopping_ && !engine_.joinable()) return;
@@ -266,7 +266,7 @@ Algorithm Communicator::choose_allreduce(size_t count, DataType dt, Algorithm re
       throw InvalidArgument("allreduce: algo 'rhd' does not support codecs; use 'ring' or 'auto'");
     return Algorithm::ring;
   }
-  const bool cma_usable = cma_ && cma_->usable();
+  const bool cma_usable = cma_usable_;
   if (requested == Algorithm::cma && !cma_usable)
     throw InvalidArgument("allreduce: algo 'cma' is not usable here: " + cma_unusable_reason());
   if (requested != Algorithm::automatic) return requested;
@@ -374,9 +374,9 @@ std::shared_ptr<Request> Communicator::reduce(const void* in, void* out, size_t 
   require(rank_ != root || out != nullptr || count == 0, "reduce: the root needs an output buffer");
   return submit({Collective::reduce, dt, op, Algorithm::chain, root, count, {}}, [=, this] {
     const algo::Params params = this->params({});
-    if (size_ == 1)
+    if (size_ == 1 && count > 0)
       std::memmove(out, in, count * dtype_size(dt));
-    else
+    else if (size_ > 1)
       algo::reduce_chain(*transport_, static_cast<const char*>(in), static_cast<char*>(out), count, dt, op, root,
                          params);
   });

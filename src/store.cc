@@ -116,6 +116,8 @@ class TcpStore::Server {
         char buf[4096];
         ssize_t n = ::recv(c.fd.get(), buf, sizeof buf, MSG_DONTWAIT);
         if (n <= 0) {
+          // Forget its pending gets: a later client may be given the same fd number.
+          std::erase_if(waiting, [&](const auto& w) { return w.second == c.fd.get(); });
           c.fd.reset();
           continue;
         }

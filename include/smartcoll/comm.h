@@ -49,6 +49,7 @@ class Request {
  private:
   friend class Communicator;
   void finish(std::string error);
+  std::mutex close_mu_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
@@ -123,9 +124,12 @@ class Communicator {
   std::shared_ptr<Store> store_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<cma::Local> cma_;
+  bool cma_usable_ = false;   // fixed at construction, so callers may read it while another thread closes
+  std::string cma_reason_;
   uint64_t seq_ = 0;          // engine thread only
   std::string failure_;       // engine thread only: first error; later tasks fail with it
 
+  std::mutex close_mu_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;

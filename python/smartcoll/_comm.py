@@ -69,6 +69,15 @@ class Request:
     def test(self) -> bool:
         return self._req.test()
 
+    def __del__(self) -> None:
+        # The engine may still be reading and writing the buffers (a dropped request, or Ctrl-C in wait()):
+        # keep them alive until it is done. The engine's own timeout bounds this wait.
+        if self._keepalive:
+            try:
+                self._req.wait(None)
+            except Exception:  # the collective's error belongs to whoever waits on it, not to a destructor
+                pass
+
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Waits for completion; raises TimeoutError if `timeout` seconds pass first (the collective goes on)."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -114,6 +123,12 @@ class Communicator:
     def close(self) -> None:
         """Finishes submitted collectives, stops the engine and closes connections."""
         self._core.close()
+
+    def __del__(self) -> None:
+        # Closing here releases the GIL while the engine drains; the C++ destructor would hold it.
+        core = getattr(self, "_core", None)
+        if core is not None:
+            core.close()
 
     def __repr__(self) -> str:
         return f"<smartcoll.Communicator rank {self.rank} of {self.size}>"

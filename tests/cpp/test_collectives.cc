@@ -225,7 +225,8 @@ TEST(Knobs, UnknownAndMalformedOptionsAreNamed) {
 namespace smartcoll {
 namespace {
 
-TEST(Errors, SettingsThatMustMatchAreCheckedAtStartUp) {
+// Rank 1 gets `knob` = `odd`, the others `usual`; every rank must refuse to start, naming rank 1's value.
+void expect_settings_mismatch(const std::string& knob, const std::string& usual, const std::string& odd) {
   const int n = 3;
   auto store = std::make_shared<MemoryStore>();
   std::vector<std::string> errors(n);
@@ -233,7 +234,7 @@ TEST(Errors, SettingsThatMustMatchAreCheckedAtStartUp) {
   for (int r = 0; r < n; ++r)
     threads.emplace_back([&, r] {
       try {
-        Communicator comm(r, n, store, test_options({{"check", r == 1 ? "0" : "1"}}));
+        Communicator comm(r, n, store, test_options({{knob, r == 1 ? odd : usual}, {"streams", "2"}}));
       } catch (const CommError& e) {
         errors[r] = e.what();
       }
@@ -241,8 +242,15 @@ TEST(Errors, SettingsThatMustMatchAreCheckedAtStartUp) {
   for (auto& t : threads) t.join();
   for (int r = 0; r < n; ++r) {
     EXPECT_NE(errors[r].find("ranks disagree on settings"), std::string::npos) << "rank " << r << ": " << errors[r];
-    EXPECT_NE(errors[r].find("check=0"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find(knob + "=" + odd), std::string::npos) << errors[r];
   }
+}
+
+TEST(Errors, SettingsThatMustMatchAreCheckedAtStartUp) {
+  expect_settings_mismatch("check", "1", "0");
+  // Segments are striped over streams by index: different cuts would silently scramble data.
+  expect_settings_mismatch("segment_size", "65536", "131072");
+  expect_settings_mismatch("algo", "auto", "ring");
 }
 
 }  // namespace
