@@ -4,6 +4,8 @@
 #include <sched.h>
 
 #include <cstring>
+#include <iomanip>
+#include <sstream>
 #include <map>
 #include <vector>
 
@@ -58,13 +60,41 @@ void Request::finish(std::string error) {
   cv_.notify_all();
 }
 
+namespace {
+
+// Range checks for numeric knobs, so that a typo fails at start-up with the knob's name rather than as an
+// overflow deep inside (a timeout of 1e300 s, a negative socket buffer).
+void check_ranges(const Options& o) {
+  struct Range {
+    std::string_view knob;
+    double lo, hi;
+  };
+  constexpr Range ranges[] = {{"segment_size", 64, 1 << 30},  {"streams", 1, 64},
+                              {"timeout", 0.001, 1e6},         {"connect_timeout", 0.001, 1e6},
+                              {"sockbuf", 0, 1 << 30},         {"rhd_max_bytes", 0, 1e15},
+                              {"engine_cpu", -1, 1 << 20}};
+  auto show = [](double x) {
+    std::ostringstream s;
+    s << std::setprecision(15) << x;
+    return s.str();
+  };
+  for (const Range& r : ranges) {
+    const double v = o.real(r.knob);
+    if (v < r.lo || v > r.hi)
+      throw InvalidArgument("option '" + std::string(r.knob) + "' (" + knob_env_name(r.knob) + ") = " +
+                            o.str(r.knob) + " is outside [" + show(r.lo) + ", " + show(r.hi) + "]");
+  }
+}
+
+}  // namespace
+
 Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, const Options& options,
                            const std::string& route_hint)
     : rank_(rank), size_(size), options_(options), store_(std::move(store)) {
   if (size < 1) throw InvalidArgument("world size must be at least 1, got " + std::to_string(size));
   if (rank < 0 || rank >= size)
     throw InvalidArgument("rank " + std::to_string(rank) + " is outside the world of size " + std::to_string(size));
-  if (options_.integer("segment_size") < 64) throw InvalidArgument("option 'segment_size' must be at least 64 bytes");
+  check_ranges(options_);
   Codec::parse(options_.str("codec"));  // a bad SMARTCOLL_CODEC fails here, not at the first collective
   transport_ = std::make_unique<Transport>(rank, size, *store_, options_, route_hint);
   if (size > 1) agree_on_settings();

@@ -152,9 +152,11 @@ def test_unknown_option_names_the_knob():
         ({"algo": "tree"}, r"'algo'.*tree"),
         ({"streams": "many"}, r"'streams'.*many"),
         ({"timeout": "soon"}, r"'timeout'.*soon"),
-        ({"segment_size": 8}, r"segment_size.*64"),
-        ({"streams": 0}, r"streams.*between 1 and 64"),
-        ({"timeout": 0}, r"timeout.*positive"),
+        ({"segment_size": 8}, r"'segment_size' \(SMARTCOLL_SEGMENT_SIZE\) = 8 is outside \[64, 1073741824\]"),
+        ({"streams": 0}, r"'streams' \(SMARTCOLL_STREAMS\) = 0 is outside \[1, 64\]"),
+        ({"timeout": 0}, r"'timeout' .* = 0 is outside \[0.001, 1000000\]"),
+        ({"timeout": 1e300}, r"'timeout' .* is outside"),
+        ({"sockbuf": -1}, r"'sockbuf' .* = -1 is outside"),
     ],
 )
 def test_bad_option_value_names_the_knob(options, pattern):
