@@ -375,6 +375,23 @@ void broadcast_chain(Transport& t, char* buf, size_t count, DataType dt, int roo
   pipeline(t, mod(r - 1, n), recvs, mod(r + 1, n), sends, {dt, ReduceOp::sum, n, nullptr});
 }
 
+void broadcast_tree(Transport& t, char* buf, size_t count, DataType dt, int root) {
+  // Binomial tree over positions relative to the root: position v receives from v minus its lowest set bit,
+  // then sends to v + 2^k for every 2^k below that bit (all children at once).
+  const int n = t.size(), v = mod(t.rank() - root, n);
+  const size_t bytes = count * dtype_size(dt);
+  int mask = 1;
+  while (mask < n && !(v & mask)) mask <<= 1;
+  if (mask < n) {
+    Transport::Op from_parent{mod(v - mask + root, n), false, buf, bytes};
+    t.run({&from_parent, 1});
+  }
+  std::vector<Transport::Op> to_children;
+  for (mask >>= 1; mask > 0; mask >>= 1)
+    if (v + mask < n) to_children.push_back({mod(v + mask + root, n), true, buf, bytes});
+  t.run(to_children);
+}
+
 void reduce_chain(Transport& t, const char* in, char* out, size_t count, DataType dt, ReduceOp op, int root,
                   const Params& p) {
   // Partial sums flow from the rank farthest from the root (position n-1) down the chain to the root.

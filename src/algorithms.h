@@ -23,6 +23,7 @@ void reduce_scatter_ring(Transport& t, const char* in, char* out, size_t recvcou
                          const Params& p);
 void allgather_ring(Transport& t, const char* in, char* out, size_t sendcount, DataType dt, const Params& p);
 void broadcast_chain(Transport& t, char* buf, size_t count, DataType dt, int root, const Params& p);
+void broadcast_tree(Transport& t, char* buf, size_t count, DataType dt, int root);
 void reduce_chain(Transport& t, const char* in, char* out, size_t count, DataType dt, ReduceOp op, int root,
                   const Params& p);
 void alltoall_direct(Transport& t, const char* in, char* out, size_t count_per_rank, DataType dt);

@@ -23,7 +23,7 @@ std::string_view collective_name(Collective c) {
 }
 
 std::string_view algorithm_name(Algorithm a) {
-  constexpr std::string_view names[] = {"auto", "ring", "rhd", "chain", "direct", "local", "cma"};
+  constexpr std::string_view names[] = {"auto", "ring", "rhd", "chain", "direct", "local", "cma", "tree"};
   return names[static_cast<int>(a)];
 }
 
@@ -337,6 +337,9 @@ Codec Communicator::choose_codec(DataType dt, std::optional<ReduceOp> op,
   return *requested;
 }
 
+// The codec of collectives that never compress (Params keeps a pointer to it, so it must outlive the call).
+const Codec kRaw;
+
 algo::Params Communicator::params(const Codec& codec) const {
   return {static_cast<size_t>(options_.integer("segment_size")), &codec, options_.str("codec_mode") == "owner"};
 }
@@ -391,9 +394,16 @@ std::shared_ptr<Request> Communicator::allgather(const void* in, void* out, size
 
 std::shared_ptr<Request> Communicator::broadcast(void* buf, size_t count, DataType dt, int root) {
   check_root(root, size_);
-  return submit({Collective::broadcast, dt, ReduceOp::sum, Algorithm::chain, root, count, {}}, [=, this] {
-    const algo::Params params = this->params({});
-    if (size_ > 1) algo::broadcast_chain(*transport_, static_cast<char*>(buf), count, dt, root, params);
+  // Small messages are latency-bound: a binomial tree takes log2(n) steps where the chain takes n-1.
+  const bool small = count * dtype_size(dt) <= static_cast<size_t>(options_.integer("rhd_max_bytes"));
+  const Algorithm chosen = small ? Algorithm::tree : Algorithm::chain;
+  return submit({Collective::broadcast, dt, ReduceOp::sum, chosen, root, count, {}}, [=, this] {
+    auto* data = static_cast<char*>(buf);
+    if (size_ == 1) return;
+    if (chosen == Algorithm::tree)
+      algo::broadcast_tree(*transport_, data, count, dt, root);
+    else
+      algo::broadcast_chain(*transport_, data, count, dt, root, this->params(kRaw));
   });
 }
 
@@ -403,7 +413,7 @@ std::shared_ptr<Request> Communicator::reduce(const void* in, void* out, size_t 
   check_root(root, size_);
   require(rank_ != root || out != nullptr || count == 0, "reduce: the root needs an output buffer");
   return submit({Collective::reduce, dt, op, Algorithm::chain, root, count, {}}, [=, this] {
-    const algo::Params params = this->params({});
+    const algo::Params params = this->params(kRaw);
     if (size_ == 1 && count > 0)
       std::memmove(out, in, count * dtype_size(dt));
     else if (size_ > 1)

@@ -32,7 +32,7 @@ struct Params;
 }
 
 enum class Collective : uint8_t { allreduce, reduce_scatter, allgather, broadcast, reduce, alltoall, barrier };
-enum class Algorithm : uint8_t { automatic, ring, rhd, chain, direct, local, cma };
+enum class Algorithm : uint8_t { automatic, ring, rhd, chain, direct, local, cma, tree };
 
 std::string_view collective_name(Collective c);
 std::string_view algorithm_name(Algorithm a);
