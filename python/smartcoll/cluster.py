@@ -50,7 +50,6 @@ __all__ = [
     "ClusterError",
     "Host",
     "add_arguments",
-    "add_cli",
     "clear_faults",
     "down",
     "exists",
@@ -936,26 +935,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--time", type=float, default=3.0,
                    help="seconds per measurement (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON")
-
-
-def add_cli(subparsers: Any) -> argparse.ArgumentParser:
-    """Registers the `cluster` subcommand on an argparse subparsers object; its handler is run_cli."""
-    p = subparsers.add_parser(
-        "cluster",
-        help="emulated cluster: network namespaces on shaped links (up, down, status, fault, iperf)",
-        description="Emulate an Ethernet cluster on this machine: one network namespace per host, veth\n"
-                    "links to a switch namespace, shaped with tc tbf. Needs root.\n\n"
-                    "examples:\n"
-                    "  smartcoll cluster up -n 4 --link 1gbit --topology switch\n"
-                    "  smartcoll cluster status\n"
-                    "  smartcoll cluster fault 2 link-down\n"
-                    "  smartcoll cluster iperf --pattern ring\n"
-                    "  smartcoll cluster down",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(p)
-    p.set_defaults(handler=run_cli)
-    return p
 
 
 def _fmt_bytes(n: int) -> str:

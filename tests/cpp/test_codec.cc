@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include "simd_levels.h"
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -24,24 +26,8 @@ namespace {
 using Bytes = std::vector<uint8_t>;
 using Floats = std::vector<float>;
 
-class LevelGuard {
- public:
-  LevelGuard() : saved_(simd_active()) {}
-  ~LevelGuard() { simd_force(saved_); }
-  LevelGuard(const LevelGuard&) = delete;
-  LevelGuard& operator=(const LevelGuard&) = delete;
-
- private:
-  SimdLevel saved_;
-};
-
-std::vector<SimdLevel> supported_levels() {
-  std::vector<SimdLevel> levels;
-  for (SimdLevel l : {SimdLevel::scalar, SimdLevel::avx2, SimdLevel::avx512}) {
-    if (static_cast<int>(l) <= static_cast<int>(simd_supported())) levels.push_back(l);
-  }
-  return levels;
-}
+using test_support::LevelGuard;
+using test_support::supported_levels;
 
 // Every preset plus BFP variants that exercise other element widths, exponent widths and block lengths (including
 // ones that are and are not a multiple of the SIMD widths).

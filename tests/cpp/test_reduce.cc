@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include "simd_levels.h"
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -30,25 +32,8 @@ using Bytes = std::vector<uint8_t>;
 
 constexpr size_t kCounts[] = {0, 1, 7, 31, 33, 1000, 4099};
 
-// Restores the SIMD level a test found, so a failing test cannot leak a forced level into the next one.
-class LevelGuard {
- public:
-  LevelGuard() : saved_(simd_active()) {}
-  ~LevelGuard() { simd_force(saved_); }
-  LevelGuard(const LevelGuard&) = delete;
-  LevelGuard& operator=(const LevelGuard&) = delete;
-
- private:
-  SimdLevel saved_;
-};
-
-std::vector<SimdLevel> supported_levels() {
-  std::vector<SimdLevel> levels;
-  for (SimdLevel l : {SimdLevel::scalar, SimdLevel::avx2, SimdLevel::avx512}) {
-    if (static_cast<int>(l) <= static_cast<int>(simd_supported())) levels.push_back(l);
-  }
-  return levels;
-}
+using test_support::LevelGuard;
+using test_support::supported_levels;
 
 uint32_t f32_bits(float f) { return std::bit_cast<uint32_t>(f); }
 float f32_from(uint32_t b) { return std::bit_cast<float>(b); }

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -369,9 +368,9 @@ def test_link_down_mid_allreduce_every_rank_gets_commerror(cluster4):
 
 
 def test_cli_status_and_fault(cluster4, capsys):
-    parser = argparse.ArgumentParser(prog="smartcoll")
-    sub = parser.add_subparsers(dest="command", required=True)
-    cl.add_cli(sub)
+    from smartcoll.cli import build_parser
+
+    parser = build_parser()
 
     def run(*argv: str) -> int:
         args = parser.parse_args(list(argv))
