@@ -119,7 +119,7 @@ NB_MODULE(_core, m) {
         {"simd", std::string(simd_name(simd_active()))},
         {"simd_supported", std::string(simd_name(simd_supported()))},
         {"compiler", __VERSION__},
-        {"allreduce_algorithms", "auto, ring, rhd, cma"},
+        {"allreduce_algorithms", "auto, ring, rhd, rd, cma"},
         {"transports", "tcp, cma (same host)"},
         {"codecs", [] {
            std::string all;
@@ -175,8 +175,14 @@ NB_MODULE(_core, m) {
                                   const std::string& algo, const std::string& op, const std::string& codec) {
         const DataType dt = parse_dtype(dtype);
         const bool compressed = c.choose_codec(dt, parse_op(op), parse_codec(codec)).kind() != CodecKind::identity;
-        return std::string(algorithm_name(c.choose_allreduce(count, dt, parse_algorithm(algo), compressed)));
+        return std::string(algorithm_name(c.choose(Collective::allreduce, count, dt, parse_algorithm(algo),
+                                                   compressed)));
       })
+      .def("engine_stats", [](const Communicator& c) {
+        const EngineStats s = c.engine_stats();
+        return std::map<std::string, double>{{"workers", s.workers}, {"cpu_seconds", s.cpu_seconds},
+                                             {"open_channels", s.open_channels}};
+      }, "Engine worker count, their CPU seconds so far, and the connections this rank holds.")
       .def("allreduce", [](Communicator& c, Array in, Array out, const std::string& op, const std::string& algo,
                            const std::string& codec) {
         Buffer i = buffer(in), o = buffer(out);

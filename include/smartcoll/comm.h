@@ -1,10 +1,12 @@
 // Communicator: a group of ranks and the progress engine that runs their collectives.
 //
-// Every collective is a task. The calling thread only checks arguments and submits; one engine thread per
-// communicator (optionally pinned to a core set aside for it) runs the tasks in submission order, doing all
-// transport I/O and reductions. Each call returns a Request at once; blocking calls are request.wait().
+// Every collective is a task: a schedule of sends, receives and reductions that the engine's workers progress
+// (several calls at once, in the order they were made), on cores that can be set aside for them. The calling
+// thread checks arguments and submits; each call returns a Request at once; blocking calls are
+// request.wait(), which drives the engine itself when nothing else is running.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -24,36 +26,50 @@
 namespace smartcoll {
 
 class Transport;
+class Engine;
+struct Task;
+struct Config;
+struct CallHistory;
 namespace cma {
 class Local;
 }
-namespace algo {
-struct Params;
-}
 
 enum class Collective : uint8_t { allreduce, reduce_scatter, allgather, broadcast, reduce, alltoall, barrier };
-enum class Algorithm : uint8_t { automatic, ring, rhd, chain, direct, local, cma, tree };
+inline constexpr int kCollectives = 7;
+enum class Algorithm : uint8_t {
+  automatic, ring, rhd, chain, direct, local, cma, tree, rd, bruck, dissemination
+};
 
 std::string_view collective_name(Collective c);
 std::string_view algorithm_name(Algorithm a);
-Algorithm parse_algorithm(std::string_view name);  // "auto", "ring", "rhd", "cma"
+// An algorithm by name, for `collective`; throws InvalidArgument listing the ones that collective has.
+Algorithm parse_algorithm(std::string_view name, Collective collective = Collective::allreduce);
 
 class Request {
  public:
   // True once the task has finished (successfully or not); never blocks.
   bool test();
   // Waits up to `timeout` (nullopt: no limit). Returns false on timeout (the task goes on). Throws CommError
-  // if the collective failed.
+  // if the collective failed. A caller that waits on a small call while the engine is idle drives the engine
+  // itself, so that no thread hand-off sits on the critical path.
   bool wait(std::optional<std::chrono::duration<double>> timeout = std::nullopt);
 
  private:
+  friend class Engine;
   friend class Communicator;
   void finish(std::string error);
-  std::mutex close_mu_;
   std::mutex mu_;
   std::condition_variable cv_;
-  bool done_ = false;
+  std::atomic<bool> done_{false};
   std::string error_;
+  std::weak_ptr<Engine> engine_;
+  int driver_ = -1;  // the engine worker a waiting caller may drive (-1: the call spans several workers)
+};
+
+struct EngineStats {
+  int workers = 0;
+  double cpu_seconds = 0;  // CPU time of the engine's worker threads so far
+  int open_channels = 0;   // connections this rank holds now
 };
 
 class Communicator {
@@ -80,19 +96,22 @@ class Communicator {
                                      std::optional<Codec> codec = std::nullopt);
   // in: size * recvcount elements; out: recvcount elements (this rank's block).
   std::shared_ptr<Request> reduce_scatter(const void* in, void* out, size_t recvcount, DataType dt, ReduceOp op,
-                                          std::optional<Codec> codec = std::nullopt);
+                                          std::optional<Codec> codec = std::nullopt,
+                                          Algorithm algo = Algorithm::automatic);
   // in: sendcount elements; out: size * sendcount elements, rank i's block at i * sendcount.
   std::shared_ptr<Request> allgather(const void* in, void* out, size_t sendcount, DataType dt,
-                                     std::optional<Codec> codec = std::nullopt);
-  std::shared_ptr<Request> broadcast(void* buf, size_t count, DataType dt, int root);
+                                     std::optional<Codec> codec = std::nullopt,
+                                     Algorithm algo = Algorithm::automatic);
+  std::shared_ptr<Request> broadcast(void* buf, size_t count, DataType dt, int root,
+                                     Algorithm algo = Algorithm::automatic);
   // out is written on root only (may be null elsewhere).
-  std::shared_ptr<Request> reduce(const void* in, void* out, size_t count, DataType dt, ReduceOp op, int root);
+  std::shared_ptr<Request> reduce(const void* in, void* out, size_t count, DataType dt, ReduceOp op, int root,
+                                  Algorithm algo = Algorithm::automatic);
   // in and out: size * count elements; block i of in goes to rank i, block j of out comes from rank j.
-  std::shared_ptr<Request> alltoall(const void* in, void* out, size_t count, DataType dt);
-  std::shared_ptr<Request> barrier();
+  std::shared_ptr<Request> alltoall(const void* in, void* out, size_t count, DataType dt,
+                                    Algorithm algo = Algorithm::automatic);
+  std::shared_ptr<Request> barrier(Algorithm algo = Algorithm::automatic);
 
-  // Which allreduce algorithm `automatic` resolves to for this message.
-  Algorithm choose_allreduce(size_t count, DataType dt, Algorithm requested, bool compressed = false) const;
   // The codec a call uses: `requested`, or the knob's where it applies; identity means raw elements.
   // op: nullopt for collectives that do not reduce (allgather).
   Codec choose_codec(DataType dt, std::optional<ReduceOp> op, const std::optional<Codec>& requested) const;
@@ -102,6 +121,11 @@ class Communicator {
 
   // Finishes queued tasks, stops the engine and closes connections. Idempotent.
   void close();
+
+  // Which algorithm `automatic` resolves to for this call (count in elements, as the collective takes it).
+  Algorithm choose(Collective coll, size_t count, DataType dt, Algorithm requested = Algorithm::automatic,
+                   bool compressed = false) const;
+  EngineStats engine_stats() const;
 
  private:
   struct Call {
@@ -113,28 +137,23 @@ class Communicator {
     size_t count;
     Codec codec;
   };
-  std::shared_ptr<Request> submit(const Call& call, std::function<void()> body);
-  algo::Params params(const Codec& codec) const;
-  void check_agreement(const Call& call);
-  void agree_on_settings();  // at start-up: the knobs every rank must share
-  void engine_loop();
+  std::shared_ptr<Request> submit(const Call& call, const void* in, void* out);
+  void agree_on_settings();  // at start-up, through the store: the knobs every rank must share
 
   int rank_, size_;
   Options options_;
+  std::unique_ptr<Config> config_;
   std::shared_ptr<Store> store_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<cma::Local> cma_;
-  bool cma_usable_ = false;   // fixed at construction, so callers may read it while another thread closes
+  bool cma_usable_ = false;  // fixed at construction, so callers may read it while another thread closes
   std::string cma_reason_;
-  uint64_t seq_ = 0;          // engine thread only
-  std::string failure_;       // engine thread only: first error; later tasks fail with it
-
+  std::shared_ptr<Engine> engine_;
+  std::unique_ptr<CallHistory> history_;
+  std::mutex submit_mu_;  // calls are numbered and queued in one order
+  uint64_t seq_ = 0;
   std::mutex close_mu_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  bool stopping_ = false;
-  std::thread engine_;
+  bool closed_ = false;
 };
 
 }  // namespace smartcoll

@@ -1,5 +1,6 @@
 // The one table of settings. Each knob is declared here once; the environment variable SMARTCOLL_<NAME>,
-// the Python keyword option <name>, `smartcoll info` and docs/knobs.md all come from this table.
+// the Python keyword option <name>, `smartcoll info`, docs/knobs.md, the range check and the start-up check
+// that ranks agree all come from this table.
 #pragma once
 
 #include <cstdint>
@@ -13,45 +14,64 @@ struct Knob {
   std::string_view name;
   std::string_view default_value;
   std::string_view type;  // "int", "float", "str" or "choice:a|b|c"
+  double lo, hi;          // accepted range of "int" and "float" knobs
+  bool must_match;        // ranks that disagree would misframe messages: checked at start-up
   std::string_view description;
 };
 
+inline constexpr double kNoLimit = 1e15;
+
 inline constexpr Knob kKnobs[] = {
-    {"algo", "auto", "choice:auto|ring|rhd|cma",
-     "allreduce algorithm: ring (pipelined, segmented; bandwidth-optimal), rhd (recursive halving-doubling; "
-     "fewer steps for small messages), cma (ranks on one host read each other's buffers once with "
-     "process_vm_readv) or auto (rhd up to rhd_max_bytes; above, cma where usable, else ring)"},
-    {"cma", "auto", "choice:auto|off",
+    {"algo", "auto", "choice:auto|ring|rhd|rd|cma", 0, 0, true,
+     "allreduce algorithm (smartcoll info lists them): ring (pipelined, segmented; bandwidth-optimal), rhd "
+     "(recursive halving-doubling), rd (recursive doubling; fewest steps for tiny messages), cma (ranks on one "
+     "host read each other's buffers once) or auto (chosen per call from the size, world size and host layout)"},
+    {"cma", "auto", "choice:auto|off", 0, 0, true,
      "same-host fast path: auto probes at start-up whether every rank shares this host and can read its peers' "
-     "memory (process_vm_readv); off never uses it. Must be the same on every rank"},
-    {"rhd_max_bytes", "262144", "int", "auto picks rhd for allreduce messages up to this many bytes"},
-    {"segment_size", "262144", "int",
+     "memory (process_vm_readv); off never uses it"},
+    {"rhd_max_bytes", "262144", "int", 0, kNoLimit, true,
+     "auto uses latency-optimized algorithms (recursive doubling/halving, trees, Bruck) up to this many bytes"},
+    {"segment_size", "262144", "int", 64, 1 << 30, true,
      "bytes per pipeline segment: the unit the ring sends, reduces and forwards while the next one is on the wire"},
-    {"streams", "1", "int", "TCP connections per peer; ring segments are striped across them"},
-    {"timeout", "60", "float",
+    {"streams", "1", "int", 1, 64, true,
+     "TCP connections per peer; pipeline segments are striped across them and each one is served by engine "
+     "worker (stream mod engine_threads)"},
+    {"engine_threads", "0", "int", 0, 64, false,
+     "engine worker threads per rank; each owns its own connections and does their I/O, reductions and codec "
+     "work. 0: chosen from the CPUs this process may use and LOCAL_WORLD_SIZE (at most 4). Results are bitwise "
+     "identical whatever the number"},
+    {"engine_cpus", "", "str", 0, 0, false,
+     "comma-separated CPUs to pin the engine workers to, worker i on the i-th (cycled); empty: not pinned"},
+    {"spin_us", "50", "int", 0, 1000000, false,
+     "microseconds an engine that ran out of work keeps polling its sockets before it sleeps; a caller waiting "
+     "on a request drives the engine itself when it is idle"},
+    {"timeout", "60", "float", 0.001, 1e6, false,
      "seconds a collective may make no progress before it fails naming the peer it waits for"},
-    {"connect_timeout", "120", "float", "seconds to wait for the rendezvous store and for peers to connect"},
-    {"ifname", "", "str", "network interface whose IPv4 address this rank listens on (e.g. eth0, veth-h1)"},
-    {"addr", "", "str",
+    {"connect_timeout", "120", "float", 0.001, 1e6, false,
+     "seconds to wait for the rendezvous store and for a peer to connect"},
+    {"ifname", "", "str", 0, 0, false, "network interface whose IPv4 address this rank listens on (e.g. eth0)"},
+    {"addr", "", "str", 0, 0, false,
      "explicit IPv4 address to listen on; default: the local address that routes to MASTER_ADDR"},
-    {"engine_cpu", "-1", "int", "pin the progress-engine thread to this CPU (-1: not pinned)"},
-    {"sockbuf", "0", "int", "SO_SNDBUF/SO_RCVBUF bytes for data connections (0: kernel autotuning)"},
-    {"codec", "identity", "str",
+    {"sockbuf", "0", "int", 0, 1 << 30, false, "SO_SNDBUF/SO_RCVBUF bytes for data connections (0: kernel autotuning)"},
+    {"codec", "identity", "str", 0, 0, false,
      "wire format for float32 sum/avg in allreduce, reduce_scatter and allgather: identity, fp16, bf16, bfp16, "
      "bfp:block=B,mant=M,exp=E, mxint8, mxfp8_e4m3, mxfp8_e5m2, mxfp6_e3m2, mxfp6_e2m3, mxfp4_e2m1"},
-    {"codec_mode", "hop", "choice:hop|owner",
+    {"codec_mode", "hop", "choice:hop|owner", 0, 0, false,
      "compressed allreduce and reduce_scatter: hop (every ring hop decodes, adds, re-encodes; error grows with "
      "ranks) or owner (each contribution is encoded once and summed in float32 by its chunk's owner; error "
      "independent of ranks)"},
-    {"check", "1", "int",
-     "1: ranks exchange each call's collective, count, dtype, op and root first and fail on a mismatch; "
-     "0: skip (saves one small exchange per call)"},
+    {"check", "1", "int", 0, 1, true,
+     "1: the first message of each call between two ranks carries the call's collective, count, dtype, op and "
+     "root, and a mismatch fails the call naming who called what; 0: skip (32 bytes less per message)"},
+    {"log", "warn", "choice:error|warn|info|debug", 0, 0, false,
+     "log level of messages on stderr (each line names the rank and the collective)"},
 };
 
 // Resolved settings: defaults, overridden by SMARTCOLL_* environment variables, overridden by explicit options.
 class Options {
  public:
-  // Throws InvalidArgument naming the knob for an unknown name or a value that does not parse.
+  // Throws InvalidArgument naming the knob for an unknown name, a value that does not parse or one outside the
+  // knob's range.
   static Options resolve(const std::map<std::string, std::string>& explicit_options = {});
 
   const std::string& str(std::string_view name) const;

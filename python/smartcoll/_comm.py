@@ -208,6 +208,12 @@ class Communicator:
     def barrier(self) -> None:
         self.ibarrier().wait()
 
+    def engine_stats(self) -> dict:
+        """{'workers', 'cpu_seconds' (CPU time of the engine's worker threads so far), 'open_channels'}."""
+        stats = self._core.engine_stats()
+        return {"workers": int(stats["workers"]), "cpu_seconds": stats["cpu_seconds"],
+                "open_channels": int(stats["open_channels"])}
+
     def allreduce_algorithm(
         self, count: int, dtype: str = "float32", algo: str = "auto", op: str = "sum", codec: Optional[str] = None
     ) -> str:

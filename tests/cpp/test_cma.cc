@@ -18,11 +18,11 @@
 #include <thread>
 #include <vector>
 
-#include "cma.h"
+#include "transport/cma.h"
 #include "smartcoll/knobs.h"
 #include "smartcoll/reduce.h"
 #include "smartcoll/store.h"
-#include "transport.h"
+#include "transport/tcp.h"
 
 namespace smartcoll {
 namespace {
@@ -160,13 +160,13 @@ std::string first_difference(int n, size_t count, const std::vector<char>& got, 
 
 void run_threads(int n, const std::function<void(Transport&, cma::Local&)>& body,
                  const Options& options = cma_options()) {
-  MemoryStore store;
+  auto store = std::make_shared<MemoryStore>();
   std::vector<std::thread> threads;
   std::vector<std::string> errors(n);
   for (int r = 0; r < n; ++r)
     threads.emplace_back([&, r] {
       try {
-        Transport t(r, n, store, options, "");
+        TcpTransport t(r, n, store, Config::from(options), "");
         cma::Local local(t);
         if (!local.usable()) throw std::runtime_error("not usable: " + local.why_not());
         body(t, local);
@@ -383,8 +383,8 @@ TEST_P(CmaProcesses, AllreduceAcrossProcessesMatchesReferenceBitwise) {
   TempDir dir;
   ASSERT_FALSE(dir.path.empty());
   auto outcomes = run_processes(n, [&](const ChildIo& io) {
-    FileStore store(dir.path);
-    Transport t(io.rank, n, store, cma_options(), "");
+    auto store = std::make_shared<FileStore>(dir.path);
+    TcpTransport t(io.rank, n, store, Config::from(cma_options()), "");
     cma::Local local(t);
     if (!local.usable()) {
       io.write("NOT USABLE: " + local.why_not());
@@ -444,8 +444,8 @@ TEST(CmaProcessesSetup, OneRankFailingItsProbeDisablesItEverywhere) {
         prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
       }
     }
-    FileStore store(dir.path);
-    Transport t(io.rank, n, store, cma_options(), "");
+    auto store = std::make_shared<FileStore>(dir.path);
+    TcpTransport t(io.rank, n, store, Config::from(cma_options()), "");
     cma::Local local(t);
     std::string report = (local.usable() ? "usable|" : "unusable|") + local.why_not();
     float x = 1.0f;
@@ -478,8 +478,8 @@ TEST(CmaProcessesErrors, PeerDyingMidCallIsCommErrorNamingIt) {
     TempDir dir;
     ASSERT_FALSE(dir.path.empty());
     auto outcomes = run_processes(n, [&](const ChildIo& io) {
-      FileStore store(dir.path);
-      Transport t(io.rank, n, store, cma_options("3"), "");
+      auto store = std::make_shared<FileStore>(dir.path);
+      TcpTransport t(io.rank, n, store, Config::from(cma_options("3")), "");
       t.context = "allreduce on rank " + std::to_string(io.rank);
       cma::Local local(t);
       if (!local.usable()) {
@@ -503,7 +503,7 @@ TEST(CmaProcessesErrors, PeerDyingMidCallIsCommErrorNamingIt) {
           local.allreduce(t, p, p, count, DataType::f32, ReduceOp::sum);
         } catch (const CommError& e) {
           double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-          t.abort();  // as the Communicator does, so that the other survivor fails at once
+          t.abort(e.what());  // as the Communicator does, so that the other survivor fails at once
           io.write("COMMERROR after " + std::to_string(s) + " s: " + e.what());
           io.finish();
           return s < 5.0 ? 0 : 5;

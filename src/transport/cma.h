@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "smartcoll/types.h"
-#include "transport.h"
+#include "transport/transport.h"
 
 namespace smartcoll::cma {
 

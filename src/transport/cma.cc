@@ -1,4 +1,4 @@
-#include "cma.h"
+#include "transport/cma.h"
 
 #include <poll.h>
 #include <sys/prctl.h>

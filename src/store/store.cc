@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "smartcoll/types.h"
-#include "socket.h"
+#include "transport/socket.h"
 
 namespace smartcoll {
 

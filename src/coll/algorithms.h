@@ -1,0 +1,37 @@
+// The algorithms, one per file, each a function that builds a call's schedule (coll/schedule.h). They are
+// listed with what they support and what they cost in coll/table.h, which is what selects among them.
+#pragma once
+
+#include "coll/schedule.h"
+
+namespace smartcoll::coll {
+
+// A call's buffers. Pointers may alias (in == out) wherever the collective allows in-place use.
+struct Args {
+  const char* in;
+  char* out;
+  size_t count;  // elements, as the collective takes them (per rank for reduce_scatter, allgather, alltoall)
+  int root;
+};
+
+void allreduce_ring(Builder& b, const Args& a);
+// Owner exchange of the compressed modes: each contribution encoded once (into enc, laid out by ch), sent to its
+// chunk's owner, summed there in float32 in rank order into `mine` (and, with share, encoded once into enc and
+// decoded back so that every rank ends with the same values). All on stream 0.
+struct OwnerSteps {
+  int32_t summed, sent;
+};
+OwnerSteps owner_reduce(Builder& b, const Chunks& ch, const char* in, uint8_t* enc, float* mine, bool share);
+void allreduce_rhd(Builder& b, const Args& a);
+void allreduce_rd(Builder& b, const Args& a);
+void allreduce_cma(Builder& b, const Args& a);
+void reduce_scatter_ring(Builder& b, const Args& a);
+void allgather_ring(Builder& b, const Args& a);
+void broadcast_chain(Builder& b, const Args& a);
+void broadcast_tree(Builder& b, const Args& a);
+void reduce_chain(Builder& b, const Args& a);
+void reduce_tree(Builder& b, const Args& a);
+void alltoall_direct(Builder& b, const Args& a);
+void barrier_dissemination(Builder& b, const Args& a);
+
+}  // namespace smartcoll::coll

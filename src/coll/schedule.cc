@@ -1,0 +1,222 @@
+#include "coll/schedule.h"
+
+#include <algorithm>
+
+#include "core/engine.h"
+#include "smartcoll/reduce.h"
+
+namespace smartcoll::coll {
+
+int mod(int a, int n) { return ((a % n) + n) % n; }
+
+Builder::Builder(Task& task, const Context& context, std::shared_ptr<const ReduceSpec> reduce_spec)
+    : cx(context), spec(*reduce_spec), task_(task),
+      said_(static_cast<size_t>(context.size) * context.streams * 2, 0) {
+  task.state = std::move(reduce_spec);
+}
+
+Lane& Builder::lane(int stream) {
+  if (lane_of_stream_.empty()) lane_of_stream_.assign(static_cast<size_t>(cx.streams), -1);
+  int& i = lane_of_stream_[static_cast<size_t>(stream)];
+  if (i < 0) {
+    i = static_cast<int>(task_.lanes.size());
+    Lane l;
+    l.stream = stream;
+    l.after = &after_receive;
+    l.ctx = &spec;
+    task_.lanes.push_back(std::move(l));
+  }
+  return task_.lanes[static_cast<size_t>(i)];
+}
+
+int32_t Builder::add(int stream, Op op, std::initializer_list<int32_t> deps) {
+  Lane& l = lane(stream);
+  size_t k = 0;
+  for (int32_t d : deps)
+    if (d >= 0) op.deps[k++] = d;  // at most two: join() gathers more
+  if (op.kind != Op::Kind::compute) {
+    uint8_t& said = said_[(static_cast<size_t>(op.peer) * cx.streams + stream) * 2 + (op.kind == Op::Kind::send)];
+    op.header = task_.check && !said;
+    said = 1;
+  }
+  l.ops.push_back(op);
+  return static_cast<int32_t>(l.ops.size() - 1);
+}
+
+int32_t Builder::send(int stream, int peer, const char* buf, size_t len, std::initializer_list<int32_t> deps) {
+  Op op;
+  op.kind = Op::Kind::send;
+  op.peer = peer;
+  op.buf = const_cast<char*>(buf);  // sends only read it
+  op.len = len;
+  return add(stream, op, deps);
+}
+
+int32_t Builder::recv(int stream, int peer, char* buf, size_t len, std::initializer_list<int32_t> deps, Finish finish,
+                      char* dst, const char* local, size_t elems, bool divide, uint8_t* enc) {
+  Op op;
+  op.kind = Op::Kind::recv;
+  op.peer = peer;
+  op.buf = buf;
+  op.len = len;
+  op.finish = finish;
+  op.dst = dst;
+  op.local = local;
+  op.elems = elems;
+  op.divide = divide;
+  op.enc = enc;
+  return add(stream, op, deps);
+}
+
+int32_t Builder::compute(int stream, std::function<void()> fn, std::initializer_list<int32_t> deps) {
+  Op op;
+  op.kind = Op::Kind::compute;
+  op.compute = static_cast<uint32_t>(task_.computes.size());
+  task_.computes.push_back(std::move(fn));
+  return add(stream, op, deps);
+}
+
+int32_t Builder::join(int stream, const std::vector<int32_t>& ops) {
+  int32_t last = -1;
+  for (int32_t op : ops) last = compute(stream, [] {}, {last, op});
+  return last;
+}
+
+void Builder::exclusive(std::function<void()> body) { task_.exclusive = std::move(body); }
+
+char* Builder::scratch(size_t bytes) {
+  task_.scratch.emplace_back(cx.pool, bytes);
+  return task_.scratch.back().data();
+}
+
+void after_receive(const void* ctx, const Op& op, const char* data) {
+  const auto& spec = *static_cast<const ReduceSpec*>(ctx);
+  const auto* wire = reinterpret_cast<const uint8_t*>(data);
+  auto* dst = reinterpret_cast<float*>(op.dst);
+  auto* local = reinterpret_cast<const float*>(op.local);
+  const Codec& codec = spec.codec;
+  switch (op.finish) {
+    case kReduce: reduce(spec.dtype, spec.op, op.dst, op.local, data, op.elems); break;
+    case kReduceFromLeft: reduce(spec.dtype, spec.op, op.dst, data, op.local, op.elems); break;
+    case kCodecReduceEncode: codec.decode_add_encode(wire, op.elems, local, op.enc, nullptr); break;
+    case kCodecReduce:
+    case kCodecReduceShare: codec.decode_add(wire, op.elems, local, dst); break;
+    case kCodecDecode: codec.decode(wire, op.elems, dst); break;
+    default: break;
+  }
+  if (op.divide) scale_divide(spec.dtype, op.dst, op.elems, spec.divisor);
+  if (op.finish == kCodecReduceShare) {
+    codec.encode(dst, op.elems, op.enc);
+    codec.decode(op.enc, op.elems, dst);
+  }
+}
+
+namespace {
+
+Chunks make_chunks(const std::vector<size_t>& lens, size_t esize, const Codec* codec) {
+  Chunks c;
+  size_t pos = 0, wire = 0;
+  for (size_t len : lens) {
+    const size_t wlen = codec ? codec->encoded_size(len) : len * esize;
+    c.off.push_back(pos);
+    c.len.push_back(len);
+    c.wire_off.push_back(wire);
+    c.wire_len.push_back(wlen);
+    pos += len;
+    wire += wlen;
+  }
+  return c;
+}
+
+}  // namespace
+
+Chunks split_vector(size_t count, int n, size_t esize, const Codec* codec) {
+  const size_t unit = codec ? codec->block_elems() : 1, units = (count + unit - 1) / unit;
+  std::vector<size_t> lens;
+  size_t pos = 0;
+  for (int i = 0; i < n; ++i) {
+    const size_t elems = std::min(count - pos, (units / n + (static_cast<size_t>(i) < units % n ? 1 : 0)) * unit);
+    lens.push_back(elems);
+    pos += elems;
+  }
+  return make_chunks(lens, esize, codec);
+}
+
+Chunks equal_blocks(size_t per_rank, int n, size_t esize, const Codec* codec) {
+  return make_chunks(std::vector<size_t>(static_cast<size_t>(n), per_rank), esize, codec);
+}
+
+size_t segment_elems(size_t segment_bytes, size_t esize, const Codec* codec) {
+  const size_t unit = codec ? codec->block_elems() : 1;
+  return std::max(unit, segment_bytes / esize / unit * unit);
+}
+
+std::vector<char*> chunk_pointers(char* base, const Chunks& ch, size_t esize) {
+  std::vector<char*> p;
+  for (size_t off : ch.off) p.push_back(base + off * esize);
+  return p;
+}
+
+void ring(Builder& b, int steps, int first, const std::function<Step(int)>& kind_of, const Chunks& ch,
+          const RingBuffers& buf, int streams, int32_t ready) {
+  const int n = b.cx.size, r = b.cx.rank, next = mod(r + 1, n), prev = mod(r - 1, n);
+  const size_t esize = dtype_size(b.spec.dtype);
+  const Codec* codec = b.spec.wire();
+  const size_t seg = segment_elems(b.cx.segment_bytes, esize, codec);
+  if (streams == 0) streams = b.cx.streams;
+  if (ready >= 0) streams = 1;  // `ready` is an op of lane 0
+  auto wire_of = [&](size_t elems) { return codec ? codec->encoded_size(elems) : elems * esize; };
+  // The receive of segment j at the previous step, per segment index (what the send of segment j forwards).
+  std::vector<int32_t> prev_recv, this_recv;
+  size_t staging_bytes = 0;
+  for (size_t w : ch.wire_len) staging_bytes = std::max(staging_bytes, std::min(w, wire_of(seg)));
+  std::vector<char*> staging(static_cast<size_t>(streams), nullptr);
+  for (int k = 0; k < steps; ++k) {
+    const int sc = mod(first - k, n), rc = mod(first - k - 1, n);
+    const Step kind = kind_of(k);
+    const char* src;
+    if (codec)
+      src = reinterpret_cast<const char*>(buf.enc) + ch.wire_off[sc];
+    else
+      src = k == 0 ? (kind == Step::gather ? buf.acc[sc] : buf.in + ch.off[sc] * esize) : buf.acc[sc];
+    size_t j = 0;
+    for_each_segment(ch.len[sc], seg, [&](size_t off, size_t len) {
+      const int s = static_cast<int>(j % static_cast<size_t>(streams));
+      int32_t dep = k == 0 ? ready : prev_recv[j];
+      if (k == 0 && codec && !buf.pre_encoded) {
+        const char* values = (kind == Step::gather ? buf.acc[sc] : buf.in + ch.off[sc] * esize) + off * esize;
+        uint8_t* to = buf.enc + ch.wire_off[sc] + wire_of(off);
+        dep = b.compute(s, [codec, values, len, to] { codec->encode(reinterpret_cast<const float*>(values), len, to); },
+                        {dep});
+      }
+      b.send(s, next, src + wire_of(off), wire_of(len), {dep});
+      ++j;
+    });
+    this_recv.clear();
+    j = 0;
+    for_each_segment(ch.len[rc], seg, [&](size_t off, size_t len) {
+      const int s = static_cast<int>(j % static_cast<size_t>(streams));
+      char* dst = buf.acc[rc] + off * esize;
+      const char* local = kind == Step::gather ? nullptr : buf.in + (ch.off[rc] + off) * esize;
+      uint8_t* enc = codec ? buf.enc + ch.wire_off[rc] + wire_of(off) : nullptr;
+      Finish finish = kNone;
+      char* land;
+      if (kind == Step::gather) {
+        land = codec ? reinterpret_cast<char*>(enc) : dst;
+        finish = codec ? kCodecDecode : kNone;
+      } else {
+        if (!staging[static_cast<size_t>(s)]) staging[static_cast<size_t>(s)] = b.scratch(staging_bytes);
+        land = staging[static_cast<size_t>(s)];
+        finish = !codec ? kReduce : kind == Step::reduce ? kCodecReduceEncode
+                                  : buf.share_final      ? kCodecReduceShare
+                                                         : kCodecReduce;
+      }
+      const bool divide = kind == Step::last_reduce && b.spec.op == ReduceOp::avg;
+      this_recv.push_back(b.recv(s, prev, land, wire_of(len), {ready}, finish, dst, local, len, divide, enc));
+      ++j;
+    });
+    prev_recv.swap(this_recv);
+  }
+}
+
+}  // namespace smartcoll::coll

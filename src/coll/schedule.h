@@ -1,0 +1,127 @@
+// Building blocks of every algorithm: a Builder that turns an algorithm's steps into a Task's lanes, the
+// reductions a receive can finish with, how a vector is cut into chunks and segments, and the ring schedule.
+// docs/algorithms.md gives each algorithm's steps and bytes on the wire.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <initializer_list>
+#include <memory>
+#include <vector>
+
+#include "core/task.h"
+#include "smartcoll/codec.h"
+#include "smartcoll/types.h"
+
+namespace smartcoll {
+class BufferPool;
+class Transport;
+namespace cma {
+class Local;
+}
+}  // namespace smartcoll
+
+namespace smartcoll::coll {
+
+// What a call's algorithm needs to know besides its buffers.
+struct Context {
+  int rank, size, streams;
+  Transport* transport = nullptr;  // for the same-host path, which drives its own control messages
+  cma::Local* cma = nullptr;
+  size_t segment_bytes;          // pipeline unit of ring and chain algorithms
+  bool codec_owner = false;      // compressed allreduce, reduce_scatter: encode each contribution once
+  std::shared_ptr<BufferPool> pool;
+};
+
+// The reduction of a call, kept alive by the task for the lanes' `after`.
+struct ReduceSpec {
+  DataType dtype;
+  ReduceOp op;
+  int divisor;  // for avg: the world size
+  Codec codec;  // identity: elements travel as they are
+  const Codec* wire() const { return codec.kind() == CodecKind::identity ? nullptr : &codec; }
+};
+
+// What a receive does once its bytes are in (Op::finish).
+enum Finish : uint8_t {
+  kNone = 0,
+  kReduce,               // dst = local op received
+  kReduceFromLeft,       // dst = received op local (the sender's operand goes first: a fixed order everywhere)
+  kCodecReduceEncode,    // enc = encode(local + decode(received)): a partial sum forwarded to the next hop
+  kCodecReduce,          // dst = local + decode(received)
+  kCodecReduceShare,     // dst = decode(enc = encode(local + decode(received))): the final sum every rank gets
+  kCodecDecode,          // dst = decode(received)
+};
+
+class Builder {
+ public:
+  Builder(Task& task, const Context& cx, std::shared_ptr<const ReduceSpec> spec);
+
+  const Context& cx;
+  const ReduceSpec& spec;
+
+  // Ops on `stream` (its lane), returning the op's index in the lane for later dependencies (-1: none).
+  int32_t send(int stream, int peer, const char* buf, size_t len, std::initializer_list<int32_t> deps = {});
+  int32_t recv(int stream, int peer, char* buf, size_t len, std::initializer_list<int32_t> deps = {},
+               Finish finish = kNone, char* dst = nullptr, const char* local = nullptr, size_t elems = 0,
+               bool divide = false, uint8_t* enc = nullptr);
+  int32_t compute(int stream, std::function<void()> fn, std::initializer_list<int32_t> deps = {});
+  // A no-op that completes once all of `ops` have (to depend on many ops at once).
+  int32_t join(int stream, const std::vector<int32_t>& ops);
+  // Memory that lives as long as the task, from the engine's pool.
+  char* scratch(size_t bytes);
+  // The call runs `body` alone instead of lanes (core/task.h).
+  void exclusive(std::function<void()> body);
+
+ private:
+  Lane& lane(int stream);
+  int32_t add(int stream, Op op, std::initializer_list<int32_t> deps);
+  Task& task_;
+  std::vector<int> lane_of_stream_;
+  std::vector<uint8_t> said_;  // [(peer * streams + stream) * 2 + send]: the call's header went already
+};
+
+// Element ranges [off, off + len) of consecutive pieces of at most `piece` elements.
+template <class F>
+void for_each_segment(size_t len, size_t piece, F&& f) {
+  for (size_t off = 0; off < len; off += piece) f(off, std::min(piece, len - off));
+}
+
+// One chunk per rank, in elements, and where each chunk sits on the wire. With a codec every chunk is encoded
+// on its own (a sequence of whole blocks, only its last one partial), so wire offsets add up encoded sizes.
+struct Chunks {
+  std::vector<size_t> off, len, wire_off, wire_len;
+  size_t wire_total() const { return wire_off.empty() ? 0 : wire_off.back() + wire_len.back(); }
+};
+// A vector cut into n chunks at block boundaries, so that only the vector's last block is partial.
+Chunks split_vector(size_t count, int n, size_t esize, const Codec* codec);
+// n blocks of `per_rank` elements each.
+Chunks equal_blocks(size_t per_rank, int n, size_t esize, const Codec* codec);
+size_t segment_elems(size_t segment_bytes, size_t esize, const Codec* codec);
+std::vector<char*> chunk_pointers(char* base, const Chunks& ch, size_t esize);
+
+enum class Step : uint8_t { reduce, last_reduce, gather };
+
+// Buffers of a ring: `in` is this rank's input (the local operand of reductions), acc[c] where chunk c's
+// reduced or gathered elements go, enc the encoded vector (codec only; chunk c at wire_off[c]).
+struct RingBuffers {
+  const char* in;
+  std::vector<char*> acc;
+  uint8_t* enc;
+  bool share_final;  // the last reduction is encoded once and decoded by every rank (allreduce)
+  bool pre_encoded;  // enc already holds the chunk sent first
+};
+
+// Ring schedule: at step k this rank sends chunk first-k to rank+1 and receives chunk first-k-1 from rank-1;
+// what it receives at step k it sends at step k+1, so the whole schedule is one pipeline. Segment j of every
+// chunk travels on stream j mod streams, so each stream is an independent pipeline (one lane, one worker).
+// `ready` (lane 0 only) must be done before anything is sent or received; `streams` 0: all of cx.streams.
+void ring(Builder& b, int steps, int first, const std::function<Step(int)>& kind_of, const Chunks& ch,
+          const RingBuffers& buf, int streams = 0, int32_t ready = -1);
+
+// The finish step of a receive (Lane::after).
+void after_receive(const void* spec, const Op& op, const char* data);
+
+int mod(int a, int n);
+
+}  // namespace smartcoll::coll

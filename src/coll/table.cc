@@ -1,0 +1,102 @@
+#include "coll/table.h"
+
+#include <cmath>
+
+namespace smartcoll::coll {
+
+namespace {
+
+double log2n(int n) { return std::ceil(std::log2(static_cast<double>(n))); }
+std::string any(const Query&) { return ""; }
+std::string raw_only(const Query& q) { return q.compressed ? "it does not support codecs; use ring" : ""; }
+std::string needs_cma(const Query& q) {
+  if (q.compressed) return "it does not support codecs; use ring";
+  return q.cma_usable ? "" : "the same-host path is not usable here (see Communicator.cma_unusable_reason)";
+}
+
+constexpr AlgorithmInfo kAllreduceAlgos[] = {
+    {Algorithm::ring, "pipelined segmented ring (reduce-scatter + allgather in one pipeline), any codec",
+     allreduce_ring, any, [](int n) { return 2.0 * (n - 1); }, [](int n) { return 2.0 * (n - 1) / n; }},
+    {Algorithm::rhd, "recursive halving-doubling; non-power-of-two worlds fold the extra ranks in first",
+     allreduce_rhd, raw_only, [](int n) { return 2 * log2n(n) + 2; }, [](int n) { return 2.0 * (n - 1) / n + 1; }},
+    {Algorithm::rd, "recursive doubling: log2(n) exchanges of the whole vector; fewest steps for tiny messages",
+     allreduce_rd, raw_only, [](int n) { return log2n(n) + 2; }, [](int n) { return log2n(n) + 1; }},
+    {Algorithm::cma, "same host: every rank reads its peers' buffers once with process_vm_readv", allreduce_cma,
+     needs_cma, [](int) { return 4.0; }, [](int n) { return (n - 1.0) / n; }},
+};
+constexpr AlgorithmInfo kReduceScatterAlgos[] = {
+    {Algorithm::ring, "pipelined ring, any codec", reduce_scatter_ring, any, [](int n) { return n - 1.0; },
+     [](int n) { return n - 1.0; }},
+};
+constexpr AlgorithmInfo kAllgatherAlgos[] = {
+    {Algorithm::ring, "pipelined ring, any codec", allgather_ring, any, [](int n) { return n - 1.0; },
+     [](int n) { return n - 1.0; }},
+};
+constexpr AlgorithmInfo kBroadcastAlgos[] = {
+    {Algorithm::tree, "binomial tree: log2(n) steps", broadcast_tree, raw_only, [](int n) { return log2n(n); },
+     [](int n) { return log2n(n); }},
+    {Algorithm::chain, "pipelined chain: the link rate whatever n, n-1 steps to fill", broadcast_chain, raw_only,
+     [](int n) { return n - 1.0; }, [](int) { return 1.0; }},
+};
+constexpr AlgorithmInfo kReduceAlgos[] = {
+    {Algorithm::tree, "binomial tree: log2(n) steps", reduce_tree, raw_only, [](int n) { return log2n(n); },
+     [](int n) { return log2n(n); }},
+    {Algorithm::chain, "pipelined chain: the link rate whatever n, n-1 steps to fill", reduce_chain, raw_only,
+     [](int n) { return n - 1.0; }, [](int) { return 1.0; }},
+};
+constexpr AlgorithmInfo kAlltoallAlgos[] = {
+    {Algorithm::direct, "every pair at once", alltoall_direct, raw_only, [](int) { return 1.0; },
+     [](int n) { return n - 1.0; }},
+};
+constexpr AlgorithmInfo kBarrierAlgos[] = {
+    {Algorithm::dissemination, "dissemination: ceil(log2 n) rounds of one signal each", barrier_dissemination,
+     any, [](int n) { return log2n(n); }, [](int) { return 0.0; }},
+};
+
+}  // namespace
+
+std::span<const AlgorithmInfo> algorithms(Collective c) {
+  switch (c) {
+    case Collective::allreduce: return kAllreduceAlgos;
+    case Collective::reduce_scatter: return kReduceScatterAlgos;
+    case Collective::allgather: return kAllgatherAlgos;
+    case Collective::broadcast: return kBroadcastAlgos;
+    case Collective::reduce: return kReduceAlgos;
+    case Collective::alltoall: return kAlltoallAlgos;
+    case Collective::barrier: return kBarrierAlgos;
+  }
+  return {};
+}
+
+const AlgorithmInfo& find(Collective c, Algorithm a) {
+  std::string names;
+  for (const AlgorithmInfo& info : algorithms(c)) {
+    if (info.algo == a) return info;
+    names += (names.empty() ? "" : ", ") + std::string(algorithm_name(info.algo));
+  }
+  throw InvalidArgument(std::string(collective_name(c)) + " has no algorithm '" + std::string(algorithm_name(a)) +
+                        "'; choose auto, " + names);
+}
+
+Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small_bytes) {
+  if (requested != Algorithm::automatic) {
+    const AlgorithmInfo& info = find(c, requested);
+    if (std::string why = info.unsupported(q); !why.empty())
+      throw InvalidArgument(std::string(collective_name(c)) + ": algo '" + std::string(algorithm_name(requested)) +
+                            "' cannot run this call: " + why);
+    return requested;
+  }
+  const bool small = q.bytes <= small_bytes;
+  switch (c) {
+    case Collective::allreduce:
+      if (q.compressed) return Algorithm::ring;
+      // Recursive doubling sends the whole vector log2(n) times: only while the latency dominates.
+      if (small) return q.bytes <= 8192 ? Algorithm::rd : Algorithm::rhd;
+      return q.cma_usable ? Algorithm::cma : Algorithm::ring;
+    case Collective::broadcast:
+    case Collective::reduce: return small ? Algorithm::tree : Algorithm::chain;
+    default: return algorithms(c).front().algo;
+  }
+}
+
+}  // namespace smartcoll::coll

@@ -1,0 +1,42 @@
+// The algorithm table: per collective, every algorithm with its name, what it is, the function that builds its
+// schedule, what it supports and its cost. The single source of the algo knob's choices, `smartcoll info`,
+// docs/knobs.md and `auto`.
+#pragma once
+
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "coll/algorithms.h"
+#include "smartcoll/comm.h"
+
+namespace smartcoll::coll {
+
+// A call as selection sees it.
+struct Query {
+  int n;
+  size_t bytes;  // of the whole vector (allreduce, broadcast, reduce) or of one rank's block
+  bool compressed;
+  bool cma_usable;
+};
+
+struct AlgorithmInfo {
+  Algorithm algo;
+  std::string_view description;
+  void (*build)(Builder&, const Args&);
+  // Empty when it can run the call; otherwise why not.
+  std::string (*unsupported)(const Query&);
+  // Steps on the critical path and bytes this rank sends on its busiest link, per byte of `bytes`: with a per-step
+  // latency a and a link rate B the time is about steps * a + wire * bytes / B (docs/algorithms.md).
+  double (*steps)(int n);
+  double (*wire)(int n);
+};
+
+std::span<const AlgorithmInfo> algorithms(Collective c);
+// Throws InvalidArgument naming the collective's algorithms.
+const AlgorithmInfo& find(Collective c, Algorithm a);
+// `requested` if it supports the call (else InvalidArgument saying why); for automatic: latency-optimized
+// algorithms up to small_bytes, bandwidth-optimized ones above.
+Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small_bytes);
+
+}  // namespace smartcoll::coll

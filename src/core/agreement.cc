@@ -1,0 +1,121 @@
+#include "core/agreement.h"
+
+#include <map>
+
+namespace smartcoll {
+
+namespace {
+
+constexpr std::string_view kMarker = "ranks disagree on call #";
+
+std::string hex(const Descriptor& d) {
+  static const char digits[] = "0123456789abcdef";
+  std::string s;
+  const auto* p = reinterpret_cast<const unsigned char*>(&d);
+  for (size_t i = 0; i < sizeof d; ++i) {
+    s += digits[p[i] >> 4];
+    s += digits[p[i] & 15];
+  }
+  return s;
+}
+
+bool unhex(const std::string& s, Descriptor& d) {
+  if (s.size() != 2 * sizeof d) return false;
+  auto* p = reinterpret_cast<unsigned char*>(&d);
+  for (size_t i = 0; i < sizeof d; ++i) {
+    auto v = [&](char c) { return c <= '9' ? c - '0' : c - 'a' + 10; };
+    p[i] = static_cast<unsigned char>(v(s[2 * i]) * 16 + v(s[2 * i + 1]));
+  }
+  return true;
+}
+
+constexpr std::string_view kHow =
+    " every rank must make the same calls in the same order with the same arguments and settings (count, dtype, "
+    "op, root, algo, codec, codec_mode)";
+
+}  // namespace
+
+Descriptor make_descriptor(Collective coll, DataType dt, ReduceOp op, Algorithm algo, int root, size_t count,
+                           const Codec& codec, bool codec_owner) {
+  const bool compressed = codec.kind() != CodecKind::identity;
+  return {kDescriptorMagic,
+          static_cast<uint8_t>(coll),
+          static_cast<uint8_t>(dt),
+          static_cast<uint8_t>(op),
+          static_cast<uint8_t>(algo),
+          static_cast<uint8_t>(codec.kind()),
+          static_cast<uint8_t>(compressed ? codec.mant_bits() : 0),
+          static_cast<uint8_t>(compressed ? codec.exp_bits() : 0),
+          // codec_mode changes allreduce and reduce_scatter, not allgather
+          static_cast<uint8_t>(compressed && coll != Collective::allgather && codec_owner),
+          static_cast<uint32_t>(compressed ? codec.block() : 0),
+          root,
+          count};
+}
+
+std::string describe(const Descriptor& d) {
+  // Every code is range-checked before it names anything: the bytes came from the network.
+  if (d.magic != kDescriptorMagic || d.coll >= kCollectives || d.dtype > static_cast<uint8_t>(DataType::i64) ||
+      d.op > static_cast<uint8_t>(ReduceOp::avg) || d.algo > static_cast<uint8_t>(Algorithm::dissemination))
+    return "a corrupted or foreign message";
+  auto coll = static_cast<Collective>(d.coll);
+  std::string s = std::string(collective_name(coll)) + "(count=" + std::to_string(d.count) + ", " +
+                  std::string(dtype_name(static_cast<DataType>(d.dtype)));
+  if (coll == Collective::allreduce || coll == Collective::reduce_scatter || coll == Collective::reduce)
+    s += ", op=" + std::string(op_name(static_cast<ReduceOp>(d.op)));
+  if (coll != Collective::barrier) s += ", algo=" + std::string(algorithm_name(static_cast<Algorithm>(d.algo)));
+  if (const auto kind = static_cast<CodecKind>(d.codec); kind != CodecKind::identity) {
+    std::string name = "kind " + std::to_string(d.codec);
+    for (const std::string& preset : Codec::names())
+      if (Codec::parse(preset).kind() == kind) name = preset;
+    if (kind == CodecKind::bfp)
+      name = "bfp:block=" + std::to_string(d.codec_block) + ",mant=" + std::to_string(d.codec_mant) +
+             ",exp=" + std::to_string(d.codec_exp);
+    s += ", codec=" + name;
+    if (coll == Collective::allreduce || coll == Collective::reduce_scatter)
+      s += std::string(", codec_mode=") + (d.codec_owner ? "owner" : "hop");
+  }
+  if (coll == Collective::broadcast || coll == Collective::reduce) s += ", root=" + std::to_string(d.root);
+  return s + ")";
+}
+
+std::string agreement_error(const Task& task, int peer, const Descriptor& theirs) {
+  return std::string(kMarker) + std::to_string(task.seq) + ": rank(s) " + std::to_string(task.rank) + " called " +
+         describe(task.desc) + "; rank(s) " + std::to_string(peer) + " called " + describe(theirs) + ";" +
+         std::string(kHow);
+}
+
+bool disagreement_call(const std::string& error, uint64_t& seq) {
+  const size_t at = error.find(kMarker);
+  if (at == std::string::npos) return false;
+  seq = std::strtoull(error.c_str() + at + kMarker.size(), nullptr, 10);
+  return true;
+}
+
+std::string disagreement_report(Store& store, int rank, int size, uint64_t seq, const Descriptor* mine,
+                                std::chrono::milliseconds wait) {
+  const std::string prefix = "call/" + std::to_string(seq) + "/";
+  try {
+    store.set(prefix + std::to_string(rank), mine ? hex(*mine) : "unknown");
+  } catch (const std::exception&) {  // the store is gone: report what this rank knows
+  }
+  const auto deadline = std::chrono::steady_clock::now() + wait;
+  std::map<std::string, std::string> groups;  // call -> ranks that made it
+  for (int p = 0; p < size; ++p) {
+    std::string what = "no report (it did not fail, or failed elsewhere)";
+    try {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline -
+                                                                               std::chrono::steady_clock::now());
+      Descriptor d{};
+      if (unhex(store.get(prefix + std::to_string(p), std::max(left, std::chrono::milliseconds(1))), d))
+        what = describe(d);
+    } catch (const std::exception&) {
+    }
+    groups[what] += (groups[what].empty() ? "" : ",") + std::to_string(p);
+  }
+  std::string msg = "ranks disagree on the collective call (#" + std::to_string(seq) + "):";
+  for (const auto& [what, ranks] : groups) msg += " rank(s) " + ranks + " called " + what + ";";
+  return msg + std::string(kHow);
+}
+
+}  // namespace smartcoll

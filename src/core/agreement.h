@@ -1,0 +1,48 @@
+// Argument agreement: what each call is (its Descriptor, core/task.h), and how a disagreement is reported.
+//
+// The first message of a call between two ranks carries the sender's descriptor; the receiver compares it with
+// its own before using any byte of the message. The rank that finds a difference fails with the marker
+// "ranks disagree on call #N"; every rank that fails because of it then publishes its own descriptor of call N
+// in the rendezvous store and reads the others', so that each one reports which ranks called what.
+#pragma once
+
+#include <string>
+
+#include "core/task.h"
+#include "smartcoll/codec.h"
+#include "smartcoll/comm.h"
+#include "smartcoll/store.h"
+
+namespace smartcoll {
+
+inline constexpr uint32_t kDescriptorMagic = 0x53434433;  // "SCD3"
+
+Descriptor make_descriptor(Collective coll, DataType dt, ReduceOp op, Algorithm algo, int root, size_t count,
+                           const Codec& codec, bool codec_owner);
+// "allreduce(count=10, float32, op=sum, algo=ring)"; a descriptor with a bad magic or codes is named as such.
+std::string describe(const Descriptor& d);
+// The error of the rank that received `theirs` from `peer` in `task`.
+std::string agreement_error(const Task& task, int peer, const Descriptor& theirs);
+// If `error` carries the marker of a disagreement on call N: publishes `mine(N)` (this rank's descriptor of
+// that call, when it still knows it) under "call/N/<rank>", reads every rank's for up to `wait`, and returns
+// the report naming which ranks called what. Otherwise returns `error` unchanged.
+template <class Mine>
+std::string explain_disagreement(const std::string& error, Store& store, int rank, int size, Mine&& mine,
+                                 std::chrono::milliseconds wait);
+
+// Implementation detail of explain_disagreement.
+std::string disagreement_report(Store& store, int rank, int size, uint64_t seq, const Descriptor* mine,
+                                 std::chrono::milliseconds wait);
+bool disagreement_call(const std::string& error, uint64_t& seq);
+
+template <class Mine>
+std::string explain_disagreement(const std::string& error, Store& store, int rank, int size, Mine&& mine,
+                                 std::chrono::milliseconds wait) {
+  uint64_t seq = 0;
+  if (!disagreement_call(error, seq)) return error;
+  Descriptor d{};
+  const bool known = mine(seq, d);
+  return disagreement_report(store, rank, size, seq, known ? &d : nullptr, wait);
+}
+
+}  // namespace smartcoll

@@ -1,0 +1,254 @@
+#include <array>
+#include <cstring>
+#include <map>
+
+#include "coll/table.h"
+#include "core/agreement.h"
+#include "core/config.h"
+#include "core/engine.h"
+#include "core/log.h"
+#include "smartcoll/comm.h"
+#include "transport/cma.h"
+#include "transport/tcp.h"
+
+namespace smartcoll {
+
+std::string_view collective_name(Collective c) {
+  constexpr std::string_view names[] = {"allreduce", "reduce_scatter", "allgather", "broadcast",
+                                        "reduce",    "alltoall",       "barrier"};
+  return names[static_cast<int>(c)];
+}
+
+std::string_view algorithm_name(Algorithm a) {
+  constexpr std::string_view names[] = {"auto", "ring", "rhd",  "chain", "direct",       "local",
+                                        "cma",  "tree", "rd",   "bruck", "dissemination"};
+  return names[static_cast<int>(a)];
+}
+
+Algorithm parse_algorithm(std::string_view name, Collective collective) {
+  if (name == "auto") return Algorithm::automatic;
+  std::string names = "auto";
+  for (const coll::AlgorithmInfo& info : coll::algorithms(collective)) {
+    if (algorithm_name(info.algo) == name) return info.algo;
+    names += ", " + std::string(algorithm_name(info.algo));
+  }
+  throw InvalidArgument("unknown " + std::string(collective_name(collective)) + " algorithm '" + std::string(name) +
+                        "'; choose " + names);
+}
+
+// The last calls' descriptors, so that a rank can say what it called when another rank reports a disagreement.
+struct CallHistory {
+  std::mutex mu;
+  std::array<std::pair<uint64_t, Descriptor>, 256> calls{};
+  void add(uint64_t seq, const Descriptor& d) {
+    std::lock_guard lock(mu);
+    calls[seq % calls.size()] = {seq, d};
+  }
+  bool find(uint64_t seq, Descriptor& d) {
+    std::lock_guard lock(mu);
+    const auto& [s, desc] = calls[seq % calls.size()];
+    if (s != seq || desc.magic != kDescriptorMagic) return false;
+    d = desc;
+    return true;
+  }
+};
+
+namespace {
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw InvalidArgument(message);
+}
+
+void check_op(DataType dt, ReduceOp op) {
+  require(op != ReduceOp::avg || is_floating(dt),
+          "op 'avg' needs a floating-point dtype, got " + std::string(dtype_name(dt)) + "; use 'sum' and divide");
+}
+
+void check_root(int root, int size) {
+  require(root >= 0 && root < size,
+          "root " + std::to_string(root) + " is outside the world of size " + std::to_string(size));
+}
+
+}  // namespace
+
+Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, const Options& options,
+                           const std::string& route_hint)
+    : rank_(rank), size_(size), options_(options), store_(std::move(store)),
+      history_(std::make_unique<CallHistory>()) {
+  if (size < 1) throw InvalidArgument("world size must be at least 1, got " + std::to_string(size));
+  if (rank < 0 || rank >= size)
+    throw InvalidArgument("rank " + std::to_string(rank) + " is outside the world of size " + std::to_string(size));
+  config_ = std::make_unique<Config>(Config::from(options_));
+  log::set_level(config_->log);
+  transport_ = std::make_unique<TcpTransport>(rank, size, store_, *config_, route_hint);
+  if (size > 1) agree_on_settings();
+  if (size > 1 && config_->cma) cma_ = std::make_unique<cma::Local>(*transport_);
+  cma_usable_ = cma_ && cma_->usable();
+  cma_reason_ = size == 1 ? "" : !cma_ ? "disabled (cma=off)" : cma_->why_not();
+  engine_ = std::make_shared<Engine>(*transport_, *config_, rank);
+  engine_->explain_failure = [this](const std::string& error) {
+    return explain_disagreement(error, *store_, rank_, size_,
+                                [&](uint64_t seq, Descriptor& d) { return history_->find(seq, d); },
+                                std::chrono::milliseconds(2000));
+  };
+  engine_->start();
+  SC_LOG(LogLevel::info, rank_, "") << "up: " << size_ << " ranks, " << engine_->workers() << " engine workers, "
+                                    << config_->streams << " streams, cma " << (cma_usable_ ? "usable" : cma_reason_);
+}
+
+Communicator::~Communicator() { close(); }
+
+void Communicator::agree_on_settings() {
+  // Knobs that change what goes on the wire outside a call's descriptor: a rank that skips the header, cuts
+  // segments differently (they are striped over streams by index) or picks another algorithm would misframe
+  // every later message. Rank 0 compares everyone's (n reads of the store, not n^2 messages) and publishes the
+  // verdict that every rank reads.
+  const std::string mine = Config::must_match(options_);
+  const auto limit = std::chrono::milliseconds(static_cast<int64_t>(config_->connect_timeout * 1000));
+  store_->set("settings/" + std::to_string(rank_), mine);
+  if (rank_ == 0) {
+    std::map<std::string, std::string> groups;
+    for (int p = 0; p < size_; ++p) {
+      std::string theirs = p == 0 ? mine : store_->get("settings/" + std::to_string(p), limit);
+      groups[theirs] += (groups[theirs].empty() ? "" : ",") + std::to_string(p);
+    }
+    std::string verdict = "ok";
+    if (groups.size() > 1) {
+      verdict = "ranks disagree on settings that must match on every rank:";
+      for (const auto& [what, ranks] : groups) verdict += " rank(s) " + ranks + " have " + what + ";";
+      verdict += " set these SMARTCOLL_* variables (or init() options) alike everywhere";
+    }
+    store_->set("settings/verdict", verdict);
+  }
+  const std::string verdict = store_->get("settings/verdict", limit);
+  if (verdict != "ok") throw CommError(verdict);
+}
+
+std::string Communicator::cma_unusable_reason() const { return cma_reason_; }
+
+void Communicator::close() {
+  std::lock_guard closing(close_mu_);  // two threads closing at once must not both stop the engine
+  if (closed_) return;
+  closed_ = true;
+  if (engine_) engine_->stop();
+  engine_.reset();
+  cma_.reset();
+  transport_.reset();
+  store_.reset();
+}
+
+EngineStats Communicator::engine_stats() const {
+  EngineStats s;
+  if (engine_) {
+    s.workers = engine_->workers();
+    s.cpu_seconds = engine_->cpu_seconds();
+  }
+  if (transport_) s.open_channels = transport_->open_channels();
+  return s;
+}
+
+Codec Communicator::choose_codec(DataType dt, std::optional<ReduceOp> op,
+                                 const std::optional<Codec>& requested) const {
+  const bool applies = dt == DataType::f32 && (!op || *op == ReduceOp::sum || *op == ReduceOp::avg);
+  if (!requested) return applies ? config_->codec : Codec();
+  if (!applies && requested->kind() != CodecKind::identity) {
+    if (!op)
+      throw InvalidArgument("codec '" + requested->name() + "' needs float32 data (got " +
+                            std::string(dtype_name(dt)) + ")");
+    throw InvalidArgument("codec '" + requested->name() + "' needs float32 data reduced with sum or avg (got " +
+                          std::string(dtype_name(dt)) + ", " + std::string(op_name(*op)) + ")");
+  }
+  return *requested;
+}
+
+Algorithm Communicator::choose(Collective coll, size_t count, DataType dt, Algorithm requested,
+                               bool compressed) const {
+  if (size_ == 1) return Algorithm::local;
+  if (requested == Algorithm::automatic && coll == Collective::allreduce)
+    requested = parse_algorithm(config_->algo, coll);
+  const coll::Query q{size_, count * dtype_size(dt), compressed, cma_usable_};
+  return coll::choose(coll, q, requested, config_->rhd_max_bytes);
+}
+
+std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, void* out) {
+  auto req = std::make_shared<Request>();
+  if (size_ == 1) {  // nothing to exchange: the result is the input
+    const size_t bytes = call.count * dtype_size(call.dt);
+    if (in && out && in != out && bytes) std::memmove(out, in, bytes);
+    req->finish("");
+    return req;
+  }
+  auto task = std::make_unique<Task>();
+  task->rank = rank_;
+  task->desc = make_descriptor(call.coll, call.dt, call.op, call.algo, call.root, call.count, call.codec,
+                               config_->codec_owner);
+  // A barrier's messages are its descriptors: it always sends them.
+  task->check = config_->check || call.coll == Collective::barrier;
+  task->req = req;
+  coll::Context cx{rank_, size_, config_->streams, transport_.get(), cma_.get(), config_->segment_size,
+                   config_->codec_owner, engine_->pool()};
+  auto spec = std::make_shared<const coll::ReduceSpec>(coll::ReduceSpec{call.dt, call.op, size_, call.codec});
+  coll::Builder b(*task, cx, std::move(spec));
+  coll::find(call.coll, call.algo).build(b, {static_cast<const char*>(in), static_cast<char*>(out), call.count,
+                                            call.root});
+  req->engine_ = engine_;
+  req->driver_ = !task->exclusive && task->lanes.size() == 1 ? engine_->worker_of(task->lanes[0].stream) : -1;
+  std::lock_guard lock(submit_mu_);  // numbers and queue order agree
+  task->seq = seq_++;
+  task->name = std::string(collective_name(call.coll)) + " #" + std::to_string(task->seq) + " on rank " +
+               std::to_string(rank_);
+  history_->add(task->seq, task->desc);
+  engine_->submit(std::move(task));
+  return req;
+}
+
+std::shared_ptr<Request> Communicator::allreduce(const void* in, void* out, size_t count, DataType dt, ReduceOp op,
+                                                 Algorithm algo, std::optional<Codec> codec) {
+  check_op(dt, op);
+  const Codec wire = choose_codec(dt, op, codec);
+  const Algorithm chosen = choose(Collective::allreduce, count, dt, algo, wire.kind() != CodecKind::identity);
+  return submit({Collective::allreduce, dt, op, chosen, -1, count, wire}, in, out);
+}
+
+std::shared_ptr<Request> Communicator::reduce_scatter(const void* in, void* out, size_t recvcount, DataType dt,
+                                                      ReduceOp op, std::optional<Codec> codec, Algorithm algo) {
+  check_op(dt, op);
+  const Codec wire = choose_codec(dt, op, codec);
+  const Algorithm chosen = choose(Collective::reduce_scatter, recvcount, dt, algo, wire.kind() != CodecKind::identity);
+  return submit({Collective::reduce_scatter, dt, op, chosen, -1, recvcount, wire}, in, out);
+}
+
+std::shared_ptr<Request> Communicator::allgather(const void* in, void* out, size_t sendcount, DataType dt,
+                                                 std::optional<Codec> codec, Algorithm algo) {
+  const Codec wire = choose_codec(dt, std::nullopt, codec);
+  const Algorithm chosen = choose(Collective::allgather, sendcount, dt, algo, wire.kind() != CodecKind::identity);
+  return submit({Collective::allgather, dt, ReduceOp::sum, chosen, -1, sendcount, wire}, in, out);
+}
+
+std::shared_ptr<Request> Communicator::broadcast(void* buf, size_t count, DataType dt, int root, Algorithm algo) {
+  check_root(root, size_);
+  const Algorithm chosen = choose(Collective::broadcast, count, dt, algo);
+  return submit({Collective::broadcast, dt, ReduceOp::sum, chosen, root, count, {}}, buf, buf);
+}
+
+std::shared_ptr<Request> Communicator::reduce(const void* in, void* out, size_t count, DataType dt, ReduceOp op,
+                                              int root, Algorithm algo) {
+  check_op(dt, op);
+  check_root(root, size_);
+  require(rank_ != root || out != nullptr || count == 0, "reduce: the root needs an output buffer");
+  const Algorithm chosen = choose(Collective::reduce, count, dt, algo);
+  return submit({Collective::reduce, dt, op, chosen, root, count, {}}, in, rank_ == root ? out : nullptr);
+}
+
+std::shared_ptr<Request> Communicator::alltoall(const void* in, void* out, size_t count, DataType dt, Algorithm algo) {
+  require(in != out || count == 0 || size_ == 1, "alltoall cannot run in place: pass a separate output buffer");
+  const Algorithm chosen = choose(Collective::alltoall, count, dt, algo);
+  return submit({Collective::alltoall, dt, ReduceOp::sum, chosen, -1, count, {}}, in, out);
+}
+
+std::shared_ptr<Request> Communicator::barrier(Algorithm algo) {
+  const Algorithm chosen = choose(Collective::barrier, 0, DataType::u8, algo);
+  return submit({Collective::barrier, DataType::u8, ReduceOp::sum, chosen, -1, 0, {}}, nullptr, nullptr);
+}
+
+}  // namespace smartcoll

@@ -1,0 +1,141 @@
+#include "core/config.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <iomanip>
+#include <sstream>
+
+#include "smartcoll/types.h"
+
+namespace smartcoll {
+
+namespace {
+
+std::string show(double x) {
+  std::ostringstream s;
+  s << std::setprecision(15) << x;
+  return s.str();
+}
+
+void validate(const Knob& knob, const std::string& value) {
+  const std::string_view type = knob.type;
+  auto fail = [&](std::string_view expected) {
+    throw InvalidArgument("option '" + std::string(knob.name) + "' (" + knob_env_name(knob.name) + ") = '" +
+                          value + "': expected " + std::string(expected));
+  };
+  if (type == "int" || type == "float") {
+    char* end = nullptr;
+    const double v = type == "int" ? static_cast<double>(std::strtoll(value.c_str(), &end, 10))
+                                   : std::strtod(value.c_str(), &end);
+    if (value.empty() || *end != '\0') fail(type == "int" ? "an integer" : "a number");
+    if (v < knob.lo || v > knob.hi)
+      throw InvalidArgument("option '" + std::string(knob.name) + "' (" + knob_env_name(knob.name) + ") = " +
+                            value + " is outside [" + show(knob.lo) + ", " + show(knob.hi) + "]");
+  } else if (type.starts_with("choice:")) {
+    std::string_view choices = type.substr(7);
+    size_t pos = 0;
+    while (pos <= choices.size()) {
+      size_t bar = choices.find('|', pos);
+      if (bar == std::string_view::npos) bar = choices.size();
+      if (choices.substr(pos, bar - pos) == value) return;
+      pos = bar + 1;
+    }
+    fail("one of " + std::string(choices));
+  }
+}
+
+std::vector<int> parse_cpus(const std::string& text) {
+  std::vector<int> cpus;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    char* end = nullptr;
+    const long cpu = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || cpu < 0 || cpu >= CPU_SETSIZE)
+      throw InvalidArgument("option 'engine_cpus' (SMARTCOLL_ENGINE_CPUS) = '" + text +
+                            "': expected CPU numbers separated by commas, e.g. 2,3");
+    cpus.push_back(static_cast<int>(cpu));
+  }
+  return cpus;
+}
+
+}  // namespace
+
+std::string knob_env_name(std::string_view name) {
+  std::string env = "SMARTCOLL_";
+  for (char c : name) env += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return env;
+}
+
+const Knob& find_knob(std::string_view name) {
+  for (const Knob& k : kKnobs)
+    if (k.name == name) return k;
+  std::string valid;
+  for (const Knob& k : kKnobs) valid += (valid.empty() ? "" : ", ") + std::string(k.name);
+  throw InvalidArgument("unknown option '" + std::string(name) + "'; valid options: " + valid);
+}
+
+Options Options::resolve(const std::map<std::string, std::string>& explicit_options) {
+  Options o;
+  for (const Knob& k : kKnobs) {
+    std::string value(k.default_value);
+    if (const char* env = std::getenv(knob_env_name(k.name).c_str())) value = env;
+    o.values_[std::string(k.name)] = value;
+  }
+  for (const auto& [name, value] : explicit_options) o.values_[std::string(find_knob(name).name)] = value;
+  for (const Knob& k : kKnobs) validate(k, o.values_[std::string(k.name)]);
+  return o;
+}
+
+const std::string& Options::str(std::string_view name) const {
+  return values_.at(std::string(find_knob(name).name));
+}
+
+int64_t Options::integer(std::string_view name) const { return std::strtoll(str(name).c_str(), nullptr, 10); }
+
+double Options::real(std::string_view name) const { return std::strtod(str(name).c_str(), nullptr); }
+
+int default_engine_threads() {
+  cpu_set_t set;
+  int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+  int local = 1;
+  if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local = std::max(1, std::atoi(l));
+  return std::clamp(cpus / local / 2, 1, 4);
+}
+
+Config Config::from(const Options& o) {
+  Config c;
+  c.algo = o.str("algo");
+  c.cma = o.str("cma") == "auto";
+  c.rhd_max_bytes = static_cast<size_t>(o.integer("rhd_max_bytes"));
+  c.segment_size = static_cast<size_t>(o.integer("segment_size"));
+  c.streams = static_cast<int>(o.integer("streams"));
+  c.engine_threads = static_cast<int>(o.integer("engine_threads"));
+  if (c.engine_threads == 0) c.engine_threads = default_engine_threads();
+  c.engine_cpus = parse_cpus(o.str("engine_cpus"));
+  c.spin_us = static_cast<double>(o.integer("spin_us"));
+  c.timeout = o.real("timeout");
+  c.connect_timeout = o.real("connect_timeout");
+  c.ifname = o.str("ifname");
+  c.addr = o.str("addr");
+  c.sockbuf = static_cast<int>(o.integer("sockbuf"));
+  c.codec = Codec::parse(o.str("codec"));  // a bad SMARTCOLL_CODEC fails here, not at the first collective
+  c.codec_owner = o.str("codec_mode") == "owner";
+  c.check = o.integer("check") != 0;
+  constexpr std::string_view levels[] = {"error", "warn", "info", "debug"};
+  for (int i = 0; i < 4; ++i)
+    if (o.str("log") == levels[i]) c.log = static_cast<LogLevel>(i);
+  return c;
+}
+
+std::string Config::must_match(const Options& o) {
+  std::string s;
+  for (const Knob& k : kKnobs)
+    if (k.must_match) s += (s.empty() ? "" : " ") + std::string(k.name) + "=" + o.str(k.name);
+  return s;
+}
+
+}  // namespace smartcoll

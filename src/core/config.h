@@ -1,0 +1,41 @@
+// Settings parsed once into types, so that the engine never looks a knob up by name on its hot path.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "smartcoll/codec.h"
+#include "smartcoll/knobs.h"
+
+namespace smartcoll {
+
+enum class LogLevel : uint8_t { error, warn, info, debug };
+
+struct Config {
+  std::string algo;
+  bool cma = true;
+  size_t rhd_max_bytes = 0;
+  size_t segment_size = 0;
+  int streams = 1;
+  int engine_threads = 1;  // resolved: never 0
+  std::vector<int> engine_cpus;
+  double spin_us = 0;
+  double timeout = 0, connect_timeout = 0;
+  std::string ifname, addr;
+  int sockbuf = 0;
+  Codec codec;
+  bool codec_owner = false;
+  bool check = true;
+  LogLevel log = LogLevel::warn;
+
+  // Throws InvalidArgument naming the knob for a value that cannot be used (a bad codec, an unknown CPU).
+  static Config from(const Options& o);
+  // "name=value ..." of the knobs every rank must share, compared at start-up.
+  static std::string must_match(const Options& o);
+};
+
+// engine_threads = 0: one worker per two CPUs this process may use, shared among LOCAL_WORLD_SIZE ranks, 1 to 4.
+int default_engine_threads();
+
+}  // namespace smartcoll

@@ -1,0 +1,574 @@
+#include "core/engine.h"
+
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "core/agreement.h"
+#include "core/log.h"
+
+namespace smartcoll {
+
+// ---- scratch memory ----
+
+std::unique_ptr<char[]> BufferPool::take(size_t bytes, size_t& capacity) {
+  {
+    std::lock_guard lock(mu_);
+    auto best = free_.end();
+    for (auto it = free_.begin(); it != free_.end(); ++it)
+      if (it->first >= bytes && (best == free_.end() || it->first < best->first)) best = it;
+    if (best != free_.end()) {
+      capacity = best->first;
+      auto data = std::move(best->second);
+      free_.erase(best);
+      return data;
+    }
+  }
+  capacity = bytes;
+  return std::unique_ptr<char[]>(new char[std::max<size_t>(bytes, 1)]);
+}
+
+void BufferPool::give(std::unique_ptr<char[]> data, size_t capacity) {
+  constexpr size_t kKeep = 16;  // buffers kept for reuse; a steady stream of calls needs a few per call
+  std::lock_guard lock(mu_);
+  free_.emplace_back(capacity, std::move(data));
+  if (free_.size() > kKeep)
+    free_.erase(std::min_element(free_.begin(), free_.end(),
+                                 [](const auto& a, const auto& b) { return a.first < b.first; }));
+}
+
+Scratch::Scratch(std::shared_ptr<BufferPool> pool, size_t bytes) : pool_(std::move(pool)) {
+  data_ = pool_->take(bytes, capacity_);
+}
+
+Scratch::~Scratch() {
+  if (data_) pool_->give(std::move(data_), capacity_);
+}
+
+// ---- requests ----
+
+bool Request::test() { return done_.load(std::memory_order_acquire); }
+
+bool Request::wait(std::optional<std::chrono::duration<double>> timeout) {
+  std::optional<Engine::Clock::time_point> deadline;
+  if (timeout)
+    deadline = Engine::Clock::now() + std::chrono::duration_cast<Engine::Clock::duration>(*timeout);
+  if (!done_.load(std::memory_order_acquire)) {
+    if (auto engine = engine_.lock())
+      engine->wait(*this, deadline);
+  }
+  std::unique_lock lock(mu_);
+  if (deadline) {
+    if (!cv_.wait_until(lock, *deadline, [&] { return done_.load(); })) return false;
+  } else {
+    cv_.wait(lock, [&] { return done_.load(); });
+  }
+  if (!error_.empty()) throw CommError(error_);
+  return true;
+}
+
+void Request::finish(std::string error) {
+  {
+    std::lock_guard lock(mu_);
+    error_ = std::move(error);
+    done_.store(true, std::memory_order_release);
+  }
+  cv_.notify_all();
+}
+
+// ---- workers ----
+
+namespace {
+
+struct OpRef {
+  Task* task;
+  Lane* lane;
+  uint32_t index;
+  Op& op() const { return lane->ops[index]; }
+};
+
+// The ops queued on one channel, in call order; only the head of each direction moves.
+struct ChannelQueue {
+  int peer = 0, stream = 0;
+  std::deque<OpRef> sends, recvs;
+  size_t sent = 0, received = 0;  // bytes of the head op moved, its header included
+  Descriptor header{};            // the head receive's header as it arrives
+  bool listed = false;
+};
+
+constexpr size_t kHeader = sizeof(Descriptor);
+
+bool ready(const Lane& lane, const Op& op) {
+  for (int32_t d : op.deps)
+    if (d >= 0 && !lane.ops[static_cast<size_t>(d)].done) return false;
+  return true;
+}
+
+std::string describe_waits(const std::vector<ChannelQueue>& chans, const std::vector<int>& active) {
+  std::string s;
+  for (int i : active) {
+    const ChannelQueue& c = chans[static_cast<size_t>(i)];
+    if (!c.recvs.empty()) s += std::string(s.empty() ? "" : " and ") + "receiving from rank " + std::to_string(c.peer);
+    if (!c.sends.empty() && ready(*c.sends.front().lane, c.sends.front().op()))
+      s += std::string(s.empty() ? "" : " and ") + "sending to rank " + std::to_string(c.peer);
+  }
+  return s.empty() ? "on local work" : "while " + s;
+}
+
+}  // namespace
+
+struct Engine::Worker {
+  int index = 0;
+  std::thread thread;
+  std::mutex drive_mu;  // held by whoever progresses this worker
+  std::mutex inbox_mu;  // new lanes and timers from other threads
+  std::vector<std::pair<Task*, Lane*>> inbox;
+  std::vector<std::pair<Clock::time_point, std::function<void()>>> new_timers;
+  std::atomic<int> pending{0};  // lanes queued or running here; read without the drive lock
+  net::Fd epfd, wakefd;
+  bool stop = false;  // under inbox_mu
+  // Driver-only state.
+  std::vector<ChannelQueue> chans;
+  std::vector<int> active;  // indices into chans with queued ops
+  std::vector<std::pair<Task*, Lane*>> lanes;
+  std::vector<std::pair<Clock::time_point, std::function<void()>>> timers;
+  Clock::time_point last_progress = Clock::now();
+  std::string current;          // name of a task of this worker, for messages
+  const Task* doing = nullptr;  // the task whose op is moving, to name it when that fails
+};
+
+Engine::Engine(Transport& transport, const Config& config, int rank)
+    : transport_(transport), config_(config), rank_(rank) {
+  std::vector<int> epfds;
+  for (int i = 0; i < config.engine_threads; ++i) {
+    auto w = std::make_unique<Worker>();
+    w->index = i;
+    w->epfd = net::Fd(epoll_create1(EPOLL_CLOEXEC));
+    w->wakefd = net::Fd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!w->epfd || !w->wakefd) throw CommError("cannot create the engine's epoll or eventfd: " +
+                                                std::string(std::strerror(errno)));
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = w->wakefd.get();
+    epoll_ctl(w->epfd.get(), EPOLL_CTL_ADD, w->wakefd.get(), &ev);
+    w->chans.resize(static_cast<size_t>(transport.size()) * transport.streams());
+    for (int p = 0; p < transport.size(); ++p)
+      for (int s = 0; s < transport.streams(); ++s) {
+        auto& c = w->chans[static_cast<size_t>(p) * transport.streams() + s];
+        c.peer = p;
+        c.stream = s;
+      }
+    epfds.push_back(w->epfd.get());
+    workers_.push_back(std::move(w));
+  }
+  transport.attach(std::move(epfds));
+}
+
+Engine::~Engine() { stop(); }
+
+void Engine::start() {
+  for (auto& w : workers_) {
+    Worker* wp = w.get();
+    w->thread = std::thread([this, wp] { worker_main(*wp); });
+    if (config_.engine_cpus.empty()) continue;
+    const int cpu = config_.engine_cpus[static_cast<size_t>(w->index) % config_.engine_cpus.size()];
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    if (pthread_setaffinity_np(w->thread.native_handle(), sizeof set, &set) != 0) {
+      stop();
+      throw InvalidArgument("cannot pin engine worker " + std::to_string(w->index) + " to CPU " +
+                            std::to_string(cpu) +
+                            " (SMARTCOLL_ENGINE_CPUS): no such CPU or not allowed for this process");
+    }
+  }
+}
+
+void Engine::wake(Worker& w) {
+  const uint64_t one = 1;
+  [[maybe_unused]] ssize_t n = ::write(w.wakefd.get(), &one, sizeof one);
+}
+
+void Engine::submit(std::unique_ptr<Task> task) {
+  Task* t = task.release();
+  std::lock_guard lock(mu_);
+  if (stopping_) {
+    std::unique_ptr<Task> owned(t);
+    throw InvalidArgument("the communicator is closed");
+  }
+  const bool wait_turn = exclusive_running_ || !held_.empty() || (t->exclusive && inflight_ > 0);
+  if (wait_turn)
+    held_.push_back(t);
+  else
+    dispatch(t);
+}
+
+void Engine::dispatch(Task* t) {
+  ++inflight_;
+  if (failed_) {
+    // Nothing new starts on a failed communicator; the task fails with the first error.
+    t->lanes_left = 0;
+    std::lock_guard fl(failure_mu_);
+    t->req->finish(t->name + ": the communicator failed earlier (" + failure_ + "); create a new one");
+    --inflight_;
+    delete t;
+    return;
+  }
+  if (t->exclusive) {
+    exclusive_running_ = true;
+    // The body runs as the single compute op of a lane on worker 0.
+    t->computes.push_back(std::move(t->exclusive));
+    Lane lane;
+    Op op;
+    op.kind = Op::Kind::compute;
+    lane.ops.push_back(op);
+    t->lanes.push_back(std::move(lane));
+  }
+  if (t->lanes.empty()) {  // nothing to move (world size 1, count 0): done at once
+    --inflight_;
+    t->req->finish("");
+    delete t;
+    return;
+  }
+  t->lanes_left = static_cast<int>(t->lanes.size());
+  for (Lane& lane : t->lanes) {
+    Worker& w = *workers_[static_cast<size_t>(worker_of(lane.stream))];
+    {
+      std::lock_guard il(w.inbox_mu);
+      w.inbox.emplace_back(t, &lane);
+    }
+    ++w.pending;
+    wake(w);
+  }
+}
+
+void Engine::complete(Task* t) {
+  std::string error;
+  if (failed_) {
+    std::lock_guard fl(failure_mu_);
+    error = failure_;
+  }
+  auto req = t->req;
+  delete t;  // scratch goes back to the pool before the caller can post the next call
+  req->finish(error);
+  std::lock_guard lock(mu_);
+  --inflight_;
+  if (inflight_ == 0) exclusive_running_ = false;
+  while (!held_.empty()) {
+    Task* next = held_.front();
+    if (exclusive_running_ || (next->exclusive && inflight_ > 0)) break;
+    held_.pop_front();
+    dispatch(next);
+  }
+  if (inflight_ == 0) idle_cv_.notify_all();
+}
+
+void Engine::fail(const std::string& error) {
+  if (failing_.exchange(true)) {
+    // Another thread is failing the communicator: the errors that follow (closed channels) are its echo.
+    if (!failed_) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return;
+  }
+  SC_LOG(LogLevel::info, rank_, "") << "failing: " << error;
+  transport_.abort(error);
+  std::string final_error = error;
+  if (explain_failure) final_error = explain_failure(error);
+  {
+    std::lock_guard fl(failure_mu_);
+    failure_ = final_error;
+  }
+  failed_ = true;
+  for (auto& w : workers_) wake(*w);
+}
+
+bool Engine::progress(Worker& w) {
+  bool moved = false;
+  // New lanes, in call order.
+  std::vector<std::pair<Task*, Lane*>> fresh;
+  {
+    std::lock_guard il(w.inbox_mu);
+    fresh.swap(w.inbox);
+    for (auto& t : w.new_timers) w.timers.push_back(std::move(t));
+    w.new_timers.clear();
+  }
+  for (auto [task, lane] : fresh) {
+    lane->left = lane->ops.size();
+    for (uint32_t i = 0; i < lane->ops.size(); ++i) {
+      const Op& op = lane->ops[i];
+      if (op.kind == Op::Kind::compute) {
+        lane->computes.push_back(i);
+        continue;
+      }
+      const int ci = op.peer * transport_.streams() + lane->stream;
+      ChannelQueue& c = w.chans[static_cast<size_t>(ci)];
+      (op.kind == Op::Kind::send ? c.sends : c.recvs).push_back({task, lane, i});
+      if (!c.listed) {
+        c.listed = true;
+        w.active.push_back(ci);
+      }
+    }
+    w.lanes.emplace_back(task, lane);
+    moved = true;
+  }
+  if (!w.lanes.empty()) w.current = w.lanes.front().first->name;
+
+  if (failed_) {
+    // Drop everything queued here; each task fails once all its lanes are dropped.
+    for (int ci : w.active) {
+      auto& c = w.chans[static_cast<size_t>(ci)];
+      c.sends.clear();
+      c.recvs.clear();
+      c.sent = c.received = 0;
+      c.listed = false;
+    }
+    w.active.clear();
+    w.doing = nullptr;
+    for (auto [task, lane] : w.lanes) {
+      --w.pending;
+      if (--task->lanes_left == 0) complete(task);
+    }
+    w.lanes.clear();
+    return moved;
+  }
+
+  auto finish_op = [&](const OpRef& ref) {
+    ref.op().done = true;
+    --ref.lane->left;
+    moved = true;
+  };
+
+  for (size_t a = 0; a < w.active.size(); ++a) {
+    ChannelQueue& c = w.chans[static_cast<size_t>(w.active[a])];
+    if (!transport_.connect(c.peer, c.stream)) continue;
+    while (!c.recvs.empty()) {
+      const OpRef& ref = c.recvs.front();
+      Op& op = ref.op();
+      if (!ready(*ref.lane, op)) break;
+      const size_t hlen = op.header ? kHeader : 0;
+      iovec iov[2];
+      int n_iov = 0;
+      if (c.received < hlen) iov[n_iov++] = {reinterpret_cast<char*>(&c.header) + c.received, hlen - c.received};
+      const size_t body = c.received > hlen ? c.received - hlen : 0;
+      if (op.len > body) iov[n_iov++] = {op.buf + body, op.len - body};
+      if (n_iov > 0) {
+        w.doing = ref.task;
+        const size_t n = transport_.recv(c.peer, c.stream, iov, n_iov);
+        if (n == 0) break;
+        const bool header_now = c.received < hlen && c.received + n >= hlen;
+        c.received += n;
+        moved = true;
+        if (header_now && !(c.header == ref.task->desc))
+          throw CommError(agreement_error(*ref.task, c.peer, c.header));
+        if (c.received < hlen + op.len) continue;
+      }
+      w.doing = ref.task;
+      if (op.finish != 0) ref.lane->after(ref.lane->ctx, op, op.buf);
+      c.received = 0;
+      OpRef done = ref;
+      c.recvs.pop_front();
+      finish_op(done);
+    }
+    while (!c.sends.empty()) {
+      const OpRef& ref = c.sends.front();
+      Op& op = ref.op();
+      if (!ready(*ref.lane, op)) break;
+      const size_t hlen = op.header ? kHeader : 0;
+      iovec iov[2];
+      int n_iov = 0;
+      if (c.sent < hlen)
+        iov[n_iov++] = {reinterpret_cast<char*>(&ref.task->desc) + c.sent, hlen - c.sent};
+      const size_t body = c.sent > hlen ? c.sent - hlen : 0;
+      if (op.len > body) iov[n_iov++] = {op.buf + body, op.len - body};
+      if (n_iov > 0) {
+        w.doing = ref.task;
+        const size_t n = transport_.send(c.peer, c.stream, iov, n_iov);
+        if (n == 0) break;
+        c.sent += n;
+        moved = true;
+        if (c.sent < hlen + op.len) continue;
+      }
+      c.sent = 0;
+      OpRef done = ref;
+      c.sends.pop_front();
+      finish_op(done);
+    }
+  }
+  std::erase_if(w.active, [&](int ci) {
+    ChannelQueue& c = w.chans[static_cast<size_t>(ci)];
+    c.listed = !c.sends.empty() || !c.recvs.empty();
+    return !c.listed;
+  });
+
+  for (size_t i = 0; i < w.lanes.size();) {
+    auto [task, lane] = w.lanes[i];
+    while (lane->next_compute < lane->computes.size()) {
+      Op& op = lane->ops[lane->computes[lane->next_compute]];
+      if (!ready(*lane, op)) break;
+      w.doing = task;
+      task->computes[op.compute]();
+      ++lane->next_compute;
+      op.done = true;
+      --lane->left;
+      moved = true;
+    }
+    if (lane->left > 0) {
+      ++i;
+      continue;
+    }
+    w.lanes[i] = w.lanes.back();
+    w.lanes.pop_back();
+    --w.pending;
+    w.doing = nullptr;
+    if (--task->lanes_left == 0) complete(task);
+  }
+
+  const auto now = Clock::now();
+  for (size_t i = 0; i < w.timers.size();) {
+    if (w.timers[i].first > now) {
+      ++i;
+      continue;
+    }
+    auto fn = std::move(w.timers[i].second);
+    w.timers[i] = std::move(w.timers.back());
+    w.timers.pop_back();
+    fn();
+    moved = true;
+  }
+  return moved;
+}
+
+void Engine::drive(Worker& w, const std::function<bool()>& enough, std::optional<Clock::time_point> deadline) {
+  auto spin_since = Clock::now();
+  w.last_progress = spin_since;
+  const auto spin = std::chrono::duration<double, std::micro>(config_.spin_us);
+  while (!enough()) {
+    bool moved = false;
+    try {
+      moved = progress(w);
+    } catch (const std::exception& e) {
+      fail((w.doing ? w.doing->name + ": " : std::string()) + e.what());
+      continue;  // the next pass drops and fails this worker's tasks
+    }
+    const auto now = Clock::now();
+    if (moved) {
+      w.last_progress = spin_since = now;
+      continue;
+    }
+    if (w.lanes.empty() && w.active.empty() && w.pending.load() == 0 && w.timers.empty()) {
+      if (!deadline) return;  // the worker's own thread: out of work
+    }
+    if (deadline && now >= *deadline) return;
+    bool connecting = false;
+    for (int ci : w.active) connecting |= transport_.pollable(w.chans[static_cast<size_t>(ci)].peer,
+                                                              w.chans[static_cast<size_t>(ci)].stream) < 0;
+    const double limit = connecting ? std::max(config_.timeout, config_.connect_timeout) : config_.timeout;
+    if (!w.lanes.empty() && now - w.last_progress > std::chrono::duration<double>(limit)) {
+      fail(w.current + ": no progress for " + std::to_string(limit) + " s " +
+           describe_waits(w.chans, w.active) +
+           "; is that rank alive and calling the same collective? (SMARTCOLL_TIMEOUT raises the limit)");
+      continue;
+    }
+    if (now - spin_since < spin) continue;
+    // Sleep until a channel, the accepting socket or a submission wakes us, or the next deadline.
+    auto until = now + std::chrono::seconds(1);
+    if (!w.lanes.empty()) until = std::min(until, w.last_progress + std::chrono::duration_cast<Clock::duration>(
+                                                                  std::chrono::duration<double>(config_.timeout)));
+    for (auto& t : w.timers) until = std::min(until, t.first);
+    if (deadline) until = std::min(until, *deadline);
+    const int ms = static_cast<int>(std::clamp<int64_t>(
+        std::chrono::duration_cast<std::chrono::microseconds>(until - now).count() / 1000 + 1, 0, 1000));
+    epoll_event events[64];
+    const int n = epoll_wait(w.epfd.get(), events, 64, ms);
+    for (int i = 0; i < n; ++i) {
+      if (events[i].data.fd == w.wakefd.get()) {
+        uint64_t count;
+        [[maybe_unused]] ssize_t r = ::read(w.wakefd.get(), &count, sizeof count);
+      } else if (events[i].data.fd == transport_.listening()) {
+        try {
+          transport_.accept_incoming();
+        } catch (const std::exception& e) {
+          fail(e.what());
+        }
+      }
+    }
+    spin_since = Clock::now();
+  }
+}
+
+void Engine::worker_main(Worker& w) {
+  for (;;) {
+    {
+      std::lock_guard il(w.inbox_mu);
+      if (w.stop && w.pending.load() == 0) return;
+    }
+    if (w.pending.load() == 0 || !w.drive_mu.try_lock()) {
+      // Idle, or a waiting caller drives: sleep until a submission (or that caller, leaving work behind) wakes us.
+      pollfd p{w.wakefd.get(), POLLIN, 0};
+      ::poll(&p, 1, 1000);
+      uint64_t count;
+      [[maybe_unused]] ssize_t r = ::read(w.wakefd.get(), &count, sizeof count);
+      continue;
+    }
+    drive(w, [] { return false; }, std::nullopt);
+    w.drive_mu.unlock();
+  }
+}
+
+bool Engine::wait(Request& req, std::optional<Clock::time_point> deadline) {
+  if (req.driver_ < 0) return req.test();
+  Worker& w = *workers_[static_cast<size_t>(req.driver_)];
+  if (!w.drive_mu.try_lock()) return req.test();  // its thread (or another caller) is driving
+  drive(w, [&] { return req.test(); }, deadline);
+  w.drive_mu.unlock();
+  if (w.pending.load() > 0) wake(w);  // work of other calls is left: hand it to the worker's thread
+  return req.test();
+}
+
+void Engine::stop() {
+  {
+    std::unique_lock lock(mu_);
+    stopping_ = true;
+    idle_cv_.wait(lock, [&] { return inflight_ == 0 && held_.empty(); });
+  }
+  for (auto& w : workers_) {
+    {
+      std::lock_guard il(w->inbox_mu);
+      w->stop = true;
+    }
+    wake(*w);
+  }
+  for (auto& w : workers_)
+    if (w->thread.joinable()) w->thread.join();
+}
+
+double Engine::cpu_seconds() const {
+  double total = 0;
+  for (const auto& w : workers_) {
+    if (!w->thread.joinable()) continue;
+    clockid_t clock;
+    timespec ts{};
+    if (pthread_getcpuclockid(const_cast<std::thread&>(w->thread).native_handle(), &clock) == 0 &&
+        clock_gettime(clock, &ts) == 0)
+      total += static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+  }
+  return total;
+}
+
+void Engine::at(int w, Clock::time_point when, std::function<void()> fn) {
+  Worker& worker = *workers_[static_cast<size_t>(w)];
+  {
+    std::lock_guard il(worker.inbox_mu);
+    worker.new_timers.emplace_back(when, std::move(fn));
+  }
+  wake(worker);
+}
+
+}  // namespace smartcoll

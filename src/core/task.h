@@ -1,0 +1,98 @@
+// A collective as the engine runs it: a schedule of sends, receives and local computations, split into lanes.
+//
+// Each lane's sends and receives all go on one stream, so one engine worker runs the whole lane and the
+// dependencies between its ops (a send that forwards what a receive brought, a reduction before the next step)
+// never cross threads. A channel (peer, stream) carries the ops of every call in the order the calls were made
+// and, within a call, in the lane's order: both ends of a channel see the same sequence of message sizes.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "smartcoll/types.h"
+
+namespace smartcoll {
+
+class Request;
+class BufferPool;
+
+// What a call is, as ranks compare it: carried in front of the call's first message on every channel (when the
+// check knob is on) and compared by the receiver before anything it carries is used.
+struct Descriptor {
+  uint32_t magic;
+  uint8_t coll, dtype, op, algo;
+  uint8_t codec, codec_mant, codec_exp, codec_owner;
+  uint32_t codec_block;
+  int64_t root;
+  uint64_t count;
+  bool operator==(const Descriptor&) const = default;
+};
+static_assert(sizeof(Descriptor) == 32, "the descriptor is a wire format: no padding");
+
+struct Op {
+  enum class Kind : uint8_t { send, recv, compute };
+  Kind kind = Kind::send;
+  bool header = false;  // send: the call's descriptor goes first; recv: it comes first and is checked
+  bool divide = false;  // recv: avg divides by the world size after this reduction (read by Lane::after)
+  uint8_t finish = 0;   // recv: what Lane::after does with the bytes (0: nothing, they landed where they belong)
+  int peer = -1;
+  int32_t deps[2] = {-1, -1};  // ops of the same lane that must be done before this one starts
+  char* buf = nullptr;         // send: bytes to send; recv: where they land
+  size_t len = 0;
+  // Operands of Lane::after: where the result goes, the local operand, the encoded copy, elements.
+  char* dst = nullptr;
+  const char* local = nullptr;
+  uint8_t* enc = nullptr;
+  size_t elems = 0;
+  uint32_t compute = 0;  // compute: index into Task::computes
+  bool done = false;     // engine state
+};
+
+struct Lane {
+  int stream = 0;  // every send and receive of the lane goes on this stream; its worker runs the lane
+  std::vector<Op> ops;
+  // Runs when a receive with finish != 0 has all its bytes (on the worker, in the lane's order).
+  void (*after)(const void* ctx, const Op& op, const char* data) = nullptr;
+  const void* ctx = nullptr;
+  // Engine state.
+  size_t left = 0;
+  std::vector<uint32_t> computes;  // compute ops, run in this order as their dependencies complete
+  size_t next_compute = 0;
+};
+
+// Scratch memory from the engine's pool, returned when the task ends.
+class Scratch {
+ public:
+  Scratch(std::shared_ptr<BufferPool> pool, size_t bytes);
+  Scratch(Scratch&& o) noexcept : pool_(std::move(o.pool_)), data_(std::move(o.data_)), capacity_(o.capacity_) {}
+  ~Scratch();
+  char* data() const { return data_.get(); }
+
+ private:
+  std::shared_ptr<BufferPool> pool_;
+  std::unique_ptr<char[]> data_;
+  size_t capacity_;
+};
+
+struct Task {
+  std::string name;  // "allreduce #12 on rank 3": the context of every message about it
+  uint64_t seq = 0;  // the call's number on this communicator: the same call has the same number on every rank
+  int rank = 0;
+  Descriptor desc{};
+  bool check = true;
+  std::vector<Lane> lanes;
+  std::vector<std::function<void()>> computes;
+  std::vector<Scratch> scratch;
+  std::shared_ptr<const void> state;  // what lanes and computes point into (reduction spec, codec)
+  // Runs alone, with no other call in flight and nothing else using the channels (the same-host path, which
+  // drives its own control messages); when set, lanes is empty.
+  std::function<void()> exclusive;
+  std::shared_ptr<Request> req;
+  std::atomic<int> lanes_left{0};
+};
+
+}  // namespace smartcoll

@@ -1,0 +1,233 @@
+#include "transport/tcp.h"
+
+#include <sys/epoll.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "core/log.h"
+#include "smartcoll/types.h"
+
+namespace smartcoll {
+
+namespace {
+
+constexpr uint32_t kHelloMagic = 0x53434c32;  // "SCL2"
+constexpr auto kHelloDeadline = std::chrono::seconds(5);
+
+struct Hello {
+  uint32_t magic, rank, stream, size;
+};
+
+std::string listen_host(const Config& c, const std::string& route_hint) {
+  if (!c.addr.empty()) return net::resolve_ipv4(c.addr);
+  if (!c.ifname.empty()) return net::interface_address(c.ifname);
+  return route_hint.empty() ? "127.0.0.1" : net::local_address_towards(route_hint);
+}
+
+net::Endpoint parse_endpoint(const std::string& s) {
+  const auto colon = s.rfind(':');
+  if (colon == std::string::npos) throw CommError("malformed address '" + s + "' in the rendezvous store");
+  const long port = std::strtol(s.c_str() + colon + 1, nullptr, 10);
+  if (port <= 0 || port > 65535) throw CommError("malformed port in address '" + s + "' in the rendezvous store");
+  return {s.substr(0, colon), static_cast<uint16_t>(port)};
+}
+
+std::chrono::milliseconds millis(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+}  // namespace
+
+struct TcpTransport::Pending {
+  net::Fd fd;
+  net::Clock::time_point since;
+  Hello hello{};
+  size_t got = 0;
+};
+
+TcpTransport::TcpTransport(int rank, int size, std::shared_ptr<Store> store, const Config& config,
+                           const std::string& route_hint)
+    : Transport(rank, size, config.streams), store_(std::move(store)), config_(config),
+      chans_(new Channel[static_cast<size_t>(size) * config.streams]), addrs_(size) {
+  timeout = std::chrono::duration<double>(config.timeout);
+  if (size == 1) return;
+  const std::string host = listen_host(config, route_hint);
+  listener_ = net::listen_on(host, 0, 4096);
+  net::set_nonblocking(listener_.get(), true);
+  addrs_[rank] = host + ":" + std::to_string(net::bound_port(listener_.get()));
+  store_->set("addr/" + std::to_string(rank), addrs_[rank]);
+}
+
+TcpTransport::~TcpTransport() = default;
+
+void TcpTransport::attach(std::vector<int> epoll_fds) {
+  std::lock_guard lock(mu_);
+  epfds_ = std::move(epoll_fds);
+  if (!listener_) return;
+  for (int ep : epfds_) {
+    // Level-triggered: whichever worker wakes first accepts; the others find nothing left.
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = listener_.get();
+    if (epoll_ctl(ep, EPOLL_CTL_ADD, listener_.get(), &ev) != 0)
+      throw CommError("epoll_ctl(listener) failed: " + std::string(std::strerror(errno)));
+  }
+}
+
+int TcpTransport::open_channels() const {
+  int n = 0;
+  for (int i = 0; i < size() * streams(); ++i) n += chans_[i].fd.load() >= 0;
+  return n;
+}
+
+void TcpTransport::install(int peer, int stream, net::Fd fd) {
+  net::set_nonblocking(fd.get(), true);
+  net::set_buffer_sizes(fd.get(), config_.sockbuf);
+  Channel& c = chan(peer, stream);
+  if (!epfds_.empty()) {
+    // Edge-triggered: the owner tries its I/O until it would block before it sleeps, so no edge is missed.
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
+    ev.data.fd = fd.get();
+    if (epoll_ctl(epfds_[stream % epfds_.size()], EPOLL_CTL_ADD, fd.get(), &ev) != 0)
+      throw CommError("epoll_ctl(channel) failed: " + std::string(std::strerror(errno)));
+  }
+  c.fd = fd.get();
+  c.owned = std::move(fd);
+  SC_LOG(LogLevel::debug, rank(), "") << "connected to rank " << peer << " stream " << stream;
+}
+
+void TcpTransport::adopt_pending() {
+  for (;;) {
+    net::Fd s(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (!s) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK)
+        SC_LOG(LogLevel::warn, rank(), "") << "accept failed: " << std::strerror(errno);
+      break;
+    }
+    net::set_nodelay(s.get());
+    pending_.push_back(std::make_unique<Pending>(Pending{std::move(s), net::Clock::now()}));
+  }
+  // A stranger (a port scanner, a health check) or a silent connection is dropped, never fatal.
+  const auto now = net::Clock::now();
+  std::erase_if(pending_, [&](std::unique_ptr<Pending>& p) {
+    auto* h = reinterpret_cast<char*>(&p->hello);
+    ssize_t n = ::recv(p->fd.get(), h + p->got, sizeof(Hello) - p->got, MSG_DONTWAIT);
+    if (n > 0) p->got += static_cast<size_t>(n);
+    const bool broken = n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+    if (p->got < sizeof(Hello)) {
+      if (broken || now - p->since > kHelloDeadline) {
+        SC_LOG(LogLevel::warn, rank(), "") << "dropped a connection that sent no valid hello";
+        return true;
+      }
+      return false;
+    }
+    const Hello& hello = p->hello;
+    const bool valid = hello.magic == kHelloMagic && hello.size == static_cast<uint32_t>(size()) &&
+                       hello.rank > static_cast<uint32_t>(rank()) && hello.rank < static_cast<uint32_t>(size()) &&
+                       hello.stream < static_cast<uint32_t>(streams()) &&
+                       chan(static_cast<int>(hello.rank), static_cast<int>(hello.stream)).fd.load() < 0;
+    if (!valid) {
+      SC_LOG(LogLevel::warn, rank(), "")
+          << "refused a connection with an invalid hello (world size " << hello.size << ", rank " << hello.rank
+          << ", stream " << hello.stream << "): another job on this port, or ranks disagree on WORLD_SIZE";
+      return true;
+    }
+    install(static_cast<int>(hello.rank), static_cast<int>(hello.stream), std::move(p->fd));
+    return true;
+  });
+}
+
+void TcpTransport::accept_incoming() {
+  std::lock_guard lock(mu_);
+  if (listener_ && !aborted_) adopt_pending();
+}
+
+bool TcpTransport::connect(int peer, int stream) {
+  Channel& c = chan(peer, stream);
+  if (c.fd.load() >= 0) return true;
+  std::lock_guard lock(mu_);
+  if (aborted_) throw CommError("the communicator was aborted");
+  if (c.fd.load() >= 0) return true;
+  const auto limit = millis(config_.connect_timeout);
+  if (peer > rank()) {
+    adopt_pending();
+    if (c.fd.load() >= 0) return true;
+    const auto now = net::Clock::now();
+    if (c.waiting_since == net::Clock::time_point{}) c.waiting_since = now;
+    if (now - c.waiting_since > limit) {
+      const std::string why = peer_failure(peer);
+      throw CommError("rank " + std::to_string(peer) + " did not connect to rank " +
+                      std::to_string(rank()) + " within " + std::to_string(limit.count() / 1000) + " s" +
+                      (why.empty() ? ": is it running, with the same WORLD_SIZE and MASTER_ADDR? "
+                                     "(SMARTCOLL_CONNECT_TIMEOUT)"
+                                   : "; it failed: " + why));
+    }
+    return false;
+  }
+  if (addrs_[peer].empty()) addrs_[peer] = store_->get("addr/" + std::to_string(peer), limit);
+  const auto deadline = net::Clock::now() + limit;
+  net::Fd s = net::connect_to(parse_endpoint(addrs_[peer]), deadline);
+  Hello h{kHelloMagic, static_cast<uint32_t>(rank()), static_cast<uint32_t>(stream), static_cast<uint32_t>(size())};
+  net::send_all(s.get(), &h, sizeof h, deadline, "hello to rank " + std::to_string(peer));
+  install(peer, stream, std::move(s));
+  return true;
+}
+
+std::string TcpTransport::peer_failure(int peer) {
+  try {
+    return store_->get("failed/" + std::to_string(peer), std::chrono::milliseconds(300));
+  } catch (const std::exception&) {  // it left no reason, or the store went down with it
+    return "";
+  }
+}
+
+void TcpTransport::fail_peer(int peer, const std::string& what) {
+  const std::string why = peer_failure(peer);
+  throw CommError("connection to rank " + std::to_string(peer) + " (" + addrs_[peer] + ") " + what +
+                  (why.empty() ? "; that rank exited, crashed or failed (see its output)"
+                               : "; rank " + std::to_string(peer) + " failed: " + why));
+}
+
+size_t TcpTransport::send(int peer, int stream, const iovec* iov, int iovcnt) {
+  msghdr m{};
+  m.msg_iov = const_cast<iovec*>(iov);
+  m.msg_iovlen = static_cast<size_t>(iovcnt);
+  for (;;) {
+    const ssize_t n = ::sendmsg(pollable(peer, stream), &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n >= 0) return static_cast<size_t>(n);
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+    fail_peer(peer, std::string("broke while sending: ") + std::strerror(errno));
+  }
+}
+
+size_t TcpTransport::recv(int peer, int stream, const iovec* iov, int iovcnt) {
+  msghdr m{};
+  m.msg_iov = const_cast<iovec*>(iov);
+  m.msg_iovlen = static_cast<size_t>(iovcnt);
+  for (;;) {
+    const ssize_t n = ::recvmsg(pollable(peer, stream), &m, MSG_DONTWAIT);
+    if (n > 0) return static_cast<size_t>(n);
+    if (n == 0) fail_peer(peer, "was closed");
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+    fail_peer(peer, std::string("broke while receiving: ") + std::strerror(errno));
+  }
+}
+
+void TcpTransport::abort(const std::string& reason) {
+  if (aborted_.exchange(true)) return;
+  try {
+    store_->set("failed/" + std::to_string(rank()), reason);
+  } catch (const std::exception&) {  // the store is gone too: peers still see the connections close
+  }
+  std::lock_guard lock(mu_);
+  for (int i = 0; i < size() * streams(); ++i)
+    if (chans_[i].fd.load() >= 0) ::shutdown(chans_[i].fd.load(), SHUT_RDWR);
+}
+
+}  // namespace smartcoll

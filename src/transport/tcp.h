@@ -1,0 +1,61 @@
+// TCP transport: `streams` connections per peer pair, opened when first used (the higher rank connects to the
+// lower one's listening socket and says who it is in a hello), non-blocking, progressed by epoll. Sends go
+// straight from the caller's buffers.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+
+#include "core/config.h"
+#include "smartcoll/store.h"
+#include "transport/socket.h"
+#include "transport/transport.h"
+
+namespace smartcoll {
+
+class TcpTransport final : public Transport {
+ public:
+  // Listens and publishes "host:port" under "addr/<rank>"; connects to nobody yet. route_hint: a host
+  // (MASTER_ADDR) whose route picks the listening address when neither addr nor ifname is set.
+  TcpTransport(int rank, int size, std::shared_ptr<Store> store, const Config& config,
+               const std::string& route_hint);
+  ~TcpTransport() override;
+
+  void attach(std::vector<int> epoll_fds) override;
+  bool connect(int peer, int stream) override;
+  void accept_incoming() override;
+  int listening() const override { return listener_.get(); }
+  size_t send(int peer, int stream, const iovec* iov, int iovcnt) override;
+  size_t recv(int peer, int stream, const iovec* iov, int iovcnt) override;
+  int pollable(int peer, int stream) const override { return chan(peer, stream).fd.load(); }
+  int open_channels() const override;
+  void abort(const std::string& reason) override;
+
+ private:
+  struct Channel {
+    std::atomic<int> fd{-1};
+    net::Fd owned;
+    net::Clock::time_point waiting_since{};  // accepting side: when this rank first needed it
+  };
+  struct Pending;  // an accepted connection whose hello has not fully arrived
+
+  Channel& chan(int peer, int stream) { return chans_[static_cast<size_t>(peer) * streams() + stream]; }
+  const Channel& chan(int peer, int stream) const { return chans_[static_cast<size_t>(peer) * streams() + stream]; }
+  void install(int peer, int stream, net::Fd fd);  // mu_ held
+  void adopt_pending();                             // mu_ held
+  std::string peer_failure(int peer);
+  [[noreturn]] void fail_peer(int peer, const std::string& what);
+
+  std::shared_ptr<Store> store_;
+  Config config_;
+  mutable std::mutex mu_;  // connection set-up; I/O on a connected channel needs no lock
+  std::unique_ptr<Channel[]> chans_;
+  std::vector<std::string> addrs_;
+  net::Fd listener_;
+  std::vector<int> epfds_;
+  std::vector<std::unique_ptr<Pending>> pending_;
+  std::atomic<bool> aborted_{false};
+};
+
+}  // namespace smartcoll
