@@ -1,6 +1,6 @@
 """Ring all-reduce on an emulated Ethernet cluster: smartcoll against gloo and Open MPI, against the link.
 
-For each host count N (default 2, 4 and 8), this brings up an emulated cluster (smartcoll.cluster: one network
+For each host count N (default 2, 4 and 8), this brings up an emulated cluster (smartcoll.tools.netemu: one network
 namespace per host, veth links shaped with tc tbf, default 1 Gbit/s, bridge topology), runs
 
     smartcoll bench allreduce --cluster <it> -n N --sizes 1M:64M --vs gloo --vs mpi
@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from smartcoll import bench, cluster
+from smartcoll.tools import bench
+from smartcoll.tools import netemu
 
 TARGET_PCT = 90.0  # smartcoll busbw vs the link, for large messages
 TARGET_MIN_BYTES = 16 << 20
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host counts to measure, one cluster each, one rank per host (default: 2,4,8)")
     p.add_argument("--link", default="1gbit",
                    help="rate of every link, tc syntax: 1gbit, 2.5gbit, 200mbit (default: %(default)s)")
-    p.add_argument("--topology", choices=cluster.TOPOLOGIES, default="bridge",
+    p.add_argument("--topology", choices=netemu.TOPOLOGIES, default="bridge",
                    help="bridge: one L2 segment; switch: a routed port per host (default: %(default)s)")
     p.add_argument("--sizes", default="1M:64M", metavar="SPEC",
                    help="message sizes as for smartcoll bench: A:B powers of two or a comma list, binary "
@@ -111,10 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_one(n: int, args: argparse.Namespace, workdir: Path) -> dict:
     """One host count: cluster up, bench, cluster down (always). Returns {"hosts", "rc", "report"|"error"}."""
-    name = cluster.unique_name("ring")
+    name = netemu.unique_name("ring")
     out_json = workdir / f"bench-n{n}.json"
     extra = args.bench_args[1:] if args.bench_args[:1] == ["--"] else list(args.bench_args)
-    cmd = [sys.executable, "-m", "smartcoll.cli", "bench", "allreduce", "--cluster", name, "-n", str(n),
+    cmd = [sys.executable, "-m", "smartcoll.tools.cli", "bench", "allreduce", "--cluster", name, "-n", str(n),
            "--sizes", args.sizes, "--iters", str(args.iters), "--warmup", str(args.warmup),
            "--rounds", str(args.rounds),
            "--time-limit", f"{args.time_limit:g}", "--json", str(out_json)]
@@ -130,7 +131,7 @@ def run_one(n: int, args: argparse.Namespace, workdir: Path) -> dict:
     start = time.monotonic()
     progress(f"N={n}: bringing up cluster {name} ({n} hosts, {args.link} links, {args.topology})")
     try:
-        with cluster.up(hosts=n, link=args.link, topology=args.topology, name=name):
+        with netemu.up(hosts=n, link=args.link, topology=args.topology, name=name):
             progress(f"N={n}: {shlex.join(cmd[2:])}")
             # bench's table goes to our stderr (live, with its progress); the combined table comes at the end.
             proc = subprocess.Popen(cmd, stdout=sys.stderr, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -142,7 +143,7 @@ def run_one(n: int, args: argparse.Namespace, workdir: Path) -> dict:
                 result["report"] = json.loads(out_json.read_text())
             elif "error" not in result:
                 result["error"] = "smartcoll bench wrote no report"
-    except (cluster.ClusterError, ValueError) as e:
+    except (netemu.ClusterError, ValueError) as e:
         result["rc"] = 2
         result["error"] = f"cluster: {e}"
     finally:
@@ -156,7 +157,7 @@ def run_one(n: int, args: argparse.Namespace, workdir: Path) -> dict:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         with contextlib.suppress(Exception):
-            cluster.down(name)  # idempotent: the `with` already did it, unless up() itself failed midway
+            netemu.down(name)  # idempotent: the `with` already did it, unless up() itself failed midway
     result["seconds"] = time.monotonic() - start
     failure = f" ({result['error']})" if "error" in result else ""
     progress(f"N={n}: done in {result['seconds']:.0f} s{failure}")
@@ -299,7 +300,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         bench.parse_sizes(args.sizes)
         if args.iter_bytes not in ("0", ""):
             bench.parse_size(args.iter_bytes)
-        cluster.parse_rate(args.link)
+        netemu.parse_rate(args.link)
     except ValueError as e:
         print(f"cluster_ring: {e}", file=sys.stderr)
         return 2

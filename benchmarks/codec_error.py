@@ -113,7 +113,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def run_world(n: int, args: argparse.Namespace, workdir: Path) -> list[dict]:
-    from smartcoll import launcher
+    from smartcoll.tools import launcher
 
     outfile = workdir / f"ranks{n}.json"
     cmd = [

@@ -15,8 +15,8 @@ import time
 import numpy as np
 
 from smartcoll import _core
-from smartcoll.codec_bench import best_seconds
-from smartcoll.bench import parse_size
+from smartcoll.tools.bench import parse_size
+from smartcoll.tools.bench.codec import best_seconds
 
 
 def iperf3_loopback(seconds: int) -> float | None:

@@ -31,13 +31,15 @@ _REPO = Path(__file__).resolve().parents[2]
 
 def _load_cluster_module():
     try:
-        from smartcoll import cluster
-        return cluster
+        from smartcoll.tools import netemu
+        return netemu
     except ImportError:
-        # An installed smartcoll built before cluster.py existed (or none built): the module is plain Python
-        # and needs nothing from the package, so load it from this checkout.
-        path = _REPO / "python" / "smartcoll" / "cluster.py"
-        spec = importlib.util.spec_from_file_location("smartcoll_cluster_src", path)
+        # An installed smartcoll built before netemu existed (or none built): the package is plain Python and
+        # needs nothing from smartcoll, so load it from this checkout.
+        path = _REPO / "python" / "smartcoll" / "tools" / "netemu"
+        spec = importlib.util.spec_from_file_location(
+            "smartcoll_netemu_src", path / "__init__.py", submodule_search_locations=[str(path)]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
@@ -45,7 +47,10 @@ def _load_cluster_module():
 
 
 cl = _load_cluster_module()
-CLUSTER_PY = cl.__file__  # runnable as a script: python CLUSTER_PY status --name N
+# `smartcoll cluster ...` without the smartcoll command: CLUSTER_CLI + ["status", "--name", N]
+CLUSTER_CLI = [sys.executable, "-m", cl.__name__] if cl.__name__ == "smartcoll.tools.netemu" else [
+    sys.executable, "-c", f"import sys; sys.path.insert(0, {str(_REPO / 'python' / 'smartcoll' / 'tools')!r}); "
+    "import runpy; runpy.run_module('netemu', run_name='__main__', alter_sys=True)"]
 
 _TEST_TAG = "pt"  # test clusters are named pt<pid>x<hex>
 _reason: Optional[str] = None

@@ -3,31 +3,21 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import pytest
+from smartcoll.tools import launcher
+from smartcoll.tools.launcher import RankResult  # noqa: F401 - the tests' name for a rank's outcome
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "rank_worker.py"
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RankResult(NamedTuple):
-    returncode: int
-    stdout: str
-    stderr: str
+free_port = launcher.free_port  # a TCP port nobody listens on right now, on 127.0.0.1
 
 
 def clean_env() -> dict[str, str]:
@@ -65,8 +55,8 @@ def run_ranks(
     logdir: Optional[Path] = None,
     worker: Path = WORKER,
 ) -> list[RankResult]:
-    """Starts ranks 0..n-1 of `python worker *args` (default rank_worker.py) with env:// rendezvous variables;
-    waits for them.
+    """Starts ranks 0..n-1 of `python worker *args` (default rank_worker.py) with env:// rendezvous variables
+    (smartcoll's launcher, run_ranks); waits for them.
 
     env: extra variables for every rank; rank_env: extra variables per rank. world_size defaults to n (pass a
     larger one to start fewer ranks than the world has). must_finish: the ranks the test waits for (default:
@@ -74,62 +64,26 @@ def run_ranks(
     is still running after `timeout` seconds, every rank is killed and the test fails naming the hung ones.
     Returns (returncode, stdout, stderr) per rank; a killed rank has returncode -9.
     """
-    port = free_port() if port is None else port
-    world_size = n if world_size is None else world_size
-    must = set(range(n)) if must_finish is None else set(must_finish)
-    if logdir is None:
-        import tempfile
-
-        logdir = Path(tempfile.mkdtemp(prefix="smartcoll-ranks-"))
-    logdir.mkdir(parents=True, exist_ok=True)
-    procs: list[subprocess.Popen] = []
-    files = []
-    try:
-        for r in range(n):
-            e = clean_env()
-            e.update(RANK=str(r), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            e.update({k: str(v) for k, v in (env or {}).items()})
-            e.update({k: str(v) for k, v in (rank_env or {}).get(r, {}).items()})
-            out = open(logdir / f"rank{r}.out", "w+")
-            err = open(logdir / f"rank{r}.err", "w+")
-            files.append((out, err))
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(worker), *map(str, args)],
-                    env=e,
-                    stdout=out,
-                    stderr=err,
-                    stdin=subprocess.DEVNULL,
-                    cwd=str(HERE),
-                )
-            )
-        deadline = time.monotonic() + timeout
-        while any(procs[r].poll() is None for r in must) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        hung = sorted(r for r in must if procs[r].poll() is None)
-    finally:
-        for p in procs:  # only the processes started here, by their own handles
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:  # pragma: no cover - a process that survives SIGKILL
-                pass
-    results = []
-    for (out, err), p in zip(files, procs):
-        out.seek(0)
-        err.seek(0)
-        results.append(RankResult(p.returncode, out.read(), err.read()))
-        out.close()
-        err.close()
-    if hung:
+    run = launcher.run_ranks(
+        [sys.executable, str(worker), *map(str, args)],
+        n,
+        timeout,
+        base_env=clean_env(),
+        env_extra=env,
+        rank_env=(lambda r: (rank_env or {}).get(r, {})),
+        world_size=world_size,
+        master_port=port,
+        must_finish=None if must_finish is None else list(must_finish),
+        logdir=logdir,
+        cwd=HERE,
+    )
+    if run.hung:
         pytest.fail(
-            f"rank(s) {hung} of {n} did not finish within {timeout} s (all killed); args {args}\n"
-            + describe(results),
+            f"rank(s) {run.hung} of {n} did not finish within {timeout} s (all killed); args {args}\n"
+            + describe(run.results),
             pytrace=False,
         )
-    return results
+    return run.results
 
 
 def assert_all_ok(results: list[RankResult], ranks: Optional[Iterable[int]] = None) -> None:
@@ -159,7 +113,7 @@ needs_core = pytest.mark.skipif(not _core_available(), reason="smartcoll._core i
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """`smartcoll ARGS` in a subprocess, without SMARTCOLL_* settings or rank variables from this shell."""
     return subprocess.run(
-        [sys.executable, "-m", "smartcoll.cli", *args],
+        [sys.executable, "-m", "smartcoll.tools.cli", *args],
         env=clean_env(),
         capture_output=True,
         text=True,

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import needs_core, run_cli as _smartcoll
-from smartcoll import bench, cli, launcher, peers
+from smartcoll.tools import bench, cli, launcher
+from smartcoll.tools.bench import peers
 
 PY = sys.executable
 
@@ -470,7 +471,7 @@ def test_bench_codec_measures_every_format_asked(tmp_path):
 
 @needs_core
 def test_knob_docs_are_generated_from_the_table():
-    from smartcoll.cli import knobs_markdown
+    from smartcoll.tools.info import knobs_markdown
 
     docs = Path(__file__).resolve().parents[2] / "docs" / "knobs.md"
     assert docs.read_text() == knobs_markdown(), "docs/knobs.md is stale: smartcoll info --markdown > docs/knobs.md"

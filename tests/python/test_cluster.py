@@ -1,4 +1,4 @@
-"""The emulated cluster (smartcoll.cluster): namespaces, shaping, faults, and collectives across it."""
+"""The emulated cluster (smartcoll.tools.netemu): namespaces, shaping, faults, and collectives across it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from cluster_fixture import (  # noqa: F401
-    CLUSTER_PY,
+    CLUSTER_CLI,
     cl,
     cluster4,
     kill_all,
@@ -156,7 +156,7 @@ def test_up_down_idempotent_and_stale_replaced():
             assert h.ns.startswith(f"sc-{name}-") and h.addr.startswith("10.77.")
 
         # Another process finds the layout (the CLI, run as a script).
-        r = subprocess.run([sys.executable, CLUSTER_PY, "status", "--name", name, "--json"],
+        r = subprocess.run([*CLUSTER_CLI, "status", "--name", name, "--json"],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         s = json.loads(r.stdout)
@@ -368,7 +368,7 @@ def test_link_down_mid_allreduce_every_rank_gets_commerror(cluster4):
 
 
 def test_cli_status_and_fault(cluster4, capsys):
-    from smartcoll.cli import build_parser
+    from smartcoll.tools.cli import build_parser
 
     parser = build_parser()
 

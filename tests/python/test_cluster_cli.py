@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from cluster_fixture import cl, cluster4, require_netns  # noqa: F401
 from conftest import clean_env, needs_core, run_cli as _smartcoll
-from smartcoll import bench, launcher, peers
+from smartcoll.tools import bench, launcher
+from smartcoll.tools.bench import peers
 
 PY = sys.executable
 

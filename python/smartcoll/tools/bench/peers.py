@@ -3,7 +3,7 @@
 * gloo: torch.distributed's gloo backend, run inside the smartcoll bench ranks on the same buffers
   (``GlooRunner``, used by bench's worker).
 * mpi: Open MPI through mpi4py, run as its own job after the smartcoll part:
-  ``mpirun ... python -m smartcoll.peers --mpi DIR`` (``run_mpi`` starts it, ``mpi_main`` is each rank).
+  ``mpirun ... python -m smartcoll.tools.bench.peers --mpi DIR`` (``run_mpi`` starts it, ``mpi_main`` is each rank).
 
 On an emulated cluster (``bench --cluster``), MPI's ranks run one per host too, talking TCP over the hosts'
 veths (btl self,tcp: no shared memory, which would bypass the network). mpirun itself runs inside host 0's
@@ -14,24 +14,26 @@ the daemons' to their ranks then also cross the cluster's network (oob_tcp_if_in
 subnet), as they would between real hosts. (A per-rank wrapper that enters a namespace after mpirun started
 the rank locally does not work: mpirun, in the root namespace, could not reach the ranks' addresses.)
 
-Both plug into bench's measurement loop (bench.run_sizes), so data, checks and timing are the same code for
+Both plug into bench's measurement loop (runners.run_sizes), so data, checks and timing are the same code for
 every implementation.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
+import functools
 import importlib.util
 import ipaddress
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from smartcoll import bench, launcher
+from .. import launcher
+from .runners import Case, run_sizes, status, worker_config
 
 # dtypes mpi4py maps to a standard MPI datatype (MPI has no standard half-precision type)
 _MPI_DTYPES = ("float32", "float64", "int32", "int64")
@@ -58,10 +60,43 @@ MPIRUN_OPTIONS = [
     "oob_tcp_if_include",
     "lo",
 ]
-MPI_TRANSPORTS = {
-    "shm": ["--mca", "btl", "self,vader"],
-    "tcp": ["--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo"],
-}
+# --mpi-transport: the byte transfer layers Open MPI may use between local ranks (ob1 is forced above, so
+# these are all it has). shm is Open MPI's own choice on one host, and the default: the fair peer of smartcoll's
+# same-host path. Its shared-memory BTL is "vader" up to Open MPI 4 and "sm" from 5 on (shm_btl() asks
+# ompi_info which one is installed). tcp makes MPI go through the kernel's TCP stack on loopback, as smartcoll
+# and gloo do without their shared-memory paths.
+MPI_TRANSPORTS = ("shm", "tcp")
+
+
+def shm_btl(ompi_info_output: Optional[str] = None) -> str:
+    """The name of Open MPI's shared-memory BTL here: "vader" (Open MPI <= 4) or "sm" (5 and later), from the
+    components ompi_info lists ("MCA btl: vader (...)"); "vader" if ompi_info is missing or lists neither."""
+    if ompi_info_output is None:
+        ompi_info_output = _ompi_info()
+    names = set(re.findall(r"^\s*MCA btl:\s*(\w+)", ompi_info_output, re.M))
+    if "vader" not in names and "sm" in names:
+        return "sm"
+    return "vader"
+
+
+@functools.lru_cache(maxsize=1)
+def _ompi_info() -> str:
+    try:
+        return subprocess.run(
+            ["ompi_info"], capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def transport_options(transport: str, shm: Optional[str] = None) -> list[str]:
+    """mpirun's options for --mpi-transport `transport` (shm: the shared-memory BTL `shm`, default
+    shm_btl())."""
+    if transport == "shm":
+        return ["--mca", "btl", f"self,{shm or shm_btl()}"]
+    if transport == "tcp":
+        return ["--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo"]
+    raise ValueError(f"unknown MPI transport {transport!r} (one of {', '.join(MPI_TRANSPORTS)})")
 
 
 def unavailable(peer: str, dtype: str) -> Optional[str]:
@@ -114,7 +149,7 @@ class GlooRunner:
         self.reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self.all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-    def bind(self, case: bench.Case):
+    def bind(self, case: Case):
         dist, op, root = self.dist, self.op, self.root
         x = self.torch.from_numpy(case.send)  # shares memory: the same buffers smartcoll used
         y = None if case.recv is None else self.torch.from_numpy(case.recv)
@@ -126,6 +161,7 @@ class GlooRunner:
             "broadcast": (lambda: dist.broadcast(x, src=root), case.send),
             "reduce": (lambda: dist.reduce(x, dst=root, op=op), case.send),
             "alltoall": (lambda: dist.all_to_all_single(y, x), case.recv),
+            "barrier": (dist.barrier, case.send),
         }
         return calls[case.collective]
 
@@ -150,7 +186,7 @@ class MpiRunner:
         self.MPI, self.comm, self.root = MPI, comm, cfg["root"]
         self.op = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}[cfg["op"]]
 
-    def bind(self, case: bench.Case):
+    def bind(self, case: Case):
         c, x, y, op, root = self.comm, case.send, case.recv, self.op, self.root
         calls = {
             "allreduce": lambda: c.Allreduce(x, y, op=op),
@@ -159,6 +195,7 @@ class MpiRunner:
             "broadcast": lambda: c.Bcast(x, root=root),
             "reduce": lambda: c.Reduce(x, y, op=op, root=root),
             "alltoall": lambda: c.Alltoall(x, y),
+            "barrier": c.Barrier,
         }
         return calls[case.collective], (x if y is None else y)
 
@@ -174,15 +211,18 @@ class MpiRunner:
         }
 
 
-def mpirun_command(nprocs: int, transport: str = "shm") -> list[str]:
-    return ["mpirun", *MPIRUN_OPTIONS, *MPI_TRANSPORTS[transport], "-n", str(nprocs)]
+def mpirun_command(nprocs: int, transport: str = "shm", mca: Optional[dict[str, str]] = None,
+                   shm: Optional[str] = None) -> list[str]:
+    """mpirun with `nprocs` local ranks over `transport` (see transport_options) and extra MCA parameters."""
+    return ["mpirun", *MPIRUN_OPTIONS, *transport_options(transport, shm), *_mca_args(mca or {}),
+            "-n", str(nprocs)]
 
 
 def cluster_subnet(c) -> str:
     """The CIDR that holds every address of cluster `c` (both topologies): what MPI may use."""
-    from smartcoll import cluster
+    from ..netemu import SUBNET
 
-    return f"{cluster.SUBNET}.{c.subnet}.0/24"
+    return f"{SUBNET}.{c.subnet}.0/24"
 
 
 def write_mpi_agent(c, nprocs: int, directory: Path) -> tuple[Path, Path]:
@@ -310,9 +350,9 @@ def run_mpi(workdir: Path, nprocs: int, timeout: float, transport: str = "shm", 
             mca: Optional[dict[str, str]] = None) -> int:
     """Run the MPI part of a bench run (config in workdir) and return mpirun's status (124 on timeout).
 
-    With `cluster` (a smartcoll.cluster.Cluster), rank i runs on host i over TCP (mpirun_cluster_command);
+    With `cluster` (a smartcoll.tools.netemu.Cluster), rank i runs on host i over TCP (mpirun_cluster_command);
     `transport` is then ignored. `mca`: extra MCA parameters {name: value} for mpirun."""
-    rank_cmd = [sys.executable, "-m", "smartcoll.peers", "--mpi", str(workdir)]
+    rank_cmd = [sys.executable, "-m", "smartcoll.tools.bench.peers", "--mpi", str(workdir)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if cluster is not None:
         cmd = mpirun_cluster_command(cluster, nprocs, workdir, mca) + rank_cmd
@@ -322,14 +362,12 @@ def run_mpi(workdir: Path, nprocs: int, timeout: float, transport: str = "shm", 
             OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", SMARTCOLL_MPI_JOB=str(workdir)
         )
     else:
-        cmd = mpirun_command(nprocs, transport)
-        cmd[-2:-2] = _mca_args(mca or {})
-        cmd += rank_cmd
+        cmd = mpirun_command(nprocs, transport, mca) + rank_cmd
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        bench.status(f"mpirun timed out after {timeout:g} s; stopping it")
+        status(f"mpirun timed out after {timeout:g} s; stopping it")
         return launcher.EXIT_TIMEOUT
     finally:
         # SIGTERM lets mpirun take its ranks down with it; SIGKILL follows for one that does not stop.
@@ -337,20 +375,15 @@ def run_mpi(workdir: Path, nprocs: int, timeout: float, transport: str = "shm", 
         if cluster is not None:
             left = _reap_marked(cluster, str(workdir))
             if left:
-                bench.status(f"killed {len(left)} MPI processes left on the cluster's hosts: {left}")
+                status(f"killed {len(left)} MPI processes left on the cluster's hosts: {left}")
 
 
 def mpi_main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m smartcoll.peers")
-    parser.add_argument(
-        "--mpi", type=Path, required=True, metavar="DIR", help="scratch directory of a bench run"
-    )
-    workdir = parser.parse_args(argv).mpi
+    workdir, cfg = worker_config(argv, "smartcoll.tools.bench.peers", "--mpi")
     from mpi4py import MPI
 
-    cfg = bench.load_config(workdir)
     comm = MPI.COMM_WORLD
-    bench.run_sizes([MpiRunner(comm, cfg)], cfg, comm.Get_rank(), comm.Get_size(), workdir)
+    run_sizes([MpiRunner(comm, cfg)], cfg, comm.Get_rank(), comm.Get_size(), workdir)
     return 0
 
 

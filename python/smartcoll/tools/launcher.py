@@ -5,9 +5,10 @@ set. Output is relayed line by line with a ``[rank K] `` prefix. When one rank f
 (SIGTERM, then SIGKILL after a grace period) so that a crashed peer never leaves the rest waiting in a
 collective; a wall-clock timeout does the same for a job that hangs.
 
-``launch()`` is the Python entry point (bench, demo and tests use it); ``add_arguments()`` and ``main()`` are
-the ``smartcoll run`` subcommand. With ``--cluster NAME`` (``cluster_hooks()``), rank i runs on host i of an
-emulated cluster (smartcoll.cluster): inside that host's network namespace, with MASTER_ADDR set to host 0's
+``launch()`` is the Python entry point that relays output as it comes (bench, demo use it); ``run_ranks()`` is
+the one that collects it: each rank's exit status, stdout and stderr, and which ranks were still running at the
+timeout (the tests use it). ``add_arguments()`` and ``main()`` are the ``smartcoll run`` subcommand. With ``--cluster NAME`` (``cluster_hooks()``), rank i runs on host i of an
+emulated cluster (smartcoll.tools.netemu): inside that host's network namespace, with MASTER_ADDR set to host 0's
 address and SMARTCOLL_IFNAME to the host's interface, so rendezvous and data go over the emulated links.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import queue
 import signal
 import socket
@@ -22,7 +24,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Mapping, Optional, Sequence
+from pathlib import Path
+from typing import Callable, Mapping, NamedTuple, Optional, Sequence
 
 MASTER_ADDR = "127.0.0.1"
 EXIT_TIMEOUT = 124  # what timeout(1) returns, so scripts can tell a timeout from a failure
@@ -42,12 +45,12 @@ def cluster_hooks(name: str, nprocs: int) -> tuple[RankPrefix, RankEnv]:
 
     rank_env(i) is the cluster's env(i) (SMARTCOLL_IFNAME, MASTER_ADDR = host 0's address, ...) plus
     GLOO_SOCKET_IFNAME, so that torch's gloo in the rank also uses the host's link. Raises ValueError naming
-    the cluster's host count if nprocs is larger (one rank per host), and cluster.ClusterError if there is no
+    the cluster's host count if nprocs is larger (one rank per host), and netemu.ClusterError if there is no
     such cluster.
     """
-    from smartcoll import cluster
+    from . import netemu
 
-    c = cluster.get(name)
+    c = netemu.get(name)
     if nprocs > c.size:
         raise ValueError(
             f"cluster {name!r} has {c.size} hosts, and runs one rank per host: -n {nprocs} is too many "
@@ -141,10 +144,12 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
-    """SIGTERM every live rank, then SIGKILL whatever is left after grace seconds; reap them all."""
+    """SIGTERM every live rank, then SIGKILL whatever is left after grace seconds; reap them all. With
+    grace <= 0 the ranks get SIGKILL straight away."""
     live = [p for p in procs if p.poll() is None]
     for p in live:
-        _signal_group(p, signal.SIGTERM)
+        if grace > 0:
+            _signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while any(p.poll() is None for p in live) and time.monotonic() < deadline:
         time.sleep(_POLL_S)
@@ -158,6 +163,114 @@ def stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
 def _message(text: str) -> None:
     sys.stderr.write(f"smartcoll run: {text}\n")
     sys.stderr.flush()
+
+
+def rank_environ(
+    rank: int,
+    world_size: int,
+    master_port: int,
+    *,
+    master_addr: str = MASTER_ADDR,
+    base_env: Optional[Mapping[str, str]] = None,
+    env_extra: Optional[Mapping[str, str]] = None,
+    rank_env: Optional[RankEnv] = None,
+) -> dict[str, str]:
+    """The environment of rank `rank`: base_env (default os.environ) with PYTHONUNBUFFERED=1 unless set there,
+    the env:// variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), then
+    env_extra, then rank_env(rank). Values are turned into strings."""
+    env = dict(os.environ if base_env is None else base_env)
+    # A pipe makes Python block-buffer its stdout; ranks' lines should appear as they are printed.
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+    )
+    env.update({k: str(v) for k, v in (env_extra or {}).items()})
+    env.update({k: str(v) for k, v in (rank_env(rank) if rank_env else {}).items()})
+    return env
+
+
+def start_rank(
+    argv: Sequence[str], env: Mapping[str, str], stdout=None, stderr=None, cwd=None
+) -> subprocess.Popen:
+    """Starts one rank. Own session: signals reach the rank's whole process group (see stop), and Ctrl-C at the
+    terminal reaches only the launcher, which then stops every rank the same way. No stdin: N ranks cannot
+    share a terminal's input. Raises OSError if the command cannot be executed."""
+    return subprocess.Popen(
+        list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+        start_new_session=True, cwd=cwd,
+    )
+
+
+class RankResult(NamedTuple):
+    returncode: int  # -N: killed by signal N (a rank stopped at the timeout has -9)
+    stdout: str
+    stderr: str
+
+
+class RankRun(NamedTuple):
+    results: list[RankResult]  # per rank
+    hung: list[int]  # ranks that had to finish but were still running at the timeout (all were then killed)
+
+
+def run_ranks(
+    cmd: Sequence[str],
+    nprocs: int,
+    timeout: float,
+    *,
+    env_extra: Optional[Mapping[str, str]] = None,
+    base_env: Optional[Mapping[str, str]] = None,
+    rank_env: Optional[RankEnv] = None,
+    rank_prefix: Optional[RankPrefix] = None,
+    world_size: Optional[int] = None,
+    master_port: Optional[int] = None,
+    master_addr: str = MASTER_ADDR,
+    must_finish: Optional[Sequence[int]] = None,
+    logdir: Optional[Path] = None,
+    cwd: Optional[Path] = None,
+    grace: float = 0.0,
+) -> RankRun:
+    """Runs ranks 0..nprocs-1 of cmd with env:// rendezvous variables (rank_environ) and collects what each
+    did, for callers that look at the output afterwards rather than watch it (launch() relays it instead).
+
+    world_size defaults to nprocs (a larger one starts fewer ranks than the world has). must_finish: the ranks
+    waited for (default: all); the others are stopped once those have exited (for ranks meant to hang). If a
+    rank that must finish is still running after `timeout` seconds, every rank is stopped and the result
+    names it in `hung`. Stopping is SIGTERM, then SIGKILL after `grace` seconds (grace 0: SIGKILL at once).
+    Each rank's stdout and stderr go to logdir/rank<K>.out and .err (a temporary directory without logdir)."""
+    world_size = nprocs if world_size is None else world_size
+    port = free_port(master_addr) if master_port is None else master_port
+    must = set(range(nprocs)) if must_finish is None else set(must_finish)
+    with tempfile.TemporaryDirectory(prefix="smartcoll-ranks-") as scratch:
+        logs = Path(scratch) if logdir is None else Path(logdir)
+        logs.mkdir(parents=True, exist_ok=True)
+        procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(nprocs):
+                env = rank_environ(rank, world_size, port, master_addr=master_addr, base_env=base_env,
+                                   env_extra=env_extra, rank_env=rank_env)
+                argv = list(rank_prefix(rank) if rank_prefix else []) + list(cmd)
+                with open(logs / f"rank{rank}.out", "wb") as out, open(logs / f"rank{rank}.err", "wb") as err:
+                    procs.append(start_rank(argv, env, out, err, cwd))
+            deadline = time.monotonic() + timeout
+            while any(procs[r].poll() is None for r in must) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            hung = sorted(r for r in must if procs[r].poll() is None)
+        finally:
+            stop(procs, grace)
+        results = [
+            RankResult(
+                p.returncode,
+                (logs / f"rank{r}.out").read_text(errors="replace"),
+                (logs / f"rank{r}.err").read_text(errors="replace"),
+            )
+            for r, p in enumerate(procs)
+        ]
+    return RankRun(results, hung)
 
 
 def launch(
@@ -185,16 +298,6 @@ def launch(
     if nprocs < 1:
         raise ValueError(f"nprocs must be at least 1, got {nprocs}")
     port = master_port if master_port is not None else free_port()
-    base_env = dict(os.environ)
-    # A pipe makes Python block-buffer its stdout; ranks' lines should appear as they are printed.
-    base_env.setdefault("PYTHONUNBUFFERED", "1")
-    base_env.update(
-        MASTER_ADDR=MASTER_ADDR,
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(nprocs),
-        LOCAL_WORLD_SIZE=str(nprocs),
-    )
-    base_env.update(env_extra or {})
 
     procs: list[subprocess.Popen] = []
     relays: list[tuple[subprocess.Popen, threading.Thread]] = []
@@ -203,17 +306,11 @@ def launch(
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     try:
         for rank in range(nprocs):
-            env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
-            env.update(rank_env(rank) if rank_env else {})
+            env = rank_environ(rank, nprocs, port, env_extra=env_extra, rank_env=rank_env)
             argv = list(rank_prefix(rank) if rank_prefix else []) + cmd
             pipe = subprocess.PIPE if prefix else None
             try:
-                # Own session: signals reach the rank's whole process group, and Ctrl-C at the terminal
-                # reaches only the launcher, which then stops every rank the same way. No stdin: N ranks
-                # cannot share a terminal's input.
-                proc = subprocess.Popen(
-                    argv, env=env, stdin=subprocess.DEVNULL, stdout=pipe, stderr=pipe, start_new_session=True
-                )
+                proc = start_rank(argv, env, pipe, pipe)
             except OSError as e:
                 raise _StartFailed(f"cannot start rank {rank} ({argv[0]}): {e.strerror or e}") from e
             procs.append(proc)
@@ -343,13 +440,13 @@ def main(args: argparse.Namespace) -> int:
     nprocs = args.nprocs
     hooks: dict = {}
     if getattr(args, "cluster", None):
-        from smartcoll import cluster
+        from . import netemu
 
         try:
             if nprocs is None:
-                nprocs = cluster.get(args.cluster).size
+                nprocs = netemu.get(args.cluster).size
             hooks["rank_prefix"], hooks["rank_env"] = cluster_hooks(args.cluster, nprocs)
-        except (ValueError, cluster.ClusterError) as e:
+        except (ValueError, netemu.ClusterError) as e:
             _message(str(e))
             return 2
     if nprocs is None:

@@ -1,7 +1,7 @@
 """The `smartcoll` command: run, info, bench, demo, cluster.
 
 Each subcommand lives in its own module with add_arguments(parser) and main(args) -> exit status; this file
-only wires them into one argparse tree (and implements the few lines of `info`).
+only wires them into one argparse tree.
 """
 
 from __future__ import annotations
@@ -11,62 +11,11 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from smartcoll import bench, cluster, demo, launcher
+from . import bench, demo, info, launcher, netemu
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the line breaks of descriptions and epilogs (the examples) while wrapping option help."""
-
-
-def knobs_markdown() -> str:
-    """docs/knobs.md: the knob table as the core declares it (a test keeps the file equal to this)."""
-    import smartcoll
-
-    lines = [
-        "# Settings",
-        "",
-        "Generated from the knob table in `include/smartcoll/knobs.h` by `smartcoll info --markdown`; do not edit.",
-        "Each setting is a keyword option of `smartcoll.init()`, an option of `smartcoll bench`, and an",
-        "environment variable; an explicit option overrides the variable, which overrides the default.",
-        "",
-        "| option | environment variable | default | type | meaning |",
-        "|---|---|---|---|---|",
-    ]
-    for k in smartcoll.knobs():
-        kind = k.type.replace("|", "\\|")  # a bare | would end the table cell
-        lines.append(f"| `{k.name}` | `{k.env}` | `{k.default}` | {kind} | {k.description} |")
-    return "\n".join(lines) + "\n"
-
-
-def _info_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--markdown", action="store_true", help="print only the knob table, as Markdown (docs/knobs.md)"
-    )
-
-
-def _info_main(args: argparse.Namespace) -> int:
-    import smartcoll
-
-    missing = bench.core_missing()
-    if missing:
-        print(f"smartcoll info: {missing}", file=sys.stderr)
-        return 1
-    if args.markdown:
-        print(knobs_markdown(), end="")
-        return 0
-    print(f"smartcoll {getattr(smartcoll, '__version__', 'unknown')}")
-    print("\nbuild:")
-    build = smartcoll.build_info()
-    width = max(len(key) for key in build)
-    for key, value in build.items():
-        shown = ", ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
-        print(f"  {key.ljust(width)}  {shown}")
-    print(
-        "\nknobs (option name = keyword of smartcoll.init(); the environment variable overrides the default):"
-    )
-    rows = [[k.name, k.default, k.type, k.env, k.description] for k in smartcoll.knobs()]
-    print(bench.format_table(["name", "default", "type", "env var", "description"], rows, left=range(5)))
-    return 0
 
 
 _SUBCOMMANDS = {
@@ -87,8 +36,8 @@ _SUBCOMMANDS = {
         "  smartcoll run --cluster c4 -n 4 -- python train.py --epochs 1",
     ),
     "info": (
-        _info_arguments,
-        _info_main,
+        info.add_arguments,
+        info.main,
         "print version, build information and the table of knobs",
         "Every knob can be set as a keyword of smartcoll.init(), an option of `smartcoll bench`, or the\n"
         "environment variable shown.",
@@ -120,8 +69,8 @@ _SUBCOMMANDS = {
         "and explains the table.",
     ),
     "cluster": (
-        cluster.add_arguments,
-        cluster.main,
+        netemu.add_arguments,
+        netemu.main,
         "emulated Ethernet cluster: network namespaces on shaped links (up, down, status, fault, iperf)",
         "One network namespace per host, veth links to a switch namespace, shaped with tc tbf. Needs root.\n"
         "Run ranks on it with `smartcoll run --cluster NAME` and `smartcoll bench ... --cluster NAME`;\n"
@@ -159,9 +108,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["bench", "codec"]:
         # Codec throughput is a single-process measurement with options of its own, not a collective.
-        from smartcoll import codec_bench
+        from .bench import codec
 
-        return codec_bench.main(argv[2:])
+        return codec.main(argv[2:])
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 from smartcoll import _core, codec
-from smartcoll.bench import parse_size
+from .sizes import parse_size
 
 
 def best_seconds(fn, repeat: int) -> float:

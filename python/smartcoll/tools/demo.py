@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from smartcoll import bench
+from . import bench
 
 DEFAULT_SIZES = "1M,16M,64M"
 
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from smartcoll import peers
+    from .bench import peers
 
     available = [p for p in ("gloo", "mpi") if peers.unavailable(p, "float32") is None]
     bench_argv = ["allreduce", "-n", str(args.nprocs), "--sizes", args.sizes, "--dtype", "float32"]

@@ -1,0 +1,388 @@
+"""`smartcoll bench COLLECTIVE`: its options (bench's own and one per smartcoll knob) and the driver."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from .. import launcher
+from .report import aggregate, build_rows, format_report, metadata
+from .runners import (
+    COLLECTIVES, DTYPES, LATENCY_ITERS_LARGE, LATENCY_ITERS_SMALL, LATENCY_LARGE_MESSAGE, MIN_ITERS, OPS, SIZELESS,
+    element_count, status,
+)
+from .sizes import _size_arg, _sizes_arg, format_size, parse_sizes
+
+DEFAULT_ITERS, DEFAULT_WARMUP = 20, 5
+
+# ---------------------------------------------------------------------------------------------------------
+# Knobs: smartcoll.knobs() is the one table; bench turns it into options and the report records the values
+
+
+def available_knobs() -> list:
+    """smartcoll.knobs(), or [] while the compiled core is missing (so --help still works)."""
+    try:
+        import smartcoll
+
+        return list(smartcoll.knobs())
+    except (ImportError, AttributeError):
+        return []
+
+
+def _knob_option(knob) -> dict:
+    """argparse keywords for a knob whose type is 'int', 'float', 'str' or 'choice:a|b|c'."""
+    kind = knob.type
+    if kind.startswith("choice:"):
+        return {"choices": kind.split(":", 1)[1].split("|")}
+    return {"type": {"int": int, "float": float}.get(kind, str), "metavar": kind.upper()}
+
+
+def add_knob_options(parser: argparse.ArgumentParser) -> None:
+    knobs = available_knobs()
+    group = parser.add_argument_group(
+        "smartcoll knobs",
+        "passed to smartcoll.init(); unset ones come from SMARTCOLL_* environment variables or the defaults"
+        if knobs
+        else "unavailable: the smartcoll core is not built, so the knob table cannot be read",
+    )
+    for knob in knobs:
+        try:
+            group.add_argument(
+                "--" + knob.name.replace("_", "-"),
+                dest="knob_" + knob.name,
+                help=f"{knob.description} (env {knob.env}, default: {knob.default or 'empty'})",
+                **_knob_option(knob),
+            )
+        except argparse.ArgumentError:
+            pass  # bench has an option of that name (--algo): bench's own option sets it
+
+
+def given_knobs(args: argparse.Namespace) -> dict:
+    return {
+        key[len("knob_") :]: value
+        for key, value in vars(args).items()
+        if key.startswith("knob_") and value is not None
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driver
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "collective",
+        choices=list(COLLECTIVES),
+        help="the collective to time (barrier moves no data: --sizes does not apply, and the report is the "
+        "latency table)",
+    )
+    parser.add_argument(
+        "-n",
+        "--nprocs",
+        type=int,
+        metavar="N",
+        help="ranks to start (default: 2, or one per host of --cluster)",
+    )
+    parser.add_argument(
+        "--cluster",
+        metavar="NAME",
+        help="run the ranks on the emulated cluster NAME (`smartcoll cluster up --name NAME`), rank i on "
+        "host i: smartcoll and gloo in the hosts' network namespaces, Open MPI's ranks too (mpirun in host "
+        "0's, TCP over the veths); measures the links with iperf3 first and adds busbw as %%link",
+    )
+    parser.add_argument(
+        "--no-iperf",
+        dest="iperf",
+        action="store_false",
+        help="with --cluster: skip the iperf3 measurement of the link limit (about 4 s) and the %%link "
+        "column",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=_sizes_arg,
+        default=parse_sizes("1K:64M"),
+        metavar="SPEC",
+        help="bytes per size: A:B for powers of two from A to B, or a comma list; K, M, G suffixes "
+        "(binary); rounded down to a multiple of n elements where the buffer is split (default: 1K:64M)",
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="float32", help="element type (default: %(default)s)"
+    )
+    parser.add_argument("--op", choices=OPS, default="sum", help="reduction op (default: %(default)s)")
+    algo_knob = next((k for k in available_knobs() if k.name == "algo"), None)
+    parser.add_argument(
+        "--algo",
+        default="auto",
+        help="allreduce algorithm, passed to each call: auto, ring or rhd (recursive halving-doubling) "
+        "(default: %(default)s)",
+        **(_knob_option(algo_knob) if algo_knob else {}),
+    )
+    parser.add_argument(
+        "--root", type=int, default=0, help="root rank of broadcast and reduce (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--iters",
+        type=int,
+        metavar="K",
+        help=f"timed calls per size (default: {DEFAULT_ITERS}; with --latency and for barrier OSU's: "
+        f"{LATENCY_ITERS_SMALL} up to {format_size(LATENCY_LARGE_MESSAGE)}, {LATENCY_ITERS_LARGE} above)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        metavar="W",
+        help=f"untimed calls before them (default: {DEFAULT_WARMUP}; with OSU's calls a tenth of them)",
+    )
+    parser.add_argument(
+        "--latency",
+        action="store_true",
+        help="latency mode, as OSU's osu_<collective> benchmarks: many calls for small sizes (see --iters) "
+        "and one table of mean microseconds per call (averaged over the ranks), smartcoll and each --vs peer "
+        "side by side with peer/smartcoll, and smartcoll's engine CPU seconds per GB. Without it, that table "
+        "follows the bandwidth table",
+    )
+    parser.add_argument(
+        "--iter-bytes",
+        type=_size_arg,
+        metavar="SIZE",
+        help="fewer calls for large sizes: timed calls per size = min(K, SIZE / size), at least "
+        f"{MIN_ITERS}; warmup = min(W, calls / 4), at least 1 (e.g. --iters 20 --iter-bytes 256M: 20 calls "
+        "up to 8M, 4 at 64M) (default: always K and W)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="R",
+        help="split each size's timed calls into R rounds and let smartcoll and gloo take turns round by "
+        "round (each round after the first adds one untimed call), so that background load that comes and "
+        "goes during a size hits both alike (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--vs",
+        action="append",
+        choices=["gloo", "mpi"],
+        default=[],
+        help="also time a peer on the same sizes: gloo (torch.distributed, in the same ranks, on the same "
+        "buffers) or mpi (Open MPI via mpi4py, launched with mpirun after the smartcoll part); repeatable",
+    )
+    parser.add_argument(
+        "--mpi-transport",
+        choices=["shm", "tcp"],
+        help="Open MPI's byte transfer layer (with pml ob1): shm, its shared-memory BTL (--mca btl self,vader, "
+        "or self,sm on Open MPI 5 and later, as ompi_info lists), Open MPI's own choice on one host and the "
+        "peer of smartcoll's same-host path; or tcp (--mca btl self,tcp over loopback), through the kernel's "
+        "TCP stack as smartcoll's and gloo's sockets (default: shm; with --cluster always tcp over the hosts' "
+        "veths)",
+    )
+    parser.add_argument(
+        "--mpi-mca",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra Open MPI MCA parameter for mpirun (--mca NAME VALUE), e.g. btl_tcp_links=2; repeatable. "
+        "Cluster runs set mpi_yield_when_idle=1 unless given (the emulated hosts share this machine's cores)",
+    )
+    parser.add_argument(
+        "--json", type=Path, metavar="FILE", help="write all measurements and run metadata to FILE"
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="stop the run if the smartcoll/gloo part, or the MPI part, takes longer than S seconds "
+        "(default: %(default)s)",
+    )
+    add_knob_options(parser)
+
+
+def measure_link(c, iperf: bool = True) -> dict:
+    """The cluster's layout and, with `iperf`, the TCP goodput its links carry (iperf3, ring pattern: every
+    host sends to the next at once, as a ring collective does), measured now, in this run. The limit busbw
+    is compared with ("GBps") is the mean goodput per link in GB/s (1e9 bytes/s)."""
+    from .. import netemu
+
+    link: dict = {
+        "cluster": {
+            "name": c.name, "topology": c.topology, "hosts": c.size, "rate": c.rate, "rate_bps": c.rate_bps,
+            "latency_us": c.latency_us,
+        },
+        "GBps": None,
+    }
+    if not iperf:
+        link["error"] = "--no-iperf"
+        return link
+    if c.size < 2:
+        link["error"] = "a cluster of one host has no link to measure"
+        return link
+    status(f"measuring the link limit of cluster {c.name} (iperf3, ring pattern, {c.size} hosts)")
+    try:
+        r = netemu.measure_iperf(c, "ring")
+    except netemu.ClusterError as e:
+        link["error"] = str(e)
+        status(f"could not measure the link limit: {e}")
+        return link
+    link["iperf"] = r
+    link["GBps"] = r["mean_mbps"] * 1e6 / 8 / 1e9
+    status(
+        f"link limit: mean {r['mean_mbps']:.0f} Mbit/s per link (min {r['min_mbps']:.0f}) = "
+        f"{link['GBps']:.4f} GB/s"
+    )
+    return link
+
+
+def core_missing() -> Optional[str]:
+    """Why smartcoll collectives cannot run here, or None if they can."""
+    try:
+        import smartcoll._core  # noqa: F401
+    except ImportError as e:
+        return f"the smartcoll core is not built ({e}); build it with: pip install --no-build-isolation -e ."
+    return None
+
+
+def _validate(args: argparse.Namespace) -> Optional[str]:
+    if getattr(args, "cluster", None) and getattr(args, "mpi_transport", None) == "shm":
+        return ("--mpi-transport shm does not apply to --cluster: one rank per host, so MPI's ranks talk TCP "
+                "over the hosts' links")
+    if args.nprocs < 1:
+        return f"-n must be at least 1, got {args.nprocs}"
+    if (args.iters is not None and args.iters < 1) or (args.warmup is not None and args.warmup < 0):
+        return "--iters must be at least 1 and --warmup at least 0"
+    if getattr(args, "rounds", 1) < 1:
+        return "--rounds must be at least 1"
+    if COLLECTIVES[args.collective].rooted and not 0 <= args.root < args.nprocs:
+        return f"--root {args.root} is not a rank of {args.nprocs}"
+    if args.algo != "auto" and args.collective != "allreduce":
+        return f"--algo applies to allreduce only, not {args.collective}"
+    return None
+
+
+def main(args: argparse.Namespace) -> int:
+    from . import peers
+
+    cluster_name = getattr(args, "cluster", None)
+    hooks: dict = {}
+    c = None
+    if cluster_name:
+        from .. import netemu
+
+        try:
+            c = netemu.get(cluster_name)
+            if args.nprocs is None:
+                args.nprocs = c.size
+            hooks["rank_prefix"], hooks["rank_env"] = launcher.cluster_hooks(cluster_name, args.nprocs)
+        except (ValueError, netemu.ClusterError) as e:
+            print(f"smartcoll bench: {e}", file=sys.stderr)
+            return 2
+    elif args.nprocs is None:
+        args.nprocs = 2
+    transport = getattr(args, "mpi_transport", None) or ("tcp" if c else "shm")
+    try:
+        mca = peers.parse_mca(getattr(args, "mpi_mca", []))
+    except ValueError as e:
+        print(f"smartcoll bench: {e}", file=sys.stderr)
+        return 2
+    problem = _validate(args) or core_missing()
+    if problem:
+        print(f"smartcoll bench: {problem}", file=sys.stderr)
+        return 2
+    vs = list(dict.fromkeys(args.vs))
+    for peer in list(vs):
+        reason = peers.unavailable(peer, args.dtype)
+        if reason:
+            status(f"skipping {peer}: {reason}")
+            vs.remove(peer)
+
+    itemsize = np.dtype(args.dtype).itemsize
+    if args.collective in SIZELESS:
+        counts = [0]
+    else:
+        counts = list(
+            dict.fromkeys(element_count(args.collective, s, itemsize, args.nprocs) for s in args.sizes)
+        )
+    latency = bool(getattr(args, "latency", False)) or args.collective in SIZELESS
+    knobs = given_knobs(args)
+    cfg = {
+        "collective": args.collective,
+        "counts": counts,
+        "dtype": args.dtype,
+        "op": args.op,
+        "algo": args.algo,
+        "root": args.root,
+        "iters": DEFAULT_ITERS if args.iters is None else args.iters,
+        "warmup": DEFAULT_WARMUP if args.warmup is None else args.warmup,
+        # OSU's iteration counts where latency is asked for and --iters is not given (size_iterations)
+        "osu_iters": latency and args.iters is None,
+        "latency": latency,
+        "iter_bytes": getattr(args, "iter_bytes", None),
+        "rounds": getattr(args, "rounds", 1),
+        "knobs": knobs,
+        "peers": [p for p in vs if p == "gloo"],
+        "world_size": args.nprocs,
+        "timeout": args.time_limit,
+    }
+    link = measure_link(c, getattr(args, "iperf", True)) if c else None
+    where = f" on cluster {c.name} (one per host)" if c else ""
+    with tempfile.TemporaryDirectory(prefix="smartcoll-bench-") as tmp:
+        workdir = Path(tmp)
+        (workdir / "config.json").write_text(json.dumps(cfg))
+        status(
+            f"{args.nprocs} ranks{where}: smartcoll{' and gloo' if 'gloo' in vs else ''}, {len(counts)} sizes"
+        )
+        rc = launcher.launch(
+            [sys.executable, "-m", "smartcoll.tools.bench", "--worker", str(workdir)],
+            args.nprocs,
+            timeout=args.time_limit,
+            # MASTER_PORT for smartcoll, MASTER_PORT+1 for gloo's store
+            master_port=launcher.free_port(count=2),
+            **hooks,
+        )
+        if rc != 0:
+            print(f"smartcoll bench: the benchmark ranks failed (status {rc}); no results", file=sys.stderr)
+            return rc
+        measured = {impl: aggregate(workdir, impl, args.nprocs) for impl in ["smartcoll"] + cfg["peers"]}
+        mpi_failure = None
+        if "mpi" in vs:
+            how = f"tcp over the veths of cluster {c.name}, mpirun in host 0's namespace" if c else transport
+            status(f"{args.nprocs} ranks: Open MPI ({how}) under mpirun")
+            rc = peers.run_mpi(workdir, args.nprocs, args.time_limit, transport, cluster=c, mca=mca)
+            if rc == 0:
+                measured["mpi"] = aggregate(workdir, "mpi", args.nprocs)
+            if not measured.get("mpi"):
+                mpi_failure = f"the MPI part failed (status {rc}); its columns are left out"
+                status(mpi_failure)
+    shown = [p for p in vs if measured.get(p)]
+    measured = {impl: data for impl, data in measured.items() if data}
+    rows = build_rows(cfg, measured, link["GBps"] if link else None)
+    print(format_report(cfg, rows, shown, link))
+    mpi_mca = {**(peers.CLUSTER_MCA_DEFAULTS if c else {}), **mca}
+    if "mpi" in shown:
+        how = "TCP over the hosts' veths, mpirun in host 0's namespace" if c else (
+            f"--mpi-transport {transport}: " + " ".join(peers.transport_options(transport)[:3]))
+        print(f"# mpi: Open MPI, {how}" + "".join(f"; --mca {k} {v}" for k, v in mpi_mca.items()))
+    if mpi_failure:
+        print(f"# {mpi_failure}")
+    if args.json:
+        meta = metadata(cfg, measured)
+        if link:
+            meta["cluster"] = link["cluster"]
+            meta["link"] = {k: v for k, v in link.items() if k != "cluster"}
+        if mpi_failure:
+            meta["mpi_failure"] = mpi_failure
+        if "mpi" in vs:
+            meta["mpi_mca"] = mpi_mca
+        report = {"metadata": meta, "results": rows}
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        status(f"wrote {args.json}")
+    wrong = sum(row["smartcoll"]["wrong"] for row in rows if "smartcoll" in row)
+    if wrong:
+        print(f"smartcoll bench: {wrong} wrong elements", file=sys.stderr)
+        return 1
+    return 0
