@@ -209,7 +209,7 @@ NB_MODULE(_core, m) {
         Buffer i = buffer(in), o = buffer(out);
         return c.alltoall(i.data, o.data, i.count / static_cast<size_t>(c.size()), i.dtype);
       })
-      .def("barrier", &Communicator::barrier)
+      .def("barrier", [](Communicator& c) { return c.barrier(); })
       .def("close", [](Communicator& c) {
         nb::gil_scoped_release release;
         c.close();

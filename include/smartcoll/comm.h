@@ -153,7 +153,7 @@ class Communicator {
   std::mutex submit_mu_;  // calls are numbered and queued in one order
   uint64_t seq_ = 0;
   std::mutex close_mu_;
-  bool closed_ = false;
+  std::atomic<bool> closed_{false};
 };
 
 }  // namespace smartcoll

@@ -171,6 +171,7 @@ Algorithm Communicator::choose(Collective coll, size_t count, DataType dt, Algor
 }
 
 std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, void* out) {
+  if (closed_) throw InvalidArgument("the communicator is closed");
   auto req = std::make_shared<Request>();
   if (size_ == 1) {  // nothing to exchange: the result is the input
     const size_t bytes = call.count * dtype_size(call.dt);

@@ -446,8 +446,8 @@ bool Engine::progress(Worker& w) {
 }
 
 void Engine::drive(Worker& w, const std::function<bool()>& enough, std::optional<Clock::time_point> deadline) {
+  // last_progress is not reset here: a caller that drives in short slices must not postpone the timeout.
   auto spin_since = Clock::now();
-  w.last_progress = spin_since;
   const auto spin = std::chrono::duration<double, std::micro>(config_.spin_us);
   while (!enough()) {
     bool moved = false;

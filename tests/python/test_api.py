@@ -112,7 +112,7 @@ VALUE_ERRORS = {
     "unknown_op": (lambda c: c.allreduce(np.zeros(4, np.float32), op="mean"),
                    r"unknown op 'mean'.*sum, prod, min, max or avg"),
     "unknown_algo": (lambda c: c.allreduce(np.zeros(4, np.float32), algo="tree"),
-                     r"unknown allreduce algorithm 'tree'.*auto, ring, rhd or cma"),
+                     r"unknown allreduce algorithm 'tree'.*auto, ring, rhd, rd, cma"),
     "alltoall_in_place": (lambda c: (lambda x: c.alltoall(x, x))(np.zeros(4, np.float32)),
                           r"alltoall cannot run in place"),
     "broadcast_root_too_big": (lambda c: c.broadcast(np.zeros(4, np.float32), root=1),
@@ -296,7 +296,7 @@ def test_context_manager_closes():
 
 EXPECTED_KNOBS = {
     "algo", "rhd_max_bytes", "segment_size", "streams", "timeout", "connect_timeout", "ifname", "addr",
-    "engine_cpu", "sockbuf", "check",
+    "engine_threads", "engine_cpus", "spin_us", "sockbuf", "check", "log",
 }
 
 
@@ -311,7 +311,7 @@ def test_knobs_table():
         assert len(k.description) >= 20 and k.description.strip() == k.description, k
         assert k.type in ("int", "float", "str") or k.type.startswith("choice:"), k
     by_name = {k.name: k for k in table}
-    assert by_name["algo"].default == "auto" and by_name["algo"].type == "choice:auto|ring|rhd|cma"
+    assert by_name["algo"].default == "auto" and by_name["algo"].type == "choice:auto|ring|rhd|rd|cma"
     assert by_name["segment_size"].default == "262144"
     assert by_name["streams"].default == "1"
 
@@ -344,8 +344,8 @@ def test_build_info():
 
 
 def test_engine_cpu_pinning(comm):
-    with init1(engine_cpu=0) as c:
-        assert c.options["engine_cpu"] == "0"
+    with init1(engine_cpus="0") as c:
+        assert c.options["engine_cpus"] == "0"
         x = np.ones(1000, np.float32)
         assert c.allreduce(x) is x
 
@@ -353,8 +353,8 @@ def test_engine_cpu_pinning(comm):
 def test_engine_cpu_out_of_range_is_a_clear_error():
     port = free_port()
     with pytest.raises(ValueError) as info:
-        smartcoll.init(f"tcp://127.0.0.1:{port}", rank=0, world_size=1, engine_cpu=9999)
-    assert "CPU 9999" in str(info.value) and "SMARTCOLL_ENGINE_CPU" in str(info.value), str(info.value)
+        smartcoll.init(f"tcp://127.0.0.1:{port}", rank=0, world_size=1, engine_cpus="9999")
+    assert "CPU 9999" in str(info.value) and "SMARTCOLL_ENGINE_CPUS" in str(info.value), str(info.value)
     # the failed init released its rendezvous port (once the traceback, which holds init()'s frame, is gone)
     del info
     gc.collect()
@@ -403,7 +403,7 @@ def test_two_ranks_api(ranks, tmp_path):
         assert "in place" in o["alltoall_alias"]["message"], o["alltoall_alias"]
         # Two processes on one host: large messages take the same-host path, unless compressed.
         assert o["same_host_path"] == "usable", o["same_host_path"]
-        assert o["algo_small"] == "rhd" and o["algo_large"] == "cma", o
+        assert o["algo_small"] == "rd" and o["algo_large"] == "cma", o
         assert o["algo_large_compressed"] == "ring", o
     # rank 0 started while rank 1 slept 1.5 s: not done yet, and a short wait says so
     assert out[0]["test_early"] is False
