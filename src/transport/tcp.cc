@@ -62,9 +62,23 @@ TcpTransport::TcpTransport(int rank, int size, std::shared_ptr<Store> store, con
 
 TcpTransport::~TcpTransport() = default;
 
+void TcpTransport::watch(int stream, int fd) {
+  // Edge-triggered: the owner tries its I/O until it would block before it sleeps, so no edge is missed.
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
+  ev.data.fd = fd;
+  if (epoll_ctl(epfds_[static_cast<size_t>(stream) % epfds_.size()], EPOLL_CTL_ADD, fd, &ev) != 0)
+    throw CommError("epoll_ctl(channel) failed: " + std::string(std::strerror(errno)));
+}
+
 void TcpTransport::attach(std::vector<int> epoll_fds) {
   std::lock_guard lock(mu_);
   epfds_ = std::move(epoll_fds);
+  // Channels opened before the engine existed (the same-host probe at start-up) join their owner's set too:
+  // otherwise their owner would only notice their data when its sleep times out.
+  for (int p = 0; p < size(); ++p)
+    for (int s = 0; s < streams(); ++s)
+      if (chan(p, s).fd.load() >= 0) watch(s, chan(p, s).fd.load());
   if (!listener_) return;
   for (int ep : epfds_) {
     // Level-triggered: whichever worker wakes first accepts; the others find nothing left.
@@ -86,14 +100,7 @@ void TcpTransport::install(int peer, int stream, net::Fd fd) {
   net::set_nonblocking(fd.get(), true);
   net::set_buffer_sizes(fd.get(), config_.sockbuf);
   Channel& c = chan(peer, stream);
-  if (!epfds_.empty()) {
-    // Edge-triggered: the owner tries its I/O until it would block before it sleeps, so no edge is missed.
-    epoll_event ev{};
-    ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
-    ev.data.fd = fd.get();
-    if (epoll_ctl(epfds_[stream % epfds_.size()], EPOLL_CTL_ADD, fd.get(), &ev) != 0)
-      throw CommError("epoll_ctl(channel) failed: " + std::string(std::strerror(errno)));
-  }
+  if (!epfds_.empty()) watch(stream, fd.get());
   c.fd = fd.get();
   c.owned = std::move(fd);
   SC_LOG(LogLevel::debug, rank(), "") << "connected to rank " << peer << " stream " << stream;

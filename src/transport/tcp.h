@@ -43,6 +43,7 @@ class TcpTransport final : public Transport {
   Channel& chan(int peer, int stream) { return chans_[static_cast<size_t>(peer) * streams() + stream]; }
   const Channel& chan(int peer, int stream) const { return chans_[static_cast<size_t>(peer) * streams() + stream]; }
   void install(int peer, int stream, net::Fd fd);  // mu_ held
+  void watch(int stream, int fd);                   // mu_ held: into the owner's epoll set
   void adopt_pending();                             // mu_ held
   std::string peer_failure(int peer);
   [[noreturn]] void fail_peer(int peer, const std::string& what);
