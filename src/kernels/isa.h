@@ -4,7 +4,9 @@
 // Kernels are templates over a policy; the arithmetic on lanes uses GCC vector extensions (+, <, ?: lane by lane),
 // which also accept plain scalars, so the same expression serves the scalar path. A policy supplies the lane types
 // (I: int32, U: uint32, F: float, D: double; W float lanes, WD double lanes) and the operations GCC's generic
-// vectors lack: horizontal max, narrowing and widening moves, float16 conversions, run-time broadcasts.
+// vectors lack: horizontal max, narrowing and widening moves, float16 conversions, run-time broadcasts, and ordered
+// float comparisons (less), which must be compiled for the target: GCC 12 turns a 512-bit one written in a
+// target-less template into scalar code even once it is inlined into an AVX-512 function.
 //
 // Everything a kernel runs is an always_inline template or one of its policy's functions (compiled for the
 // policy's target), and Entry<Isa>::run is the only function that calls it, compiled with the target and flatten.
@@ -86,6 +88,10 @@ struct Scalar {
   using D = double;
   static constexpr size_t W = 1;
   static I splat(int32_t v) { return v; }
+  template <class V>
+  static bool less(V a, V b) {
+    return a < b;
+  }
   static U load_u16(const void* p) { return load<uint16_t>(p); }
   static void store_u16(void* p, U v) { store(p, static_cast<uint16_t>(v)); }
   static F load_f16(const void* p) { return h2f(load<uint16_t>(p)); }
@@ -131,6 +137,10 @@ struct Avx2 {
   using D = f64x4;
   static constexpr size_t W = 8;
   SMARTCOLL_AVX2 static I splat(int32_t v) { return (I)_mm256_set1_epi32(v); }
+  template <class V>
+  SMARTCOLL_AVX2 static auto less(V a, V b) {
+    return a < b;
+  }
   SMARTCOLL_AVX2 static int32_t hmax(I v) {
     __m128i m = _mm_max_epi32(_mm256_castsi256_si128((__m256i)v), _mm256_extracti128_si256((__m256i)v, 1));
     m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0x4e));
@@ -179,6 +189,10 @@ struct Avx512 {
   using D = f64x8;
   static constexpr size_t W = 16;
   SMARTCOLL_AVX512 static I splat(int32_t v) { return (I)_mm512_set1_epi32(v); }
+  template <class V>
+  SMARTCOLL_AVX512 static auto less(V a, V b) {
+    return a < b;
+  }
   SMARTCOLL_AVX512 static int32_t hmax(I v) { return _mm512_reduce_max_epi32((__m512i)v); }
   SMARTCOLL_AVX512 static I load_u8(const uint8_t* p) {
     return (I)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

@@ -30,7 +30,7 @@ SMARTCOLL_INLINE V nan_or(const V& x, const V& r) {
 //    when x is NaN the result is quiet(x).
 //  * floating min/max: x if x is NaN, else the comparison picks (so a NaN in y propagates: the comparison is false).
 //  * integer sum/prod wrap around: they are done on the unsigned type, where overflow is defined.
-template <ReduceOp Op, class V>
+template <class Isa, ReduceOp Op, class V>
 SMARTCOLL_INLINE V combine(const V& x, const V& y) {
   if constexpr (std::is_integral_v<lane_t<V>>) {
     // C casts: a value conversion for scalars, a reinterpretation for vectors; (U) again after the operation
@@ -43,8 +43,8 @@ SMARTCOLL_INLINE V combine(const V& x, const V& y) {
   } else {
     if constexpr (Op == ReduceOp::sum) return nan_or(x, x + y);
     if constexpr (Op == ReduceOp::prod) return nan_or(x, x * y);
-    if constexpr (Op == ReduceOp::min) return ((x != x) | (x < y)) ? x : y;
-    if constexpr (Op == ReduceOp::max) return ((x != x) | (x > y)) ? x : y;
+    if constexpr (Op == ReduceOp::min) return ((x != x) | Isa::less(x, y)) ? x : y;
+    if constexpr (Op == ReduceOp::max) return ((x != x) | Isa::less(y, x)) ? x : y;
   }
 }
 
@@ -58,7 +58,7 @@ struct Binary {
     const auto* a = static_cast<const typename E::T*>(av);
     const auto* b = static_cast<const typename E::T*>(bv);
     size_t i = 0;
-    for (; i + E::N <= n; i += E::N) E::store(d + i, combine<Op>(E::load(a + i), E::load(b + i)));
+    for (; i + E::N <= n; i += E::N) E::store(d + i, combine<Isa, Op>(E::load(a + i), E::load(b + i)));
     if constexpr (E::N > 1) {
       if (i < n) run<Scalar>(d + i, a + i, b + i, n - i);
     }
