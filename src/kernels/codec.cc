@@ -7,12 +7,8 @@
 //
 // The per-element arithmetic is written once, as templates over a lane type that is either int32_t (the scalar
 // path) or a GCC vector of int32 lanes (the AVX2 and AVX-512 paths), so every path evaluates the same formulas and
-// gives the same bits. The SIMD block loops are written once too, over an `Isa` policy (loads, stores, horizontal
-// max). The build passes no -march flag: each (level, format) entry point is a small function with
-// __attribute__((target(...), flatten)), and everything it runs is either an always_inline template or one of the
-// policy's functions compiled for that level, so no vector crosses a call between code built for different
-// targets (their calling conventions differ; -O0 builds call the policy's functions rather than inline them).
-// The entry points are only entered after simd_active() says the CPU has the level.
+// gives the same bits. The SIMD block loops are written once too, over an ISA policy (isa.h: loads, stores,
+// horizontal max), and entered through Entry<Isa> after simd_active() says the CPU has the level.
 #include "smartcoll/codec.h"
 
 #include <algorithm>
@@ -24,33 +20,18 @@
 #include <string>
 #include <type_traits>
 
+#include "kernels/elems.h"
+#include "kernels/isa.h"
 #include "smartcoll/reduce.h"
 #include "smartcoll/types.h"
-
-#if defined(__x86_64__)
-#define SMARTCOLL_X86 1
-// GCC 12's AVX-512 intrinsics self-initialise an "undefined" operand (__Y = __Y), which the uninitialized-use
-// warnings report wherever they are inlined (GCC PR105593). Silence them for the header's own lines only.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-#else
-#define SMARTCOLL_X86 0
-#endif
-
-#if defined(__GNUC__) && !defined(__clang__)
-// The lane templates below return vectors by value. They are always inlined into kernels compiled for one SIMD
-// level, so the out-of-line calling convention GCC warns about is never used.
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
 
 namespace smartcoll {
 
 static_assert(std::endian::native == std::endian::little, "the wire formats are little-endian; so is this code");
 
 namespace {
+
+using namespace kernels;
 
 constexpr uint32_t kQuietNaN = 0x7fc00000u;
 
@@ -125,17 +106,6 @@ struct BlockLayout {
 // Lane arithmetic. I is int32_t or a GCC vector of int32 lanes, F the matching float type; with a vector type the
 // comparisons and ?: work lane by lane. Every formula here is what all SIMD levels compute.
 
-// Always inlined (at every optimization level), so that each kernel, compiled for one SIMD level or with a constant
-// element format, gets its own specialized copy. Vector arguments go by reference because GCC notes
-// (unsuppressibly) that by-value ones would have a target-dependent calling convention.
-#define SMARTCOLL_INLINE inline __attribute__((always_inline))
-
-// std::bit_cast for lanes: always inlined, where std::bit_cast of a vector would be a call at -O0.
-template <class To, class From>
-SMARTCOLL_INLINE To lanes_as(const From& v) {
-  return __builtin_bit_cast(To, v);
-}
-
 // For constants (folded); kernels broadcast run-time values with Isa::splat.
 template <class I>
 SMARTCOLL_INLINE I splat(int32_t v) {
@@ -161,15 +131,6 @@ SMARTCOLL_INLINE auto to_float(const I& v) {
   }
 }
 
-template <class I>
-struct UnsignedLanes {
-  typedef uint32_t type __attribute__((vector_size(sizeof(I))));
-};
-template <>
-struct UnsignedLanes<int32_t> {
-  using type = uint32_t;
-};
-
 // Magnitude code of |x| (float bits `a`, finite) in a block with shared exponent s, where C = s + 127 - e.bias:
 // x / 2^s has element biased exponent eb = ex - C. Subtracting C from the float's exponent field makes the bits
 // those of x / 2^s with the element's bias; an element subnormal (eb <= 0) instead gets exponent 1, keeping the
@@ -185,7 +146,7 @@ struct UnsignedLanes<int32_t> {
 // element and rounds to 0).
 template <bool kTinyScale, class I>
 SMARTCOLL_INLINE I quantize_magnitude(const I& a, const I& C, const ElemFormat& e) {
-  using U = typename UnsignedLanes<I>::type;
+  using U = kernels::unsigned_t<I>;
   I bits = a, ex;
   if constexpr (kTinyScale) {
     const I normalized = lanes_as<I>(to_float(a)) - (149 << 23);
@@ -400,129 +361,8 @@ const BlockKernels* with_preset(const ElemFormat& e, Fn&& fn) {
   return nullptr;
 }
 
-void store_u16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
-uint16_t load_u16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // SIMD kernels.
-
-// Elements converted by an element-wise kernel (a multiple of its width); the caller converts the rest.
-using ElemEncodeFn = size_t (*)(const float*, size_t, uint8_t*);
-using ElemDecodeFn = size_t (*)(const uint8_t*, size_t, float*);
-struct ElemKernels {
-  ElemEncodeFn encode;
-  ElemDecodeFn decode;
-};
-
-#if SMARTCOLL_X86
-
-#define SMARTCOLL_AVX2 __attribute__((target("avx2,f16c")))
-#define SMARTCOLL_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c")))
-#define SMARTCOLL_AVX2_ENTRY __attribute__((target("avx2,f16c"), flatten))
-#define SMARTCOLL_AVX512_ENTRY __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c"), flatten))
-
-typedef int32_t i32x8 __attribute__((vector_size(32)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef float f32x16 __attribute__((vector_size(64)));
-
-// The Isa policies: W lanes of int32 (I), uint32 (U) and float (F), and the memory operations the kernels need.
-// Narrowing stores keep the low 8 or 16 bits of each lane; narrow_u8 and widen_u8 move W byte lanes to and from
-// W / 8 64-bit words in registers. splat() broadcasts a run-time value (GCC 12 builds a generic vector splat of a
-// run-time value lane by lane, with one masked broadcast per lane).
-struct Avx2 {
-  using I = i32x8;
-  using U = u32x8;
-  using F = f32x8;
-  static constexpr size_t W = 8;
-  SMARTCOLL_AVX2 static I splat(int32_t v) { return (I)_mm256_set1_epi32(v); }
-  SMARTCOLL_AVX2 static I load_bits(const float* p) {
-    return (I)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  }
-  SMARTCOLL_AVX2 static void store(float* p, F v) { _mm256_storeu_ps(p, (__m256)v); }
-  SMARTCOLL_AVX2 static int32_t hmax(I v) {
-    __m128i m = _mm_max_epi32(_mm256_castsi256_si128((__m256i)v), _mm256_extracti128_si256((__m256i)v, 1));
-    m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0x4e));
-    m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0xb1));
-    return _mm_cvtsi128_si32(m);
-  }
-  SMARTCOLL_AVX2 static I load_u8(const uint8_t* p) {
-    return (I)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  }
-  SMARTCOLL_AVX2 static void narrow_u8(I v, uint64_t* bytes) {
-    // Low byte of each lane to the bottom of its 128-bit half, then the two halves' 4 bytes side by side.
-    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,  //
-                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-    const __m256i picked = _mm256_shuffle_epi8((__m256i)v, pick);
-    const __m256i joined = _mm256_permutevar8x32_epi32(picked, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
-    bytes[0] = static_cast<uint64_t>(_mm_cvtsi128_si64(_mm256_castsi256_si128(joined)));
-  }
-  SMARTCOLL_AVX2 static I widen_u8(const uint64_t* bytes) {
-    return (I)_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(bytes[0])));
-  }
-  SMARTCOLL_AVX2 static void store_u8(uint8_t* p, I v) {
-    uint64_t bytes;
-    narrow_u8(v, &bytes);
-    std::memcpy(p, &bytes, 8);
-  }
-  SMARTCOLL_AVX2 static I load_u16(const uint8_t* p) {
-    return (I)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  SMARTCOLL_AVX2 static void store_u16(uint8_t* p, I v) {
-    // Lanes hold 0..0xffff, so the unsigned-saturating pack is a plain narrowing.
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                     _mm_packus_epi32(_mm256_castsi256_si128((__m256i)v), _mm256_extracti128_si256((__m256i)v, 1)));
-  }
-  SMARTCOLL_AVX2 static F load_f16(const uint8_t* p) {
-    return (F)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  SMARTCOLL_AVX2 static void store_f16(uint8_t* p, F v) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
-  }
-};
-
-struct Avx512 {
-  using I = i32x16;
-  using U = u32x16;
-  using F = f32x16;
-  static constexpr size_t W = 16;
-  SMARTCOLL_AVX512 static I splat(int32_t v) { return (I)_mm512_set1_epi32(v); }
-  SMARTCOLL_AVX512 static I load_bits(const float* p) { return (I)_mm512_loadu_si512(p); }
-  SMARTCOLL_AVX512 static void store(float* p, F v) { _mm512_storeu_ps(p, (__m512)v); }
-  SMARTCOLL_AVX512 static int32_t hmax(I v) { return _mm512_reduce_max_epi32((__m512i)v); }
-  SMARTCOLL_AVX512 static I load_u8(const uint8_t* p) {
-    return (I)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  SMARTCOLL_AVX512 static void narrow_u8(I v, uint64_t* bytes) {
-    const __m128i b = _mm512_cvtepi32_epi8((__m512i)v);
-    bytes[0] = static_cast<uint64_t>(_mm_cvtsi128_si64(b));
-    bytes[1] = static_cast<uint64_t>(_mm_extract_epi64(b, 1));
-  }
-  SMARTCOLL_AVX512 static I widen_u8(const uint64_t* bytes) {
-    return (I)_mm512_cvtepu8_epi32(_mm_set_epi64x(static_cast<long long>(bytes[1]), static_cast<long long>(bytes[0])));
-  }
-  SMARTCOLL_AVX512 static void store_u8(uint8_t* p, I v) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8((__m512i)v));
-  }
-  SMARTCOLL_AVX512 static I load_u16(const uint8_t* p) {
-    return (I)_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-  SMARTCOLL_AVX512 static void store_u16(uint8_t* p, I v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16((__m512i)v));
-  }
-  SMARTCOLL_AVX512 static F load_f16(const uint8_t* p) {
-    return (F)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-  SMARTCOLL_AVX512 static void store_f16(uint8_t* p, F v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT));
-  }
-};
 
 // W element codes to W * bits / 8 bytes of the stream and back (whole bytes: W is 8 or 16, bits 4, 6 or 8). The
 // sub-byte codes go through 64-bit words of eight, never through a narrow store followed by a wide load (which
@@ -566,155 +406,77 @@ SMARTCOLL_INLINE typename Isa::I load_codes(const uint8_t* p) {
 template <class Isa, ElemFormat E, bool kTinyScale>
 SMARTCOLL_INLINE void quantize_block(const float* x, size_t block, const typename Isa::I& C, uint8_t* out) {
   for (size_t i = 0; i < block; i += Isa::W) {
-    store_codes<Isa, E.bits>(out + i * E.bits / 8, element_code<kTinyScale>(Isa::load_bits(x + i), C, E));
+    store_codes<Isa, E.bits>(out + i * E.bits / 8, element_code<kTinyScale>(load<typename Isa::I>(x + i), C, E));
   }
 }
 
 // Whole blocks, block a multiple of W: the same steps as encode_block_scalar / decode_block_scalar. kBlock is the
 // block length when it is known at compile time (the presets' 16 and 32: the loops over a block then unroll and
 // every constant stays in a register), 0 to take it from the layout.
-template <class Isa, ElemFormat E, size_t kBlock>
-SMARTCOLL_INLINE void encode_blocks_simd(const BlockLayout& layout, const float* x, size_t nblocks, uint8_t* out) {
-  using I = typename Isa::I;
-  constexpr size_t W = Isa::W;
-  const BlockLayout l = layout;  // a local copy: the byte stores below cannot alias it
-  const size_t block = kBlock != 0 ? kBlock : l.block;
-  const size_t stride = l.full_bytes();
-  for (size_t b = 0; b < nblocks; ++b, x += block, out += stride) {
-    I m = Isa::load_bits(x) & 0x7fffffff;
-    for (size_t i = W; i < block; i += W) m = vmax(m, Isa::load_bits(x + i) & 0x7fffffff);
-    const int32_t amax = Isa::hmax(m);
-    if (amax >= 0x7f800000) {
-      out[0] = static_cast<uint8_t>(l.nan_field);
-      std::memset(out + 1, 0, stride - 1);
-      continue;
-    }
-    const int s = l.scale_for(amax);
-    out[0] = static_cast<uint8_t>(s + l.scale_bias);
-    const int32_t c = s + 127 - E.bias;
-    if (c < 0) {
-      quantize_block<Isa, E, true>(x, block, Isa::splat(c), out + 1);
-    } else {
-      quantize_block<Isa, E, false>(x, block, Isa::splat(c), out + 1);
-    }
-  }
-}
-
-template <class Isa, ElemFormat E, size_t kBlock>
-SMARTCOLL_INLINE void decode_blocks_simd(const BlockLayout& layout, const uint8_t* in, size_t nblocks, float* out) {
-  using F = typename Isa::F;
-  constexpr size_t W = Isa::W;
-  const BlockLayout l = layout;
-  const size_t block = kBlock != 0 ? kBlock : l.block;
-  const size_t stride = l.full_bytes();
-  for (size_t b = 0; b < nblocks; ++b, in += stride, out += block) {
-    if (in[0] >= l.nan_field) {
-      std::fill_n(out, block, std::bit_cast<float>(kQuietNaN));
-      continue;
-    }
-    const F scale = lanes_as<F>(Isa::splat(std::bit_cast<int32_t>(pow2f(in[0] - l.scale_bias))));
-    for (size_t i = 0; i < block; i += W) {
-      Isa::store(out + i, element_value(load_codes<Isa, E.bits>(in + 1 + i * E.bits / 8), scale, E));
+template <ElemFormat E, size_t kBlock>
+struct EncodeBlocks {
+  template <class Isa>
+  SMARTCOLL_INLINE static void run(const BlockLayout& layout, const float* x, size_t nblocks, uint8_t* out) {
+    using I = typename Isa::I;
+    constexpr size_t W = Isa::W;
+    const BlockLayout l = layout;  // a local copy: the byte stores below cannot alias it
+    const size_t block = kBlock != 0 ? kBlock : l.block;
+    const size_t stride = l.full_bytes();
+    for (size_t b = 0; b < nblocks; ++b, x += block, out += stride) {
+      I m = load<I>(x) & 0x7fffffff;
+      for (size_t i = W; i < block; i += W) m = vmax(m, load<I>(x + i) & 0x7fffffff);
+      const int32_t amax = Isa::hmax(m);
+      if (amax >= 0x7f800000) {
+        out[0] = static_cast<uint8_t>(l.nan_field);
+        std::memset(out + 1, 0, stride - 1);
+        continue;
+      }
+      const int s = l.scale_for(amax);
+      out[0] = static_cast<uint8_t>(s + l.scale_bias);
+      const int32_t c = s + 127 - E.bias;
+      if (c < 0) {
+        quantize_block<Isa, E, true>(x, block, Isa::splat(c), out + 1);
+      } else {
+        quantize_block<Isa, E, false>(x, block, Isa::splat(c), out + 1);
+      }
     }
   }
-}
-
-// float32 -> bfloat16 lane by lane, the same rounding as float_to_bf16() (reduce.h): nearest-even on the bits, a
-// NaN keeps its top payload bits and is made quiet.
-template <class Isa>
-SMARTCOLL_INLINE size_t bf16_encode_simd(const float* x, size_t n, uint8_t* out) {
-  using U = typename Isa::U;
-  size_t i = 0;
-  for (; i + Isa::W <= n; i += Isa::W) {
-    const U u = (U)Isa::load_bits(x + i);
-    const U rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const U nan = (u >> 16) | 0x40u;
-    Isa::store_u16(out + 2 * i, (typename Isa::I)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded));
-  }
-  return i;
-}
-
-template <class Isa>
-SMARTCOLL_INLINE size_t bf16_decode_simd(const uint8_t* in, size_t n, float* out) {
-  size_t i = 0;
-  for (; i + Isa::W <= n; i += Isa::W) Isa::store(out + i, lanes_as<typename Isa::F>(Isa::load_u16(in + 2 * i) << 16));
-  return i;
-}
-
-// float16 through F16C, whose rounding float_to_half() (reduce.h) matches bit for bit.
-template <class Isa>
-SMARTCOLL_INLINE size_t fp16_encode_simd(const float* x, size_t n, uint8_t* out) {
-  size_t i = 0;
-  for (; i + Isa::W <= n; i += Isa::W) Isa::store_f16(out + 2 * i, lanes_as<typename Isa::F>(Isa::load_bits(x + i)));
-  return i;
-}
-
-template <class Isa>
-SMARTCOLL_INLINE size_t fp16_decode_simd(const uint8_t* in, size_t n, float* out) {
-  size_t i = 0;
-  for (; i + Isa::W <= n; i += Isa::W) Isa::store(out + i, Isa::load_f16(in + 2 * i));
-  return i;
-}
-
-// Entry points, one per (level, kernel).
-template <ElemFormat E, size_t kBlock>
-SMARTCOLL_AVX2_ENTRY void encode_blocks_avx2(const BlockLayout& l, const float* x, size_t nb, uint8_t* out) {
-  encode_blocks_simd<Avx2, E, kBlock>(l, x, nb, out);
-}
-template <ElemFormat E, size_t kBlock>
-SMARTCOLL_AVX2_ENTRY void decode_blocks_avx2(const BlockLayout& l, const uint8_t* in, size_t nb, float* out) {
-  decode_blocks_simd<Avx2, E, kBlock>(l, in, nb, out);
-}
-template <ElemFormat E, size_t kBlock>
-SMARTCOLL_AVX512_ENTRY void encode_blocks_avx512(const BlockLayout& l, const float* x, size_t nb, uint8_t* out) {
-  encode_blocks_simd<Avx512, E, kBlock>(l, x, nb, out);
-}
-template <ElemFormat E, size_t kBlock>
-SMARTCOLL_AVX512_ENTRY void decode_blocks_avx512(const BlockLayout& l, const uint8_t* in, size_t nb, float* out) {
-  decode_blocks_simd<Avx512, E, kBlock>(l, in, nb, out);
-}
-SMARTCOLL_AVX2_ENTRY size_t bf16_encode_avx2(const float* x, size_t n, uint8_t* o) {
-  return bf16_encode_simd<Avx2>(x, n, o);
-}
-SMARTCOLL_AVX2_ENTRY size_t bf16_decode_avx2(const uint8_t* in, size_t n, float* o) {
-  return bf16_decode_simd<Avx2>(in, n, o);
-}
-SMARTCOLL_AVX2_ENTRY size_t fp16_encode_avx2(const float* x, size_t n, uint8_t* o) {
-  return fp16_encode_simd<Avx2>(x, n, o);
-}
-SMARTCOLL_AVX2_ENTRY size_t fp16_decode_avx2(const uint8_t* in, size_t n, float* o) {
-  return fp16_decode_simd<Avx2>(in, n, o);
-}
-SMARTCOLL_AVX512_ENTRY size_t bf16_encode_avx512(const float* x, size_t n, uint8_t* o) {
-  return bf16_encode_simd<Avx512>(x, n, o);
-}
-SMARTCOLL_AVX512_ENTRY size_t bf16_decode_avx512(const uint8_t* in, size_t n, float* o) {
-  return bf16_decode_simd<Avx512>(in, n, o);
-}
-SMARTCOLL_AVX512_ENTRY size_t fp16_encode_avx512(const float* x, size_t n, uint8_t* o) {
-  return fp16_encode_simd<Avx512>(x, n, o);
-}
-SMARTCOLL_AVX512_ENTRY size_t fp16_decode_avx512(const uint8_t* in, size_t n, float* o) {
-  return fp16_decode_simd<Avx512>(in, n, o);
-}
-
-template <ElemFormat E, size_t kBlock>
-struct Avx2Blocks {
-  static constexpr BlockKernels value{encode_blocks_avx2<E, kBlock>, decode_blocks_avx2<E, kBlock>};
-};
-template <ElemFormat E, size_t kBlock>
-struct Avx512Blocks {
-  static constexpr BlockKernels value{encode_blocks_avx512<E, kBlock>, decode_blocks_avx512<E, kBlock>};
 };
 
-// The level's kernels for element format E and this block length (a multiple of the level's width).
-template <ElemFormat E, template <ElemFormat, size_t> class Kernels>
-const BlockKernels* for_block(size_t block) {
-  if (block == kMxBlockElems) return &Kernels<E, kMxBlockElems>::value;
-  if (block == kBfp16BlockElems) return &Kernels<E, kBfp16BlockElems>::value;
-  return &Kernels<E, 0>::value;
-}
+template <ElemFormat E, size_t kBlock>
+struct DecodeBlocks {
+  template <class Isa>
+  SMARTCOLL_INLINE static void run(const BlockLayout& layout, const uint8_t* in, size_t nblocks, float* out) {
+    using F = typename Isa::F;
+    const BlockLayout l = layout;
+    const size_t block = kBlock != 0 ? kBlock : l.block;
+    const size_t stride = l.full_bytes();
+    for (size_t b = 0; b < nblocks; ++b, in += stride, out += block) {
+      if (in[0] >= l.nan_field) {
+        std::fill_n(out, block, std::bit_cast<float>(kQuietNaN));
+        continue;
+      }
+      const F scale = lanes_as<F>(Isa::splat(std::bit_cast<int32_t>(pow2f(in[0] - l.scale_bias))));
+      for (size_t i = 0; i < block; i += Isa::W) {
+        store(out + i, element_value(load_codes<Isa, E.bits>(in + 1 + i * E.bits / 8), scale, E));
+      }
+    }
+  }
+};
 
+#if SMARTCOLL_X86
+template <class Isa, ElemFormat E, size_t kBlock>
+constexpr BlockKernels kSimdBlocks{
+    Entry<Isa>::template run<EncodeBlocks<E, kBlock>, const BlockLayout&, const float*, size_t, uint8_t*>,
+    Entry<Isa>::template run<DecodeBlocks<E, kBlock>, const BlockLayout&, const uint8_t*, size_t, float*>};
+
+// Isa's kernels for element format E and this block length (a multiple of Isa::W).
+template <class Isa, ElemFormat E>
+const BlockKernels* simd_blocks(size_t block) {
+  if (block == kMxBlockElems) return &kSimdBlocks<Isa, E, kMxBlockElems>;
+  if (block == kBfp16BlockElems) return &kSimdBlocks<Isa, E, kBfp16BlockElems>;
+  return &kSimdBlocks<Isa, E, 0>;
+}
 #endif  // SMARTCOLL_X86
 
 // The kernels for this layout at the active SIMD level. Vectorized: every preset element format (all MX formats
@@ -724,30 +486,13 @@ const BlockKernels& block_kernels(const BlockLayout& l) {
   const SimdLevel level = simd_active();
   const BlockKernels* k = with_preset(l.elem, [&]<ElemFormat E>() -> const BlockKernels* {
 #if SMARTCOLL_X86
-    if (level == SimdLevel::avx512 && l.block % Avx512::W == 0) return for_block<E, Avx512Blocks>(l.block);
-    if (level != SimdLevel::scalar && l.block % Avx2::W == 0) return for_block<E, Avx2Blocks>(l.block);
+    if (level == SimdLevel::avx512 && l.block % Avx512::W == 0) return simd_blocks<Avx512, E>(l.block);
+    if (level != SimdLevel::scalar && l.block % Avx2::W == 0) return simd_blocks<Avx2, E>(l.block);
 #endif
     return &kScalarBlocks<E>;
   });
   (void)level;
   return k != nullptr ? *k : kAnyBlocks;
-}
-
-const ElemKernels* simd_elems(CodecKind kind) {
-#if SMARTCOLL_X86
-  static constexpr ElemKernels kFp16[] = {{fp16_encode_avx2, fp16_decode_avx2},
-                                          {fp16_encode_avx512, fp16_decode_avx512}};
-  static constexpr ElemKernels kBf16[] = {{bf16_encode_avx2, bf16_decode_avx2},
-                                          {bf16_encode_avx512, bf16_decode_avx512}};
-  const SimdLevel level = simd_active();
-  if (level == SimdLevel::scalar) return nullptr;
-  const int i = level == SimdLevel::avx512 ? 1 : 0;
-  if (kind == CodecKind::fp16) return &kFp16[i];
-  if (kind == CodecKind::bf16) return &kBf16[i];
-#else
-  (void)kind;
-#endif
-  return nullptr;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -769,26 +514,17 @@ void decode_blocks(const BlockLayout& l, const uint8_t* in, size_t count, float*
   }
 }
 
+// identity, fp16 and bf16: element by element, at the active SIMD level (elems.h).
 void encode_elems(CodecKind kind, const float* x, size_t count, uint8_t* out) {
-  if (kind == CodecKind::identity) {
-    std::memcpy(out, x, count * sizeof(float));
-    return;
-  }
-  size_t i = 0;
-  if (const ElemKernels* k = simd_elems(kind)) i = k->encode(x, count, out);
-  const bool half = kind == CodecKind::fp16;
-  for (; i < count; ++i) store_u16(out + 2 * i, half ? float_to_half(x[i]) : float_to_bf16(x[i]));
+  if (kind == CodecKind::identity) return static_cast<void>(std::memcpy(out, x, count * sizeof(float)));
+  if (kind == CodecKind::fp16) return run_active<Convert<DataType::f32, DataType::f16>>(out, x, count);
+  run_active<Convert<DataType::f32, DataType::bf16>>(out, x, count);
 }
 
 void decode_elems(CodecKind kind, const uint8_t* in, size_t count, float* out) {
-  if (kind == CodecKind::identity) {
-    std::memcpy(out, in, count * sizeof(float));
-    return;
-  }
-  size_t i = 0;
-  if (const ElemKernels* k = simd_elems(kind)) i = k->decode(in, count, out);
-  const bool half = kind == CodecKind::fp16;
-  for (; i < count; ++i) out[i] = half ? half_to_float(load_u16(in + 2 * i)) : bf16_to_float(load_u16(in + 2 * i));
+  if (kind == CodecKind::identity) return static_cast<void>(std::memcpy(out, in, count * sizeof(float)));
+  if (kind == CodecKind::fp16) return run_active<Convert<DataType::f16, DataType::f32>>(out, in, count);
+  run_active<Convert<DataType::bf16, DataType::f32>>(out, in, count);
 }
 
 struct MxPreset {
