@@ -105,22 +105,42 @@ void Communicator::agree_on_settings() {
   // verdict that every rank reads.
   const std::string mine = Config::must_match(options_);
   const auto limit = std::chrono::milliseconds(static_cast<int64_t>(config_->connect_timeout * 1000));
+  const std::string waiting = "rank " + std::to_string(rank_) + " timed out after " +
+                              std::to_string(config_->connect_timeout) + " s waiting for ";
+  const std::string hint = ": are they running, with the same WORLD_SIZE and MASTER_ADDR? (SMARTCOLL_CONNECT_TIMEOUT)";
   store_->set("settings/" + std::to_string(rank_), mine);
   if (rank_ == 0) {
     std::map<std::string, std::string> groups;
-    for (int p = 0; p < size_; ++p) {
-      std::string theirs = p == 0 ? mine : store_->get("settings/" + std::to_string(p), limit);
-      groups[theirs] += (groups[theirs].empty() ? "" : ",") + std::to_string(p);
+    std::string missing;
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    for (int p = 1; p < size_; ++p) {
+      try {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline -
+                                                                                 std::chrono::steady_clock::now());
+        std::string theirs = store_->get("settings/" + std::to_string(p), std::max(left, std::chrono::milliseconds(1)));
+        groups[theirs] += (groups[theirs].empty() ? "" : ",") + std::to_string(p);
+      } catch (const CommError&) {
+        missing += (missing.empty() ? "" : ",") + std::to_string(p);
+      }
     }
+    groups[mine] = groups[mine].empty() ? "0" : "0," + groups[mine];
     std::string verdict = "ok";
-    if (groups.size() > 1) {
+    if (!missing.empty()) {
+      verdict = waiting + "rank(s) " + missing + " of " + std::to_string(size_) + " to start" + hint;
+    } else if (groups.size() > 1) {
       verdict = "ranks disagree on settings that must match on every rank:";
       for (const auto& [what, ranks] : groups) verdict += " rank(s) " + ranks + " have " + what + ";";
       verdict += " set these SMARTCOLL_* variables (or init() options) alike everywhere";
     }
     store_->set("settings/verdict", verdict);
   }
-  const std::string verdict = store_->get("settings/verdict", limit);
+  std::string verdict;
+  try {
+    // Rank 0 gives its verdict within `limit` of starting; a little more lets it arrive.
+    verdict = store_->get("settings/verdict", limit + std::chrono::seconds(2));
+  } catch (const CommError&) {
+    throw CommError(waiting + "rank 0's start-up check" + hint);
+  }
   if (verdict != "ok") throw CommError(verdict);
 }
 

@@ -54,9 +54,13 @@ std::vector<int> parse_cpus(const std::string& text) {
   while (std::getline(in, item, ',')) {
     char* end = nullptr;
     const long cpu = std::strtol(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || cpu < 0 || cpu >= CPU_SETSIZE)
+    if (item.empty() || *end != '\0' || cpu < 0)
       throw InvalidArgument("option 'engine_cpus' (SMARTCOLL_ENGINE_CPUS) = '" + text +
                             "': expected CPU numbers separated by commas, e.g. 2,3");
+    cpu_set_t allowed;
+    if (cpu >= CPU_SETSIZE || sched_getaffinity(0, sizeof allowed, &allowed) != 0 || !CPU_ISSET(cpu, &allowed))
+      throw InvalidArgument("cannot pin the engine workers to CPU " + std::to_string(cpu) +
+                            " (SMARTCOLL_ENGINE_CPUS): no such CPU or not allowed for this process");
     cpus.push_back(static_cast<int>(cpu));
   }
   return cpus;

@@ -1,0 +1,164 @@
+// The engine: several workers give the same bits as one, several calls in flight, lazy connections.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+#include <latch>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "smartcoll/comm.h"
+
+namespace smartcoll {
+namespace {
+
+Options options(std::map<std::string, std::string> extra) {
+  extra.emplace("timeout", "20");
+  extra.emplace("connect_timeout", "20");
+  return Options::resolve(extra);
+}
+
+void run_ranks(int n, const Options& o, const std::function<void(Communicator&)>& body) {
+  auto store = std::make_shared<MemoryStore>();
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(n);
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        Communicator comm(r, n, store, o);
+        body(comm);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+}
+
+// Pseudo-random floats: sums are inexact, so equal results mean equal order of operations.
+std::vector<float> noise(int rank, size_t count) {
+  std::vector<float> x(count);
+  uint32_t state = 777u + static_cast<uint32_t>(rank) * 1013u;
+  for (auto& v : x) {
+    state = state * 1664525u + 1013904223u;
+    v = static_cast<float>(state >> 8) / 16777216.0f - 0.5f;
+  }
+  return x;
+}
+
+// Every collective's output on every rank, concatenated, for one engine_threads value.
+std::vector<std::vector<float>> run_all(int n, const std::string& threads) {
+  const size_t count = 30011;
+  std::vector<std::vector<float>> out(static_cast<size_t>(n));
+  run_ranks(n, options({{"engine_threads", threads}, {"streams", "4"}, {"segment_size", "4096"}, {"cma", "off"}}),
+            [&](Communicator& comm) {
+              const int r = comm.rank();
+              std::vector<float> x = noise(r, count * static_cast<size_t>(n)), result;
+              for (Algorithm a : {Algorithm::ring, Algorithm::rhd, Algorithm::rd}) {
+                std::vector<float> y(count);
+                comm.allreduce(x.data(), y.data(), count, DataType::f32, ReduceOp::sum, a)->wait();
+                result.insert(result.end(), y.begin(), y.end());
+              }
+              std::vector<float> y(count), all(count * static_cast<size_t>(n)), b(x.begin(), x.begin() + count);
+              comm.allreduce(x.data(), y.data(), count, DataType::f32, ReduceOp::avg, Algorithm::ring,
+                             Codec::parse("bfp16"))->wait();
+              result.insert(result.end(), y.begin(), y.end());
+              comm.reduce_scatter(x.data(), y.data(), count, DataType::f32, ReduceOp::sum)->wait();
+              result.insert(result.end(), y.begin(), y.end());
+              comm.allgather(x.data(), all.data(), count, DataType::f32)->wait();
+              result.insert(result.end(), all.begin(), all.end());
+              for (Algorithm a : {Algorithm::chain, Algorithm::tree}) {
+                std::vector<float> c = b;
+                comm.broadcast(c.data(), count, DataType::f32, n - 1, a)->wait();
+                result.insert(result.end(), c.begin(), c.end());
+                std::vector<float> s(count, 0.0f);
+                comm.reduce(x.data(), s.data(), count, DataType::f32, ReduceOp::sum, 1, a)->wait();
+                if (r == 1) result.insert(result.end(), s.begin(), s.end());
+              }
+              comm.alltoall(x.data(), all.data(), count, DataType::f32)->wait();
+              result.insert(result.end(), all.begin(), all.end());
+              comm.barrier()->wait();
+              out[static_cast<size_t>(r)] = std::move(result);
+            });
+  return out;
+}
+
+TEST(Engine, ResultsAreBitwiseIdenticalWhateverTheNumberOfWorkers) {
+  const int n = 3;
+  const auto one = run_all(n, "1");
+  for (const std::string threads : {"2", "3", "4"}) {
+    const auto many = run_all(n, threads);
+    for (int r = 0; r < n; ++r) {
+      ASSERT_EQ(one[r].size(), many[r].size());
+      ASSERT_EQ(std::memcmp(one[r].data(), many[r].data(), one[r].size() * sizeof(float)), 0)
+          << "engine_threads=" << threads << " rank " << r;
+    }
+  }
+  // And the allreduce parts agree across ranks (the first three results).
+  for (int r = 1; r < n; ++r) ASSERT_EQ(std::memcmp(one[0].data(), one[r].data(), 3 * 30011 * sizeof(float)), 0);
+}
+
+TEST(Engine, SeveralCallsInFlight) {
+  const int n = 4;
+  run_ranks(n, options({{"engine_threads", "2"}, {"streams", "2"}, {"segment_size", "8192"}}), [&](Communicator& c) {
+    std::vector<std::vector<int32_t>> bufs;
+    std::vector<std::shared_ptr<Request>> reqs;
+    for (int k = 0; k < 12; ++k) bufs.emplace_back(static_cast<size_t>(1 + k * 3001), c.rank() + k);
+    for (int k = 0; k < 12; ++k)  // all posted before any is waited on
+      reqs.push_back(k % 3 == 2 ? c.broadcast(bufs[k].data(), bufs[k].size(), DataType::i32, k % n)
+                                : c.allreduce(bufs[k].data(), bufs[k].data(), bufs[k].size(), DataType::i32,
+                                              ReduceOp::sum));
+    for (int k = 11; k >= 0; --k) reqs[k]->wait();  // in reverse: completion does not depend on waiting
+    for (int k = 0; k < 12; ++k) {
+      const int32_t expect = k % 3 == 2 ? k % n + k : n * (n - 1) / 2 + n * k;
+      for (int32_t v : bufs[k]) ASSERT_EQ(v, expect) << "call " << k;
+    }
+  });
+}
+
+TEST(Engine, CallsPostedFromTwoThreadsInAFixedOrder) {
+  run_ranks(3, options({}), [&](Communicator& c) {
+    std::vector<float> a(100000, 1.0f), b(7, 2.0f);
+    std::latch posted(1);
+    std::shared_ptr<Request> first;
+    std::thread other([&] {
+      first = c.allreduce(a.data(), a.data(), a.size(), DataType::f32, ReduceOp::sum);
+      posted.count_down();
+      first->wait();
+    });
+    posted.wait();
+    c.allreduce(b.data(), b.data(), b.size(), DataType::f32, ReduceOp::sum)->wait();
+    other.join();
+    for (float v : a) ASSERT_EQ(v, 3.0f);
+    for (float v : b) ASSERT_EQ(v, 6.0f);
+  });
+}
+
+TEST(Engine, ConnectsOnlyToThePeersItsAlgorithmsUse) {
+  const int n = 16;
+  std::vector<int> after_ring(n), after_barrier(n);
+  // Ranks are threads here: latches, not collectives, hold them together while they count.
+  std::latch ring_done(n), counted(n), barrier_done(n), counted_again(n);
+  run_ranks(n, options({{"cma", "off"}, {"engine_threads", "1"}}), [&](Communicator& c) {
+    std::vector<float> x(1 << 16, 1.0f);
+    c.allreduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum, Algorithm::ring)->wait();
+    ring_done.arrive_and_wait();
+    after_ring[c.rank()] = c.engine_stats().open_channels;
+    counted.arrive_and_wait();
+    c.barrier()->wait();
+    barrier_done.arrive_and_wait();
+    after_barrier[c.rank()] = c.engine_stats().open_channels;
+    counted_again.arrive_and_wait();
+  });
+  for (int r = 0; r < n; ++r) {
+    // The ring talks to rank-1 and rank+1 only.
+    EXPECT_EQ(after_ring[r], 2) << "rank " << r;
+    // The dissemination barrier adds rank +- 2, 4, 8: at most 2 + 6 channels, never all 15 peers.
+    EXPECT_LE(after_barrier[r], 8) << "rank " << r;
+  }
+}
+
+}  // namespace
+}  // namespace smartcoll
