@@ -193,9 +193,13 @@ Algorithm Communicator::choose(Collective coll, size_t count, DataType dt, Algor
 std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, void* out) {
   if (closed_) throw InvalidArgument("the communicator is closed");
   auto req = std::make_shared<Request>();
-  if (size_ == 1) {  // nothing to exchange: the result is the input
+  if (size_ == 1 || (call.count == 0 && call.coll != Collective::barrier)) {
+    // Nothing to exchange: the result is the input. A call of no elements still takes its number, so that the
+    // calls after it keep the same numbers on every rank.
     const size_t bytes = call.count * dtype_size(call.dt);
     if (in && out && in != out && bytes) std::memmove(out, in, bytes);
+    std::lock_guard lock(submit_mu_);
+    ++seq_;
     req->finish("");
     return req;
   }

@@ -112,6 +112,15 @@ bool ready(const Lane& lane, const Op& op) {
   return true;
 }
 
+// The rest of a message after `done` of its bytes: the call's header (hlen bytes at `header`), then the op's.
+int frame(iovec* iov, const Descriptor* header, size_t hlen, const Op& op, size_t done) {
+  int n = 0;
+  if (done < hlen) iov[n++] = {const_cast<char*>(reinterpret_cast<const char*>(header)) + done, hlen - done};
+  const size_t body = done > hlen ? done - hlen : 0;
+  if (op.len > body) iov[n++] = {op.buf + body, op.len - body};
+  return n;
+}
+
 std::string describe_waits(const std::vector<ChannelQueue>& chans, const std::vector<int>& active) {
   std::string s;
   for (int i : active) {
@@ -354,10 +363,7 @@ bool Engine::progress(Worker& w) {
       if (!ready(*ref.lane, op)) break;
       const size_t hlen = op.header ? kHeader : 0;
       iovec iov[2];
-      int n_iov = 0;
-      if (c.received < hlen) iov[n_iov++] = {reinterpret_cast<char*>(&c.header) + c.received, hlen - c.received};
-      const size_t body = c.received > hlen ? c.received - hlen : 0;
-      if (op.len > body) iov[n_iov++] = {op.buf + body, op.len - body};
+      const int n_iov = frame(iov, &c.header, hlen, op, c.received);
       if (n_iov > 0) {
         w.doing = ref.task;
         const size_t n = transport_.recv(c.peer, c.stream, iov, n_iov);
@@ -382,11 +388,7 @@ bool Engine::progress(Worker& w) {
       if (!ready(*ref.lane, op)) break;
       const size_t hlen = op.header ? kHeader : 0;
       iovec iov[2];
-      int n_iov = 0;
-      if (c.sent < hlen)
-        iov[n_iov++] = {reinterpret_cast<char*>(&ref.task->desc) + c.sent, hlen - c.sent};
-      const size_t body = c.sent > hlen ? c.sent - hlen : 0;
-      if (op.len > body) iov[n_iov++] = {op.buf + body, op.len - body};
+      const int n_iov = frame(iov, &ref.task->desc, hlen, op, c.sent);
       if (n_iov > 0) {
         w.doing = ref.task;
         const size_t n = transport_.send(c.peer, c.stream, iov, n_iov);

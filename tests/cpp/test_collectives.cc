@@ -9,34 +9,14 @@
 #include <thread>
 #include <vector>
 
+#include "ranks.h"
 #include "smartcoll/comm.h"
 
 namespace smartcoll {
 namespace {
 
-Options test_options(std::map<std::string, std::string> extra = {}) {
-  extra.emplace("timeout", "20");
-  extra.emplace("connect_timeout", "20");
-  return Options::resolve(extra);
-}
-
-// Runs body(comm) on `n` threads, one communicator each; rethrows the first failure.
-void run_ranks(int n, const std::function<void(Communicator&)>& body, const Options& options = test_options()) {
-  auto store = std::make_shared<MemoryStore>();
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(n);
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        Communicator comm(r, n, store, options);
-        body(comm);
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < n; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
-}
+using harness::run_ranks;
+using harness::test_options;
 
 // Small integers so float sums are exact and the expected value is known.
 float value(int rank, size_t i) { return static_cast<float>((rank * 7 + static_cast<int>(i % 13)) % 17 - 8); }

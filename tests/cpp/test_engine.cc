@@ -9,32 +9,16 @@
 #include <thread>
 #include <vector>
 
+#include "ranks.h"
 #include "smartcoll/comm.h"
 
 namespace smartcoll {
 namespace {
 
-Options options(std::map<std::string, std::string> extra) {
-  extra.emplace("timeout", "20");
-  extra.emplace("connect_timeout", "20");
-  return Options::resolve(extra);
-}
+Options options(std::map<std::string, std::string> extra) { return harness::test_options(std::move(extra)); }
 
 void run_ranks(int n, const Options& o, const std::function<void(Communicator&)>& body) {
-  auto store = std::make_shared<MemoryStore>();
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(n);
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        Communicator comm(r, n, store, o);
-        body(comm);
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < n; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  harness::run_ranks(n, body, o);
 }
 
 // Pseudo-random floats: sums are inexact, so equal results mean equal order of operations.

@@ -1,0 +1,42 @@
+// Ranks as threads sharing an in-memory store, over real loopback TCP: the harness of the engine-level tests.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "smartcoll/comm.h"
+
+namespace smartcoll::harness {
+
+inline Options test_options(std::map<std::string, std::string> extra = {}) {
+  extra.emplace("timeout", "20");
+  extra.emplace("connect_timeout", "20");
+  return Options::resolve(extra);
+}
+
+// Runs body(comm) on `n` threads, one communicator each; fails the test naming every rank that threw.
+inline void run_ranks(int n, const std::function<void(Communicator&)>& body,
+                      const Options& options = test_options()) {
+  auto store = std::make_shared<MemoryStore>();
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(n);
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        Communicator comm(r, n, store, options);
+        body(comm);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+}
+
+}  // namespace smartcoll::harness
