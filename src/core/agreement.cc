@@ -79,10 +79,17 @@ std::string describe(const Descriptor& d) {
   return s + ")";
 }
 
-std::string agreement_error(const Task& task, int peer, const Descriptor& theirs) {
-  return std::string(kMarker) + std::to_string(task.seq) + ": rank(s) " + std::to_string(task.rank) + " called " +
-         describe(task.desc) + "; rank(s) " + std::to_string(peer) + " called " + describe(theirs) + ";" +
-         std::string(kHow);
+Disagreement::Disagreement(const Task& task, int from, const Descriptor& got)
+    : CommError(std::string(kMarker) + std::to_string(task.seq) + ": rank(s) " + std::to_string(task.rank) +
+                " called " + describe(task.desc) + "; rank(s) " + std::to_string(from) + " called " + describe(got) +
+                ";" + std::string(kHow)),
+      seq(task.seq), peer(from), theirs(got) {}
+
+void publish_call(Store& store, uint64_t seq, int rank, const Descriptor* d) {
+  try {
+    store.set("call/" + std::to_string(seq) + "/" + std::to_string(rank), d ? hex(*d) : "unknown");
+  } catch (const std::exception&) {  // the store is gone: each rank reports what it knows
+  }
 }
 
 bool disagreement_call(const std::string& error, uint64_t& seq) {
@@ -92,13 +99,8 @@ bool disagreement_call(const std::string& error, uint64_t& seq) {
   return true;
 }
 
-std::string disagreement_report(Store& store, int rank, int size, uint64_t seq, const Descriptor* mine,
-                                std::chrono::milliseconds wait) {
+std::string disagreement_report(Store& store, int size, uint64_t seq, std::chrono::milliseconds wait) {
   const std::string prefix = "call/" + std::to_string(seq) + "/";
-  try {
-    store.set(prefix + std::to_string(rank), mine ? hex(*mine) : "unknown");
-  } catch (const std::exception&) {  // the store is gone: report what this rank knows
-  }
   const auto deadline = std::chrono::steady_clock::now() + wait;
   std::map<std::string, std::string> groups;  // call -> ranks that made it
   for (int p = 0; p < size; ++p) {

@@ -21,8 +21,16 @@ Descriptor make_descriptor(Collective coll, DataType dt, ReduceOp op, Algorithm 
                            const Codec& codec, bool codec_owner);
 // "allreduce(count=10, float32, op=sum, algo=ring)"; a descriptor with a bad magic or codes is named as such.
 std::string describe(const Descriptor& d);
-// The error of the rank that received `theirs` from `peer` in `task`.
-std::string agreement_error(const Task& task, int peer, const Descriptor& theirs);
+// What the rank that received `theirs` from `peer` in call `seq` throws. Its handler publishes both descriptors
+// (publish_call) before the communicator fails, so every rank's report names at least the two calls that differ.
+struct Disagreement : CommError {
+  Disagreement(const Task& task, int peer, const Descriptor& theirs);
+  uint64_t seq;
+  int peer;
+  Descriptor theirs;
+};
+// Publishes rank `rank`'s descriptor of call `seq` (null: unknown) under "call/<seq>/<rank>".
+void publish_call(Store& store, uint64_t seq, int rank, const Descriptor* d);
 // If `error` carries the marker of a disagreement on call N: publishes `mine(N)` (this rank's descriptor of
 // that call, when it still knows it) under "call/N/<rank>", reads every rank's for up to `wait`, and returns
 // the report naming which ranks called what. Otherwise returns `error` unchanged.
@@ -31,8 +39,7 @@ std::string explain_disagreement(const std::string& error, Store& store, int ran
                                  std::chrono::milliseconds wait);
 
 // Implementation detail of explain_disagreement.
-std::string disagreement_report(Store& store, int rank, int size, uint64_t seq, const Descriptor* mine,
-                                 std::chrono::milliseconds wait);
+std::string disagreement_report(Store& store, int size, uint64_t seq, std::chrono::milliseconds wait);
 bool disagreement_call(const std::string& error, uint64_t& seq);
 
 template <class Mine>
@@ -41,8 +48,8 @@ std::string explain_disagreement(const std::string& error, Store& store, int ran
   uint64_t seq = 0;
   if (!disagreement_call(error, seq)) return error;
   Descriptor d{};
-  const bool known = mine(seq, d);
-  return disagreement_report(store, rank, size, seq, known ? &d : nullptr, wait);
+  publish_call(store, seq, rank, mine(seq, d) ? &d : nullptr);
+  return disagreement_report(store, size, seq, wait);
 }
 
 }  // namespace smartcoll

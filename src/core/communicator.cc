@@ -91,6 +91,11 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
                                 [&](uint64_t seq, Descriptor& d) { return history_->find(seq, d); },
                                 std::chrono::milliseconds(2000));
   };
+  engine_->on_disagreement = [this](const Disagreement& d) {
+    Descriptor mine{};
+    if (history_->find(d.seq, mine)) publish_call(*store_, d.seq, rank_, &mine);
+    publish_call(*store_, d.seq, d.peer, &d.theirs);
+  };
   engine_->start();
   SC_LOG(LogLevel::info, rank_, "") << "up: " << size_ << " ranks, " << engine_->workers() << " engine workers, "
                                     << config_->streams << " streams, cma " << (cma_usable_ ? "usable" : cma_reason_);

@@ -372,7 +372,7 @@ bool Engine::progress(Worker& w) {
         c.received += n;
         moved = true;
         if (header_now && !(c.header == ref.task->desc))
-          throw CommError(agreement_error(*ref.task, c.peer, c.header));
+          throw Disagreement(*ref.task, c.peer, c.header);
         if (c.received < hlen + op.len) continue;
       }
       w.doing = ref.task;
@@ -455,6 +455,10 @@ void Engine::drive(Worker& w, const std::function<bool()>& enough, std::optional
     bool moved = false;
     try {
       moved = progress(w);
+    } catch (const Disagreement& d) {
+      if (on_disagreement) on_disagreement(d);
+      fail((w.doing ? w.doing->name + ": " : std::string()) + d.what());
+      continue;
     } catch (const std::exception& e) {
       fail((w.doing ? w.doing->name + ": " : std::string()) + e.what());
       continue;  // the next pass drops and fails this worker's tasks

@@ -63,6 +63,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Turns the first error into the one every call reports (the communicator completes a disagreement report
   // from the other ranks' descriptors); runs after the peers have been told.
   std::function<std::string(const std::string&)> explain_failure;
+  // Called with the disagreement this rank found, before the communicator fails (to publish both calls).
+  std::function<void(const struct Disagreement&)> on_disagreement;
 
  private:
   struct Worker;
