@@ -115,6 +115,9 @@ std::string disagreement_report(Store& store, int size, uint64_t seq, std::chron
     }
     groups[what] += (groups[what].empty() ? "" : ",") + std::to_string(p);
   }
+  size_t known = groups.size();
+  for (const auto& [what, ranks] : groups) known -= what.starts_with("no report");
+  if (known < 2) return "";  // the store is gone or too slow: the pairwise report is all there is
   std::string msg = "ranks disagree on the collective call (#" + std::to_string(seq) + "):";
   for (const auto& [what, ranks] : groups) msg += " rank(s) " + ranks + " called " + what + ";";
   return msg + std::string(kHow);

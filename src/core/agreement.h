@@ -38,7 +38,7 @@ template <class Mine>
 std::string explain_disagreement(const std::string& error, Store& store, int rank, int size, Mine&& mine,
                                  std::chrono::milliseconds wait);
 
-// Implementation detail of explain_disagreement.
+// Implementation detail of explain_disagreement ("" when fewer than two different calls could be read).
 std::string disagreement_report(Store& store, int size, uint64_t seq, std::chrono::milliseconds wait);
 bool disagreement_call(const std::string& error, uint64_t& seq);
 
@@ -49,7 +49,8 @@ std::string explain_disagreement(const std::string& error, Store& store, int ran
   if (!disagreement_call(error, seq)) return error;
   Descriptor d{};
   publish_call(store, seq, rank, mine(seq, d) ? &d : nullptr);
-  return disagreement_report(store, size, seq, wait);
+  std::string report = disagreement_report(store, size, seq, wait);
+  return report.empty() ? error : report;
 }
 
 }  // namespace smartcoll

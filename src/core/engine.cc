@@ -105,6 +105,8 @@ struct ChannelQueue {
 };
 
 constexpr size_t kHeader = sizeof(Descriptor);
+// How long after a caller last drove its own call the worker still expects callers to drive the next ones.
+constexpr int64_t kCallerModeNs = 20'000'000;
 
 bool ready(const Lane& lane, const Op& op) {
   for (int32_t d : op.deps)
@@ -142,6 +144,8 @@ struct Engine::Worker {
   std::vector<std::pair<Task*, Lane*>> inbox;
   std::vector<std::pair<Clock::time_point, std::function<void()>>> new_timers;
   std::atomic<int> pending{0};  // lanes queued or running here; read without the drive lock
+  std::atomic<bool> callers_drive{false};  // the last call was driven by its waiting caller
+  std::atomic<int64_t> caller_done_at{0};   // when (Clock ticks)
   net::Fd epfd, wakefd;
   bool stop = false;  // under inbox_mu
   // Driver-only state.
@@ -255,7 +259,9 @@ void Engine::dispatch(Task* t) {
       w.inbox.emplace_back(t, &lane);
     }
     ++w.pending;
-    wake(w);
+    // While callers drive their own calls, a wake-up would only find the drive lock taken: the worker's thread
+    // looks on its own within a millisecond instead (worker_main), in case this call's caller does not wait.
+    if (t->req->driver_ < 0 || !w.callers_drive.load(std::memory_order_relaxed)) wake(w);
   }
 }
 
@@ -516,13 +522,20 @@ void Engine::worker_main(Worker& w) {
       if (w.stop && w.pending.load() == 0) return;
     }
     if (w.pending.load() == 0 || !w.drive_mu.try_lock()) {
-      // Idle, or a waiting caller drives: sleep until a submission (or that caller, leaving work behind) wakes us.
+      // Idle, or a waiting caller drives: sleep until a submission (or that caller, leaving work behind) wakes
+      // us; with work queued, look again soon (a call posted while callers drive does not wake us).
+      const bool callers = w.callers_drive.load();
       pollfd p{w.wakefd.get(), POLLIN, 0};
-      ::poll(&p, 1, 1000);
+      ::poll(&p, 1, w.pending.load() > 0 || callers ? 1 : 1000);
+      // Callers that stopped calling for a while: wake-ups go back to waking this thread.
+      if (callers && w.pending.load() == 0 &&
+          Clock::now().time_since_epoch().count() - w.caller_done_at.load() > kCallerModeNs)
+        w.callers_drive = false;
       uint64_t count;
       [[maybe_unused]] ssize_t r = ::read(w.wakefd.get(), &count, sizeof count);
       continue;
     }
+    w.callers_drive = false;
     drive(w, [] { return false; }, std::nullopt);
     w.drive_mu.unlock();
   }
@@ -533,6 +546,10 @@ bool Engine::wait(Request& req, std::optional<Clock::time_point> deadline) {
   Worker& w = *workers_[static_cast<size_t>(req.driver_)];
   if (!w.drive_mu.try_lock()) return req.test();  // its thread (or another caller) is driving
   drive(w, [&] { return req.test(); }, deadline);
+  if (req.test()) {
+    w.caller_done_at = Clock::now().time_since_epoch().count();
+    w.callers_drive = true;
+  }
   w.drive_mu.unlock();
   if (w.pending.load() > 0) wake(w);  // work of other calls is left: hand it to the worker's thread
   return req.test();

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <vector>
 
@@ -83,6 +84,8 @@ class TcpStore::Server {
     if (::pipe2(wake_, O_CLOEXEC) != 0) throw CommError("pipe failed");
     thread_ = std::thread([this] { run(); });
   }
+  // Serves on for up to kLinger while other ranks are still connected: a rank that fails reads the others'
+  // reports from the store after rank 0 may already be closing.
   ~Server() {
     stop_ = true;
     char c = 0;
@@ -102,10 +105,19 @@ class TcpStore::Server {
     std::vector<Client> clients;
     std::map<std::string, std::string> values;
     std::multimap<std::string, int> waiting;  // key -> client fd waiting for it
-    while (!stop_) {
+    std::optional<net::Clock::time_point> closing;
+    for (;;) {
+      if (stop_) {
+        if (!closing) closing = net::Clock::now() + kLinger;
+        if (clients.empty() || net::Clock::now() > *closing) break;
+      }
       std::vector<pollfd> fds{{listener_.get(), POLLIN, 0}, {wake_[0], POLLIN, 0}};
       for (auto& c : clients) fds.push_back({c.fd.get(), POLLIN, 0});
-      if (::poll(fds.data(), fds.size(), 1000) <= 0) continue;
+      if (::poll(fds.data(), fds.size(), stop_ ? 50 : 1000) <= 0) continue;
+      if (fds[1].revents & POLLIN) {
+        char drain[16];
+        [[maybe_unused]] auto n = ::read(wake_[0], drain, sizeof drain);
+      }
       if (fds[0].revents & POLLIN) {
         int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
         if (fd >= 0) clients.push_back({net::Fd(fd), {}});
@@ -175,6 +187,7 @@ class TcpStore::Server {
     }
   }
 
+  static constexpr auto kLinger = std::chrono::seconds(3);
   net::Fd listener_;
   int wake_[2] = {-1, -1};
   std::atomic<bool> stop_{false};
