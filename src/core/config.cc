@@ -102,13 +102,20 @@ int64_t Options::integer(std::string_view name) const { return std::strtoll(str(
 
 double Options::real(std::string_view name) const { return std::strtod(str(name).c_str(), nullptr); }
 
-int default_engine_threads() {
+namespace {
+
+// CPUs this process may use per rank on this host (LOCAL_WORLD_SIZE, as torchrun and smartcoll run set it).
+double cpus_per_local_rank() {
   cpu_set_t set;
-  int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+  const int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
   int local = 1;
   if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local = std::max(1, std::atoi(l));
-  return std::clamp(cpus / local / 2, 1, 4);
+  return static_cast<double>(cpus) / local;
 }
+
+}  // namespace
+
+int default_engine_threads() { return std::clamp(static_cast<int>(cpus_per_local_rank() / 2), 1, 4); }
 
 Config Config::from(const Options& o) {
   Config c;
@@ -121,6 +128,7 @@ Config Config::from(const Options& o) {
   if (c.engine_threads == 0) c.engine_threads = default_engine_threads();
   c.engine_cpus = parse_cpus(o.str("engine_cpus"));
   c.spin_us = static_cast<double>(o.integer("spin_us"));
+  if (c.spin_us < 0) c.spin_us = cpus_per_local_rank() >= 1 ? 50 : 0;
   c.timeout = o.real("timeout");
   c.connect_timeout = o.real("connect_timeout");
   c.ifname = o.str("ifname");

@@ -523,10 +523,11 @@ void Engine::worker_main(Worker& w) {
     }
     if (w.pending.load() == 0 || !w.drive_mu.try_lock()) {
       // Idle, or a waiting caller drives: sleep until a submission (or that caller, leaving work behind) wakes
-      // us; with work queued, look again soon (a call posted while callers drive does not wake us).
+      // us; with work queued, look again soon, and while callers drive, now and then (a call posted then does
+      // not wake us: it waits at most 10 ms if its caller does not wait on it).
       const bool callers = w.callers_drive.load();
       pollfd p{w.wakefd.get(), POLLIN, 0};
-      ::poll(&p, 1, w.pending.load() > 0 || callers ? 1 : 1000);
+      ::poll(&p, 1, w.pending.load() > 0 ? 1 : callers ? 10 : 1000);
       // Callers that stopped calling for a while: wake-ups go back to waking this thread.
       if (callers && w.pending.load() == 0 &&
           Clock::now().time_since_epoch().count() - w.caller_done_at.load() > kCallerModeNs)
