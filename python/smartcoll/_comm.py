@@ -49,7 +49,11 @@ def _dtype(x: Any) -> str:
 
 def _check_pair(x: Any, out: Any, ratio_out: float, collective: str) -> None:
     _check_array(out, "out", writable=True)
-    if _dtype(x) != _dtype(out):
+    if out is x and ratio_out == 1:
+        return  # in place
+    # Comparing dtype objects is cheap; their names (str) only when they differ, for the message and for a NumPy
+    # array next to a torch tensor.
+    if x.dtype != out.dtype and _dtype(x) != _dtype(out):
         raise TypeError(f"{collective}: out has dtype {_dtype(out)} but the input has {_dtype(x)}; they must match")
     if _numel(out) != _numel(x) * ratio_out:
         raise ValueError(
