@@ -42,10 +42,10 @@ inline constexpr Knob kKnobs[] = {
      "identical whatever the number"},
     {"engine_cpus", "", "str", 0, 0, false,
      "comma-separated CPUs to pin the engine workers to, worker i on the i-th (cycled); empty: not pinned"},
-    {"spin_us", "-1", "int", -1, 1000000, false,
-     "microseconds an engine that ran out of work keeps polling its sockets before it sleeps (a caller waiting on "
-     "a request drives the engine itself when it is idle). -1: 50 when this process has at least one CPU per rank of "
-     "LOCAL_WORLD_SIZE, else 0 (spinning ranks that share cores delay each other)"},
+    {"spin_us", "200", "int", 0, 1000000, false,
+     "microseconds an engine that ran out of work keeps polling its sockets (yielding the core between polls, so "
+     "ranks that share cores still run) before it sleeps; a caller waiting on a request drives the engine itself "
+     "when it is idle"},
     {"timeout", "60", "float", 0.001, 1e6, false,
      "seconds a collective may make no progress before it fails naming the peer it waits for"},
     {"connect_timeout", "120", "float", 0.001, 1e6, false,

@@ -102,20 +102,13 @@ int64_t Options::integer(std::string_view name) const { return std::strtoll(str(
 
 double Options::real(std::string_view name) const { return std::strtod(str(name).c_str(), nullptr); }
 
-namespace {
-
-// CPUs this process may use per rank on this host (LOCAL_WORLD_SIZE, as torchrun and smartcoll run set it).
-double cpus_per_local_rank() {
+int default_engine_threads() {
   cpu_set_t set;
   const int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
-  int local = 1;
+  int local = 1;  // ranks on this host, as torchrun and smartcoll run say
   if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local = std::max(1, std::atoi(l));
-  return static_cast<double>(cpus) / local;
+  return std::clamp(cpus / local / 2, 1, 4);
 }
-
-}  // namespace
-
-int default_engine_threads() { return std::clamp(static_cast<int>(cpus_per_local_rank() / 2), 1, 4); }
 
 Config Config::from(const Options& o) {
   Config c;
@@ -128,7 +121,6 @@ Config Config::from(const Options& o) {
   if (c.engine_threads == 0) c.engine_threads = default_engine_threads();
   c.engine_cpus = parse_cpus(o.str("engine_cpus"));
   c.spin_us = static_cast<double>(o.integer("spin_us"));
-  if (c.spin_us < 0) c.spin_us = cpus_per_local_rank() >= 1 ? 50 : 0;
   c.timeout = o.real("timeout");
   c.connect_timeout = o.real("connect_timeout");
   c.ifname = o.str("ifname");

@@ -20,7 +20,7 @@ struct Config {
   int streams = 1;
   int engine_threads = 1;  // resolved: never 0
   std::vector<int> engine_cpus;
-  double spin_us = 0;  // resolved: never -1
+  double spin_us = 0;
   double timeout = 0, connect_timeout = 0;
   std::string ifname, addr;
   int sockbuf = 0;

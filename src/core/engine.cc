@@ -488,7 +488,10 @@ void Engine::drive(Worker& w, const std::function<bool()>& enough, std::optional
            "; is that rank alive and calling the same collective? (SMARTCOLL_TIMEOUT raises the limit)");
       continue;
     }
-    if (now - spin_since < spin) continue;
+    if (now - spin_since < spin) {
+      std::this_thread::yield();  // ranks that share cores: let the peer this rank waits for run
+      continue;
+    }
     // Sleep until a channel, the accepting socket or a submission wakes us, or the next deadline.
     auto until = now + std::chrono::seconds(1);
     if (!w.lanes.empty()) until = std::min(until, w.last_progress + std::chrono::duration_cast<Clock::duration>(
