@@ -20,23 +20,30 @@ inline Options test_options(std::map<std::string, std::string> extra = {}) {
   return Options::resolve(extra);
 }
 
-// Runs body(comm) on `n` threads, one communicator each; fails the test naming every rank that threw.
-inline void run_ranks(int n, const std::function<void(Communicator&)>& body,
-                      const Options& options = test_options()) {
+// Runs body(rank, store) on `n` threads sharing one in-memory store; fails the test naming every rank that threw.
+inline void run_threads(int n, const std::function<void(int, std::shared_ptr<Store>)>& body) {
   auto store = std::make_shared<MemoryStore>();
   std::vector<std::thread> threads;
   std::vector<std::string> errors(n);
   for (int r = 0; r < n; ++r)
     threads.emplace_back([&, r] {
       try {
-        Communicator comm(r, n, store, options);
-        body(comm);
+        body(r, store);
       } catch (const std::exception& e) {
         errors[r] = e.what();
       }
     });
   for (auto& t : threads) t.join();
   for (int r = 0; r < n; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+}
+
+// Runs body(comm) on `n` threads, one communicator each.
+inline void run_ranks(int n, const std::function<void(Communicator&)>& body,
+                      const Options& options = test_options()) {
+  run_threads(n, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, n, std::move(store), options);
+    body(comm);
+  });
 }
 
 }  // namespace smartcoll::harness

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "ranks.h"
 #include "transport/cma.h"
 #include "smartcoll/knobs.h"
 #include "smartcoll/reduce.h"
@@ -160,22 +161,12 @@ std::string first_difference(int n, size_t count, const std::vector<char>& got, 
 
 void run_threads(int n, const std::function<void(Transport&, cma::Local&)>& body,
                  const Options& options = cma_options()) {
-  auto store = std::make_shared<MemoryStore>();
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(n);
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        TcpTransport t(r, n, store, Config::from(options), "");
-        cma::Local local(t);
-        if (!local.usable()) throw std::runtime_error("not usable: " + local.why_not());
-        body(t, local);
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  for (auto& th : threads) th.join();
-  for (int r = 0; r < n; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  harness::run_threads(n, [&](int r, std::shared_ptr<Store> store) {
+    TcpTransport t(r, n, std::move(store), Config::from(options), "");
+    cma::Local local(t);
+    if (!local.usable()) throw std::runtime_error("not usable: " + local.why_not());
+    body(t, local);
+  });
 }
 
 struct Shape {
