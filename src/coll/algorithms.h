@@ -27,6 +27,7 @@ void allreduce_rd(Builder& b, const Args& a);
 void allreduce_cma(Builder& b, const Args& a);
 void reduce_scatter_ring(Builder& b, const Args& a);
 void allgather_ring(Builder& b, const Args& a);
+void allgather_bruck(Builder& b, const Args& a);
 void broadcast_chain(Builder& b, const Args& a);
 void broadcast_tree(Builder& b, const Args& a);
 void reduce_chain(Builder& b, const Args& a);

@@ -31,6 +31,8 @@ constexpr AlgorithmInfo kReduceScatterAlgos[] = {
 constexpr AlgorithmInfo kAllgatherAlgos[] = {
     {Algorithm::ring, "pipelined ring, any codec", allgather_ring, any, [](int n) { return n - 1.0; },
      [](int n) { return n - 1.0; }},
+    {Algorithm::bruck, "Bruck: ceil(log2 n) steps, blocks rotated into place at the end", allgather_bruck, raw_only,
+     [](int n) { return log2n(n); }, [](int n) { return n - 1.0; }},
 };
 constexpr AlgorithmInfo kBroadcastAlgos[] = {
     {Algorithm::tree, "binomial tree: log2(n) steps", broadcast_tree, raw_only, [](int n) { return log2n(n); },
@@ -93,6 +95,9 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
       // Recursive doubling sends the whole vector log2(n) times: only while the latency dominates.
       if (small) return q.bytes <= 8192 ? Algorithm::rd : Algorithm::rhd;
       return q.cma_usable ? Algorithm::cma : Algorithm::ring;
+    case Collective::allgather:
+      // q.bytes is one rank's block; what the call moves is n of them.
+      return !q.compressed && q.bytes * static_cast<size_t>(q.n) <= small_bytes ? Algorithm::bruck : Algorithm::ring;
     case Collective::broadcast:
     case Collective::reduce: return small ? Algorithm::tree : Algorithm::chain;
     default: return algorithms(c).front().algo;

@@ -51,8 +51,10 @@ std::vector<std::vector<float>> run_all(int n, const std::string& threads) {
               result.insert(result.end(), y.begin(), y.end());
               comm.reduce_scatter(x.data(), y.data(), count, DataType::f32, ReduceOp::sum)->wait();
               result.insert(result.end(), y.begin(), y.end());
-              comm.allgather(x.data(), all.data(), count, DataType::f32)->wait();
-              result.insert(result.end(), all.begin(), all.end());
+              for (Algorithm a : {Algorithm::ring, Algorithm::bruck}) {
+                comm.allgather(x.data(), all.data(), count, DataType::f32, std::nullopt, a)->wait();
+                result.insert(result.end(), all.begin(), all.end());
+              }
               for (Algorithm a : {Algorithm::chain, Algorithm::tree}) {
                 std::vector<float> c = b;
                 comm.broadcast(c.data(), count, DataType::f32, n - 1, a)->wait();
