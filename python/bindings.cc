@@ -149,7 +149,8 @@ NB_MODULE(_core, m) {
         nb::gil_scoped_release release;
         new (self) TcpStore(host, static_cast<uint16_t>(port), serve,
                             std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)));
-      }, "host"_a, "port"_a, "serve"_a, "timeout"_a);
+      }, "host"_a, "port"_a, "serve"_a, "timeout"_a)
+      .def_prop_ro("port", &TcpStore::port);
   nb::class_<FileStore, Store>(m, "FileStore").def(nb::init<std::string>(), "path"_a);
 
   nb::class_<Request>(m, "Request")

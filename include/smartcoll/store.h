@@ -51,9 +51,12 @@ class TcpStore : public Store {
   ~TcpStore() override;
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key, std::chrono::milliseconds timeout) override;
+  // The port served (when serving with port 0, the one the kernel chose) or connected to.
+  uint16_t port() const { return port_; }
 
  private:
   class Server;
+  uint16_t port_ = 0;
   std::unique_ptr<Server> server_;
   int fd_ = -1;
   std::mutex mu_;

@@ -198,8 +198,11 @@ TcpStore::TcpStore(const std::string& host, uint16_t port, bool serve, std::chro
   std::string ip = net::resolve_ipv4(host);
   if (serve) {
     // Listen on all addresses: MASTER_ADDR may name this host by an address other ranks reach it through.
-    server_ = std::make_unique<Server>(net::listen_on("0.0.0.0", port, 1024));
+    net::Fd listener = net::listen_on("0.0.0.0", port, 1024);
+    port = net::bound_port(listener.get());
+    server_ = std::make_unique<Server>(std::move(listener));
   }
+  port_ = port;
   fd_ = net::connect_to({ip, port}, net::Clock::now() + connect_timeout).release();
 }
 
