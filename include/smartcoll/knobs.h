@@ -64,6 +64,10 @@ inline constexpr Knob kKnobs[] = {
     {"check", "1", "int", 0, 1, true,
      "1: the first message of each call between two ranks carries the call's collective, count, dtype, op and "
      "root, and a mismatch fails the call naming who called what; 0: skip (32 bytes less per message)"},
+    {"job_id", "", "str", 0, 0, false,
+     "identifies the job: rendezvous keys and the peers' hello carry it, so ranks of another job that reach the "
+     "same store or ports are refused, never joined. smartcoll run sets it; empty: TORCHELASTIC_RUN_ID, else "
+     "SLURM_JOB_ID.SLURM_STEP_ID, else one drawn by rank 0 and shared through the store"},
     {"log", "warn", "choice:error|warn|info|debug", 0, 0, false,
      "log level of messages on stderr (each line names the rank and the collective)"},
 };

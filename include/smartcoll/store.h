@@ -19,6 +19,21 @@ class Store {
   virtual std::string get(const std::string& key, std::chrono::milliseconds timeout) = 0;
 };
 
+// Puts every key under `prefix`: jobs, and communicators of one job, that share a store never see each other's
+// keys.
+class PrefixStore : public Store {
+ public:
+  PrefixStore(std::shared_ptr<Store> inner, std::string prefix) : inner_(std::move(inner)), prefix_(std::move(prefix)) {}
+  void set(const std::string& key, const std::string& value) override { inner_->set(prefix_ + key, value); }
+  std::string get(const std::string& key, std::chrono::milliseconds timeout) override {
+    return inner_->get(prefix_ + key, timeout);
+  }
+
+ private:
+  std::shared_ptr<Store> inner_;
+  std::string prefix_;
+};
+
 // In-process store, for ranks that are threads (tests).
 class MemoryStore : public Store {
  public:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
+import itertools
 import os
+import re
+import socket
 import time
 from typing import Any, Optional
 from urllib.parse import urlparse
@@ -225,32 +229,102 @@ class Communicator:
         return self._core.choose_allreduce(count, dtype, algo, op, codec or "")
 
 
-def _env_int(name: str) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        raise RuntimeError(
-            f"{name} is not set: start ranks with `smartcoll run -n N -- ...` or torchrun, "
-            "or pass rank= and world_size= to smartcoll.init()"
-        )
-    return int(value)
+# Where each launcher puts a rank's place in the job, in the order looked at: torchrun and smartcoll run (the
+# env:// names), Slurm (srun), Open MPI (mpirun), then PMI launchers (MPICH, Intel MPI).
+_RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+_SIZE_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+_DEFAULT_SLURM_PORT_BASE = 29500  # srun sets no port: one is derived from the job id so that jobs differ
+
+
+def _env_int(names: tuple[str, ...], what: str) -> int:
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"{name}={value!r} is not an integer") from None
+    raise RuntimeError(
+        f"the {what} is not set ({', '.join(names)}): start ranks with `smartcoll run -n N -- ...`, torchrun, "
+        "srun or mpirun, or pass rank= and world_size= to smartcoll.init()"
+    )
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: "gpu[03-05,09],cpu1" -> "gpu03"."""
+    head = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if head is None:
+        raise ValueError(f"cannot read SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR")
+    prefix, ranges = head.group(1), head.group(2)
+    return prefix if ranges is None else prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _master() -> tuple[str, int]:
+    """MASTER_ADDR and MASTER_PORT, or what Slurm tells of them; a lone host defaults to 127.0.0.1."""
+    host = os.environ.get("MASTER_ADDR")
+    if host is None and "SLURM_JOB_NODELIST" in os.environ:
+        host = _first_slurm_host(os.environ["SLURM_JOB_NODELIST"])
+    port = os.environ.get("MASTER_PORT")
+    if port is None and "SLURM_JOB_ID" in os.environ:
+        port = str(_DEFAULT_SLURM_PORT_BASE + int(os.environ["SLURM_JOB_ID"]) % 10000)
+    if port is None:
+        raise RuntimeError("MASTER_PORT is not set: export MASTER_ADDR and MASTER_PORT (rank 0's host and a free "
+                           "port), or start ranks with `smartcoll run -n N -- ...` or torchrun")
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"MASTER_PORT={port} is not a port (1-65535)")
+    return host or "127.0.0.1", int(port)
+
+
+_bootstraps = itertools.count()  # communicators made through one key-value store by this process
+
+
+def _store_through(kv: Any, rank: int, options: dict[str, str], timeout: float) -> tuple[Any, str]:
+    """A rendezvous store reached through another key-value store `kv` (torch.distributed's, or any object with
+    set(key, value) and get(key) -> bytes): rank 0 serves one on a free port and publishes where."""
+    key = f"smartcoll/{next(_bootstraps)}/store"
+    if rank == 0:
+        host = options.get("addr") or os.environ.get("SMARTCOLL_ADDR") or os.environ.get("MASTER_ADDR")
+        host = host or socket.gethostbyname(socket.gethostname())
+        store = _core.TcpStore(host, 0, True, timeout)
+        kv.set(key, f"{host}:{store.port}")
+        return store, host
+    if hasattr(kv, "wait"):  # torch's get() waits its own store-wide timeout; ours is connect_timeout
+        kv.wait([key], datetime.timedelta(seconds=timeout))
+    value = kv.get(key)
+    host, port = (value.decode() if isinstance(value, bytes) else str(value)).rsplit(":", 1)
+    return _core.TcpStore(host, int(port), False, timeout), host
+
+
+def _torchrun_agent_store(timeout: float) -> Any:
+    """torchrun's own store (its agent serves it on MASTER_PORT), as a client."""
+    import torch.distributed as dist
+
+    host, port = _master()
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
 
 
 def init(
     init_method: str = "env://",
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
+    store: Any = None,
     **options: Any,
 ) -> Communicator:
     """Creates a communicator; every rank calls it.
 
-    init_method: "env://" (MASTER_ADDR and MASTER_PORT; rank 0 serves the rendezvous store there, as with
-    torchrun), "tcp://HOST:PORT", or "file:///shared/dir" (a fresh directory visible to every rank).
-    rank, world_size: default to the RANK and WORLD_SIZE environment variables.
+    init_method: "env://" (MASTER_ADDR and MASTER_PORT; rank 0 serves the rendezvous store there, or, under
+    torchrun, uses the store torchrun's agent serves there), "tcp://HOST:PORT", or "file:///shared/dir" (a fresh
+    directory visible to every rank).
+    rank, world_size: default to the launcher's variables (torchrun and smartcoll run: RANK and WORLD_SIZE; Slurm:
+    SLURM_PROCID and SLURM_NTASKS, rank 0 on the first host of SLURM_JOB_NODELIST; Open MPI and PMI launchers:
+    OMPI_COMM_WORLD_RANK/SIZE, PMI_RANK/SIZE, with MASTER_ADDR set by the user).
+    store: rendezvous through this key-value store instead of init_method (a torch.distributed.Store, or any object
+    with set(key, value) and get(key) -> bytes); the torch backend passes torch's.
     options: any knob of smartcoll.knobs() (algo=, streams=, segment_size=, timeout=, ifname=, ...); they
     override SMARTCOLL_* environment variables.
     """
-    rank = _env_int("RANK") if rank is None else rank
-    world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
+    rank = _env_int(_RANK_VARS, "rank") if rank is None else rank
+    world_size = _env_int(_SIZE_VARS, "world size") if world_size is None else world_size
     if world_size < 1:
         raise ValueError(f"world size must be at least 1, got {world_size}")
     if not 0 <= rank < world_size:
@@ -258,19 +332,21 @@ def init(
     resolved = {k: str(v) for k, v in options.items()}
     connect_timeout = float(_core.resolve_options(resolved)["connect_timeout"])
     url = urlparse(init_method)
-    route_hint = ""
-    if url.scheme == "env":
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = _env_int("MASTER_PORT")
-    elif url.scheme == "tcp":
-        host, port = url.hostname or "127.0.0.1", url.port
-        if port is None:
-            raise ValueError(f"init_method {init_method!r} needs a port: tcp://HOST:PORT")
+    if store is None and url.scheme == "env" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = _torchrun_agent_store(connect_timeout)  # MASTER_PORT is taken by torchrun's agent
+    if store is not None:
+        core_store, route_hint = _store_through(store, rank, resolved, connect_timeout)
+    elif url.scheme in ("env", "tcp"):
+        if url.scheme == "env":
+            host, port = _master()
+        else:
+            host, port = url.hostname or "127.0.0.1", url.port
+            if port is None:
+                raise ValueError(f"init_method {init_method!r} needs a port: tcp://HOST:PORT")
+        route_hint = host
+        core_store = _core.TcpStore(host, port, rank == 0, connect_timeout)
     elif url.scheme == "file":
-        store = _core.FileStore(url.path)
+        core_store, route_hint = _core.FileStore(url.path), ""
     else:
         raise ValueError(f"unknown init_method {init_method!r}; use env://, tcp://HOST:PORT or file:///path")
-    if url.scheme in ("env", "tcp"):
-        route_hint = host
-        store = _core.TcpStore(host, port, rank == 0, connect_timeout)
-    return Communicator(_core.Communicator(rank, world_size, store, resolved, route_hint))
+    return Communicator(_core.Communicator(rank, world_size, core_store, resolved, route_hint))

@@ -1,6 +1,8 @@
 #include <array>
 #include <cstring>
+#include <cstdlib>
 #include <map>
+#include <random>
 
 #include "coll/table.h"
 #include "core/agreement.h"
@@ -55,6 +57,36 @@ struct CallHistory {
 
 namespace {
 
+std::string random_token() {
+  std::random_device entropy;  // getrandom(2) on Linux
+  const uint64_t bits = (static_cast<uint64_t>(entropy()) << 32) | entropy();
+  char text[17];
+  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(bits));
+  return text;
+}
+
+// The job this rank belongs to (see the job_id knob): set by the launcher, or the scheduler's, or drawn by rank 0.
+std::string resolve_job_id(const std::string& set, Store& store, int rank, std::chrono::milliseconds limit) {
+  if (!set.empty()) return set;
+  const char* run = std::getenv("TORCHELASTIC_RUN_ID");  // torchrun's --rdzv-id; "none" when not given
+  if (run && *run && std::string_view(run) != "none") return std::string("torchelastic-") + run;
+  if (const char* job = std::getenv("SLURM_JOB_ID"); job && *job) {
+    const char* step = std::getenv("SLURM_STEP_ID");
+    return std::string("slurm-") + job + "." + (step ? step : "0");
+  }
+  if (rank == 0) {
+    std::string drawn = random_token();
+    store.set("smartcoll/job", drawn);
+    return drawn;
+  }
+  try {
+    return store.get("smartcoll/job", limit);
+  } catch (const CommError&) {
+    throw CommError("rank " + std::to_string(rank) + " timed out waiting for rank 0 to publish the job id: is rank 0 "
+                    "running, with the same MASTER_ADDR and MASTER_PORT? (SMARTCOLL_CONNECT_TIMEOUT)");
+  }
+}
+
 void require(bool ok, const std::string& message) {
   if (!ok) throw InvalidArgument(message);
 }
@@ -80,8 +112,23 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
     throw InvalidArgument("rank " + std::to_string(rank) + " is outside the world of size " + std::to_string(size));
   config_ = std::make_unique<Config>(Config::from(options_));
   log::set_level(config_->log);
+  const auto limit = std::chrono::milliseconds(static_cast<int64_t>(config_->connect_timeout * 1000));
+  // Every key this communicator writes lives under its job's id, and every hello carries it: ranks of another
+  // job that reach the same store or ports are never joined.
+  config_->job_id = resolve_job_id(config_->job_id, *store_, rank, limit);
+  store_ = std::make_shared<PrefixStore>(std::move(store_), "job/" + config_->job_id + "/");
+  const std::string claim = random_token();
+  if (size > 1) store_->set("claim/" + std::to_string(rank), claim);
   transport_ = std::make_unique<TcpTransport>(rank, size, store_, *config_, route_hint);
-  if (size > 1) agree_on_settings();
+  if (size > 1) {
+    agree_on_settings();
+    // Two processes that both think they are rank r of this job (two jobs started on one MASTER_PORT without
+    // job ids) overwrite each other's claim: the one that reads back another's fails here, by name.
+    if (store_->get("claim/" + std::to_string(rank), limit) != claim)
+      throw CommError("another process also claims rank " + std::to_string(rank) + " of job '" + config_->job_id +
+                      "': two jobs share one rendezvous (MASTER_ADDR:MASTER_PORT); give each job its own port, or "
+                      "start it with smartcoll run or torchrun, which set a job id (SMARTCOLL_JOB_ID)");
+  }
   if (size > 1 && config_->cma) cma_ = std::make_unique<cma::Local>(*transport_);
   cma_usable_ = cma_ && cma_->usable();
   cma_reason_ = size == 1 ? "" : !cma_ ? "disabled (cma=off)" : cma_->why_not();

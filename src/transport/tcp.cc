@@ -13,12 +13,8 @@ namespace smartcoll {
 
 namespace {
 
-constexpr uint32_t kHelloMagic = 0x53434c32;  // "SCL2"
+constexpr uint32_t kHelloMagic = 0x53434c33;  // "SCL3"
 constexpr auto kHelloDeadline = std::chrono::seconds(5);
-
-struct Hello {
-  uint32_t magic, rank, stream, size;
-};
 
 std::string listen_host(const Config& c, const std::string& route_hint) {
   if (!c.addr.empty()) return net::resolve_ipv4(c.addr);
@@ -40,6 +36,25 @@ std::chrono::milliseconds millis(double seconds) {
 
 }  // namespace
 
+uint64_t job_fingerprint(const std::string& job_id) {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a: it identifies a job, it does not authenticate one
+  for (unsigned char c : job_id) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+
+std::string hello_refusal(const Hello& h, int rank, int size, int streams, uint64_t job) {
+  if (h.magic != kHelloMagic) return "not a smartcoll hello, or another version (magic " + std::to_string(h.magic) + ")";
+  if (h.job != job) return "it belongs to another job (a different job id)";
+  if (h.size != static_cast<uint32_t>(size))
+    return "it has world size " + std::to_string(h.size) + ", this job " + std::to_string(size) +
+           ": ranks disagree on WORLD_SIZE";
+  if (h.rank <= static_cast<uint32_t>(rank) || h.rank >= static_cast<uint32_t>(size))
+    return "rank " + std::to_string(h.rank) + " may not connect to rank " + std::to_string(rank);
+  if (h.stream >= static_cast<uint32_t>(streams))
+    return "stream " + std::to_string(h.stream) + " of " + std::to_string(streams);
+  return "";
+}
+
 struct TcpTransport::Pending {
   net::Fd fd;
   net::Clock::time_point since;
@@ -49,7 +64,7 @@ struct TcpTransport::Pending {
 
 TcpTransport::TcpTransport(int rank, int size, std::shared_ptr<Store> store, const Config& config,
                            const std::string& route_hint)
-    : Transport(rank, size, config.streams), store_(std::move(store)), config_(config),
+    : Transport(rank, size, config.streams), store_(std::move(store)), config_(config), job_(job_fingerprint(config.job_id)),
       chans_(new Channel[static_cast<size_t>(size) * config.streams]), addrs_(size) {
   timeout = std::chrono::duration<double>(config.timeout);
   if (size == 1) return;
@@ -133,14 +148,11 @@ void TcpTransport::adopt_pending() {
       return false;
     }
     const Hello& hello = p->hello;
-    const bool valid = hello.magic == kHelloMagic && hello.size == static_cast<uint32_t>(size()) &&
-                       hello.rank > static_cast<uint32_t>(rank()) && hello.rank < static_cast<uint32_t>(size()) &&
-                       hello.stream < static_cast<uint32_t>(streams()) &&
-                       chan(static_cast<int>(hello.rank), static_cast<int>(hello.stream)).fd.load() < 0;
-    if (!valid) {
-      SC_LOG(LogLevel::warn, rank(), "")
-          << "refused a connection with an invalid hello (world size " << hello.size << ", rank " << hello.rank
-          << ", stream " << hello.stream << "): another job on this port, or ranks disagree on WORLD_SIZE";
+    std::string refusal = hello_refusal(hello, rank(), size(), streams(), job_);
+    if (refusal.empty() && chan(static_cast<int>(hello.rank), static_cast<int>(hello.stream)).fd.load() >= 0)
+      refusal = "rank " + std::to_string(hello.rank) + " stream " + std::to_string(hello.stream) + " is connected already";
+    if (!refusal.empty()) {
+      SC_LOG(LogLevel::warn, rank(), "") << "refused a connection: " << refusal;
       return true;
     }
     install(static_cast<int>(hello.rank), static_cast<int>(hello.stream), std::move(p->fd));
@@ -178,7 +190,7 @@ bool TcpTransport::connect(int peer, int stream) {
   if (addrs_[peer].empty()) addrs_[peer] = store_->get("addr/" + std::to_string(peer), limit);
   const auto deadline = net::Clock::now() + limit;
   net::Fd s = net::connect_to(parse_endpoint(addrs_[peer]), deadline);
-  Hello h{kHelloMagic, static_cast<uint32_t>(rank()), static_cast<uint32_t>(stream), static_cast<uint32_t>(size())};
+  Hello h{kHelloMagic, static_cast<uint32_t>(rank()), static_cast<uint32_t>(stream), static_cast<uint32_t>(size()), job_};
   net::send_all(s.get(), &h, sizeof h, deadline, "hello to rank " + std::to_string(peer));
   install(peer, stream, std::move(s));
   return true;

@@ -14,6 +14,15 @@
 
 namespace smartcoll {
 
+// The first bytes a connecting rank sends, in host byte order (one job runs one build).
+struct Hello {
+  uint32_t magic, rank, stream, size;
+  uint64_t job;  // job_fingerprint(job id)
+};
+uint64_t job_fingerprint(const std::string& job_id);
+// Why the accepting rank `rank` refuses `h` ("" to accept); every field is range-checked before it is used.
+std::string hello_refusal(const Hello& h, int rank, int size, int streams, uint64_t job);
+
 class TcpTransport final : public Transport {
  public:
   // Listens and publishes "host:port" under "addr/<rank>"; connects to nobody yet. route_hint: a host
@@ -50,6 +59,7 @@ class TcpTransport final : public Transport {
 
   std::shared_ptr<Store> store_;
   Config config_;
+  uint64_t job_;
   mutable std::mutex mu_;  // connection set-up; I/O on a connected channel needs no lock
   std::unique_ptr<Channel[]> chans_;
   std::vector<std::string> addrs_;

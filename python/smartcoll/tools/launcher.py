@@ -15,7 +15,9 @@ address and SMARTCOLL_IFNAME to the host's interface, so rendezvous and data go 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import secrets
 import tempfile
 import queue
 import signal
@@ -106,7 +108,11 @@ def _shell_exit_status(returncode: int) -> int:
 
 
 class _Terminated(Exception):
-    """Raised in the main thread when the launcher itself receives SIGTERM."""
+    """Raised in the main thread when the launcher itself receives SIGTERM or SIGHUP."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 class _StartFailed(Exception):
@@ -114,7 +120,25 @@ class _StartFailed(Exception):
 
 
 def _raise_terminated(signum, frame):
-    raise _Terminated()
+    raise _Terminated(signum)
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # a closed terminal or ssh session stops the job like SIGTERM
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child must not load anything after fork
+
+
+def _die_with_launcher(launcher_pid: int) -> None:
+    """Runs in each rank between fork and exec: the kernel kills the rank when the launcher dies, even by SIGKILL
+    (no chance to stop its ranks). A launcher that died before this ran is seen as a changed parent."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != launcher_pid:
+        os._exit(1)
+
+
+def new_job_id() -> str:
+    """A fresh job id (SMARTCOLL_JOB_ID) for one launch: its ranks never join another job's."""
+    return secrets.token_hex(8)
 
 
 def _relay(stream, sink_name: str, tag: str, lock: threading.Lock) -> None:
@@ -174,10 +198,12 @@ def rank_environ(
     base_env: Optional[Mapping[str, str]] = None,
     env_extra: Optional[Mapping[str, str]] = None,
     rank_env: Optional[RankEnv] = None,
+    job_id: str,
 ) -> dict[str, str]:
     """The environment of rank `rank`: base_env (default os.environ) with PYTHONUNBUFFERED=1 unless set there,
-    the env:// variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), then
-    env_extra, then rank_env(rank). Values are turned into strings."""
+    the env:// variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and
+    SMARTCOLL_JOB_ID (one new_job_id() for all ranks of a launch), then env_extra, then rank_env(rank). Values are
+    turned into strings."""
     env = dict(os.environ if base_env is None else base_env)
     # A pipe makes Python block-buffer its stdout; ranks' lines should appear as they are printed.
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -188,6 +214,7 @@ def rank_environ(
         LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
+        SMARTCOLL_JOB_ID=job_id,
     )
     env.update({k: str(v) for k, v in (env_extra or {}).items()})
     env.update({k: str(v) for k, v in (rank_env(rank) if rank_env else {}).items()})
@@ -200,9 +227,10 @@ def start_rank(
     """Starts one rank. Own session: signals reach the rank's whole process group (see stop), and Ctrl-C at the
     terminal reaches only the launcher, which then stops every rank the same way. No stdin: N ranks cannot
     share a terminal's input. Raises OSError if the command cannot be executed."""
+    launcher = os.getpid()
     return subprocess.Popen(
         list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-        start_new_session=True, cwd=cwd,
+        start_new_session=True, cwd=cwd, preexec_fn=lambda: _die_with_launcher(launcher),
     )
 
 
@@ -245,6 +273,7 @@ def run_ranks(
     world_size = nprocs if world_size is None else world_size
     port = free_port(master_addr) if master_port is None else master_port
     must = set(range(nprocs)) if must_finish is None else set(must_finish)
+    job_id = new_job_id()
     with tempfile.TemporaryDirectory(prefix="smartcoll-ranks-") as scratch:
         logs = Path(scratch) if logdir is None else Path(logdir)
         logs.mkdir(parents=True, exist_ok=True)
@@ -252,7 +281,7 @@ def run_ranks(
         try:
             for rank in range(nprocs):
                 env = rank_environ(rank, world_size, port, master_addr=master_addr, base_env=base_env,
-                                   env_extra=env_extra, rank_env=rank_env)
+                                   env_extra=env_extra, rank_env=rank_env, job_id=job_id)
                 argv = list(rank_prefix(rank) if rank_prefix else []) + list(cmd)
                 with open(logs / f"rank{rank}.out", "wb") as out, open(logs / f"rank{rank}.err", "wb") as err:
                     procs.append(start_rank(argv, env, out, err, cwd))
@@ -298,15 +327,16 @@ def launch(
     if nprocs < 1:
         raise ValueError(f"nprocs must be at least 1, got {nprocs}")
     port = master_port if master_port is not None else free_port()
+    job_id = new_job_id()
 
     procs: list[subprocess.Popen] = []
     relays: list[tuple[subprocess.Popen, threading.Thread]] = []
     lock = threading.Lock()
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    previous = {s: signal.signal(s, _raise_terminated) for s in _STOP_SIGNALS} if in_main_thread else {}
     try:
         for rank in range(nprocs):
-            env = rank_environ(rank, nprocs, port, env_extra=env_extra, rank_env=rank_env)
+            env = rank_environ(rank, nprocs, port, env_extra=env_extra, rank_env=rank_env, job_id=job_id)
             argv = list(rank_prefix(rank) if rank_prefix else []) + cmd
             pipe = subprocess.PIPE if prefix else None
             try:
@@ -328,13 +358,13 @@ def launch(
     except KeyboardInterrupt:
         _message("interrupted: stopping all ranks")
         status = EXIT_INTERRUPTED
-    except _Terminated:
-        _message("received SIGTERM: stopping all ranks")
-        status = 128 + signal.SIGTERM
+    except _Terminated as e:
+        _message(f"received {e}: stopping all ranks")
+        status = 128 + e.signum
     finally:
         stop(procs, grace)
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous_sigterm)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         for _, t in relays:
             t.join(timeout=2.0)
         # A rank that exited but left a child holding its pipe open would keep a relay thread alive.
