@@ -25,8 +25,10 @@ namespace smartcoll {
 namespace {
 
 using Array = nb::ndarray<nb::device::cpu>;
+using InArray = nb::ndarray<nb::ro, nb::device::cpu>;  // inputs: read-only arrays (np.frombuffer, mmap) welcome
 
-DataType dtype_of(const Array& a) {
+template <class A>
+DataType dtype_of(const A& a) {
   const nb::dlpack::dtype d = a.dtype();
   using Code = nb::dlpack::dtype_code;
   if (d.lanes == 1) {
@@ -48,7 +50,8 @@ DataType dtype_of(const Array& a) {
                        "or int64 arrays; convert with .astype() / .to()");
 }
 
-void require_contiguous(const Array& a) {
+template <class A>
+void require_contiguous(const A& a) {
   if (a.size() == 0) return;  // NumPy gives empty arrays arbitrary strides
   int64_t expect = 1;
   for (size_t i = a.ndim(); i-- > 0;) {
@@ -82,9 +85,10 @@ struct Buffer {
   DataType dtype;
 };
 
-Buffer buffer(const Array& a) {
+template <class A>
+Buffer buffer(const A& a) {
   require_contiguous(a);
-  return {a.data(), a.size(), dtype_of(a)};
+  return {const_cast<void*>(static_cast<const void*>(a.data())), a.size(), dtype_of(a)};
 }
 
 }  // namespace
@@ -184,16 +188,16 @@ NB_MODULE(_core, m) {
         return std::map<std::string, double>{{"workers", s.workers}, {"cpu_seconds", s.cpu_seconds},
                                              {"open_channels", s.open_channels}};
       }, "Engine worker count, their CPU seconds so far, and the connections this rank holds.")
-      .def("allreduce", [](Communicator& c, Array in, Array out, const std::string& op, const std::string& algo,
+      .def("allreduce", [](Communicator& c, InArray in, Array out, const std::string& op, const std::string& algo,
                            const std::string& codec) {
         Buffer i = buffer(in), o = buffer(out);
         return c.allreduce(i.data, o.data, i.count, i.dtype, parse_op(op), parse_algorithm(algo), parse_codec(codec));
       }, "in"_a, "out"_a, "op"_a, "algo"_a, "codec"_a = "")
-      .def("reduce_scatter", [](Communicator& c, Array in, Array out, const std::string& op, const std::string& codec) {
+      .def("reduce_scatter", [](Communicator& c, InArray in, Array out, const std::string& op, const std::string& codec) {
         Buffer i = buffer(in), o = buffer(out);
         return c.reduce_scatter(i.data, o.data, o.count, i.dtype, parse_op(op), parse_codec(codec));
       }, "in"_a, "out"_a, "op"_a, "codec"_a = "")
-      .def("allgather", [](Communicator& c, Array in, Array out, const std::string& codec) {
+      .def("allgather", [](Communicator& c, InArray in, Array out, const std::string& codec) {
         Buffer i = buffer(in), o = buffer(out);
         return c.allgather(i.data, o.data, i.count, i.dtype, parse_codec(codec));
       }, "in"_a, "out"_a, "codec"_a = "")
@@ -201,12 +205,12 @@ NB_MODULE(_core, m) {
         Buffer b = buffer(buf);
         return c.broadcast(b.data, b.count, b.dtype, root);
       })
-      .def("reduce", [](Communicator& c, Array in, std::optional<Array> out, const std::string& op, int root) {
+      .def("reduce", [](Communicator& c, InArray in, std::optional<Array> out, const std::string& op, int root) {
         Buffer i = buffer(in);
         void* o = out ? buffer(*out).data : nullptr;
         return c.reduce(i.data, o, i.count, i.dtype, parse_op(op), root);
       })
-      .def("alltoall", [](Communicator& c, Array in, Array out) {
+      .def("alltoall", [](Communicator& c, InArray in, Array out) {
         Buffer i = buffer(in), o = buffer(out);
         return c.alltoall(i.data, o.data, i.count / static_cast<size_t>(c.size()), i.dtype);
       })
@@ -214,5 +218,9 @@ NB_MODULE(_core, m) {
       .def("close", [](Communicator& c) {
         nb::gil_scoped_release release;
         c.close();
-      });
+      })
+      .def("abort", [](Communicator& c, const std::string& reason) {
+        nb::gil_scoped_release release;
+        c.abort(reason);
+      }, "reason"_a);
 }

@@ -17,6 +17,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "smartcoll/codec.h"
 #include "smartcoll/knobs.h"
@@ -119,8 +120,12 @@ class Communicator {
   // Empty when the same-host path (cma) is usable; otherwise why not.
   std::string cma_unusable_reason() const;
 
-  // Finishes queued tasks, stops the engine and closes connections. Idempotent.
+  // Finishes queued tasks, stops the engine and closes connections. Idempotent. In a child made by fork() it only
+  // lets go of the parent's engine (whose threads do not exist there).
   void close();
+  // Fails every pending and later call of this communicator on this rank with `reason`, and the peers' calls
+  // within moments (they read the reason from the store); any thread may call it, e.g. on Ctrl-C.
+  void abort(const std::string& reason);
 
   // Which algorithm `automatic` resolves to for this call (count in elements, as the collective takes it).
   Algorithm choose(Collective coll, size_t count, DataType dt, Algorithm requested = Algorithm::automatic,
@@ -138,7 +143,11 @@ class Communicator {
     Codec codec;
   };
   std::shared_ptr<Request> submit(const Call& call, const void* in, void* out);
-  void agree_on_settings();  // at start-up, through the store: the knobs every rank must share
+  void check_usable();                           // not closed, not a forked child's copy
+  void check_buffers(const Call& call, const void* in, const void* out) const;
+  void check_one_poster();  // submit_mu_ held
+  // At start-up, through the store: the knobs every rank must share. Returns the claim rank 0 accepted per rank.
+  std::vector<std::string> agree_on_settings(const std::string& claim);
 
   int rank_, size_;
   Options options_;
@@ -152,6 +161,11 @@ class Communicator {
   std::unique_ptr<CallHistory> history_;
   std::mutex submit_mu_;  // calls are numbered and queued in one order
   uint64_t seq_ = 0;
+  int pid_ = 0;  // the process that made this communicator: a forked child has a copy it cannot use
+  // The thread that posted the last call, and that call: another thread may post only once it has finished
+  // (two threads posting at once would number their calls in different orders on different ranks).
+  std::thread::id poster_;
+  std::weak_ptr<Request> last_posted_;
   std::mutex close_mu_;
   std::atomic<bool> closed_{false};
 };

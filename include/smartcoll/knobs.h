@@ -64,6 +64,11 @@ inline constexpr Knob kKnobs[] = {
     {"check", "1", "int", 0, 1, true,
      "1: the first message of each call between two ranks carries the call's collective, count, dtype, op and "
      "root, and a mismatch fails the call naming who called what; 0: skip (32 bytes less per message)"},
+    {"posting", "one_thread", "choice:one_thread|ordered", 0, 0, false,
+     "which threads post a communicator's calls: one_thread (one at a time: posting while another thread's call "
+     "is still running raises, since two threads cannot post in the same order on every rank and same-shaped "
+     "calls would mix data) or ordered (the application makes the order of posts from several threads the same "
+     "on every rank; not checked)"},
     {"job_id", "", "str", 0, 0, false,
      "identifies the job: rendezvous keys and the peers' hello carry it, so ranks of another job that reach the "
      "same store or ports are refused, never joined. smartcoll run sets it; empty: TORCHELASTIC_RUN_ID, else "

@@ -69,10 +69,11 @@ def _check_pair(x: Any, out: Any, ratio_out: float, collective: str) -> None:
 class Request:
     """A collective in progress. test() never blocks; wait() returns the result or raises CommError."""
 
-    def __init__(self, core_request: Any, result: Any, keepalive: tuple):
+    def __init__(self, core_request: Any, result: Any, keepalive: tuple, comm: Any):
         self._req = core_request
         self._result = result
         self._keepalive = keepalive  # the engine reads and writes these buffers until it finishes
+        self._comm = comm
 
     def test(self) -> bool:
         return self._req.test()
@@ -89,13 +90,19 @@ class Request:
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Waits for completion; raises TimeoutError if `timeout` seconds pass first (the collective goes on)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            step = _POLL_SECONDS if deadline is None else max(0.0, min(_POLL_SECONDS, deadline - time.monotonic()))
-            if self._req.wait(step):
-                self._keepalive = ()
-                return self._result
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"collective not finished after {timeout} s (it is still running; wait again)")
+        try:
+            while True:
+                step = _POLL_SECONDS if deadline is None else max(0.0, min(_POLL_SECONDS, deadline - time.monotonic()))
+                if self._req.wait(step):
+                    self._keepalive = ()
+                    return self._result
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"collective not finished after {timeout} s (it is still running; wait again)")
+        except KeyboardInterrupt:
+            # Ctrl-C: the peers would otherwise wait for this rank until their timeout. Abort the communicator so
+            # that every rank fails now, naming this one.
+            self._comm.abort("interrupted (Ctrl-C / SIGINT) while waiting")
+            raise
 
 
 class Communicator:
@@ -132,6 +139,11 @@ class Communicator:
         """Finishes submitted collectives, stops the engine and closes connections."""
         self._core.close()
 
+    def abort(self, reason: str = "aborted by the application") -> None:
+        """Fails every pending and later collective of this communicator, here at once and on the peers within
+        moments (their errors name this rank and `reason`). Safe from any thread; Ctrl-C in wait() calls it."""
+        self._core.abort(reason)
+
     def __del__(self) -> None:
         # Closing here releases the GIL while the engine drains; the C++ destructor would hold it.
         core = getattr(self, "_core", None)
@@ -153,21 +165,21 @@ class Communicator:
         out = x if out is None else out
         _check_pair(x, out, 1, "allreduce")
         req = self._core.allreduce(x, out, op, algo or "auto", codec or "")
-        return Request(req, out, (x, out))
+        return Request(req, out, (x, out), self._core)
 
     def ireduce_scatter(self, x: Any, out: Any, op: str = "sum", codec: Optional[str] = None) -> Request:
         _check_array(x, "x")
         _check_pair(x, out, 1 / self.size, "reduce_scatter")
-        return Request(self._core.reduce_scatter(x, out, op, codec or ""), out, (x, out))
+        return Request(self._core.reduce_scatter(x, out, op, codec or ""), out, (x, out), self._core)
 
     def iallgather(self, x: Any, out: Any, codec: Optional[str] = None) -> Request:
         _check_array(x, "x")
         _check_pair(x, out, self.size, "allgather")
-        return Request(self._core.allgather(x, out, codec or ""), out, (x, out))
+        return Request(self._core.allgather(x, out, codec or ""), out, (x, out), self._core)
 
     def ibroadcast(self, x: Any, root: int = 0) -> Request:
         _check_array(x, "x", writable=True)
-        return Request(self._core.broadcast(x, root), x, (x,))
+        return Request(self._core.broadcast(x, root), x, (x,), self._core)
 
     def ireduce(self, x: Any, root: int = 0, op: str = "sum", out: Any = None) -> Request:
         """The result lands in `out` (default: x itself) on root; other ranks' buffers are left unchanged."""
@@ -177,7 +189,7 @@ class Communicator:
             _check_pair(x, out, 1, "reduce")
         else:
             out = None
-        return Request(self._core.reduce(x, out, op, root), out if out is not None else x, (x, out))
+        return Request(self._core.reduce(x, out, op, root), out if out is not None else x, (x, out), self._core)
 
     def ialltoall(self, x: Any, out: Any) -> Request:
         _check_array(x, "x")
@@ -186,10 +198,10 @@ class Communicator:
             raise ValueError(f"alltoall: {_numel(x)} elements do not split into {self.size} equal blocks")
         if out is x:
             raise ValueError("alltoall cannot run in place: pass a separate out array")
-        return Request(self._core.alltoall(x, out), out, (x, out))
+        return Request(self._core.alltoall(x, out), out, (x, out), self._core)
 
     def ibarrier(self) -> Request:
-        return Request(self._core.barrier(), None, ())
+        return Request(self._core.barrier(), None, (), self._core)
 
     # Blocking forms: thin wrappers.
 

@@ -1,8 +1,10 @@
 #include <array>
 #include <cstring>
 #include <cstdlib>
+#include <unistd.h>
 #include <map>
 #include <random>
+#include <sstream>
 
 #include "coll/table.h"
 #include "core/agreement.h"
@@ -106,7 +108,7 @@ void check_root(int root, int size) {
 Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, const Options& options,
                            const std::string& route_hint)
     : rank_(rank), size_(size), options_(options), store_(std::move(store)),
-      history_(std::make_unique<CallHistory>()) {
+      history_(std::make_unique<CallHistory>()), pid_(static_cast<int>(::getpid())) {
   if (size < 1) throw InvalidArgument("world size must be at least 1, got " + std::to_string(size));
   if (rank < 0 || rank >= size)
     throw InvalidArgument("rank " + std::to_string(rank) + " is outside the world of size " + std::to_string(size));
@@ -117,21 +119,31 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
   // job that reach the same store or ports are never joined.
   config_->job_id = resolve_job_id(config_->job_id, *store_, rank, limit);
   store_ = std::make_shared<PrefixStore>(std::move(store_), "job/" + config_->job_id + "/");
+  // Each process claims its rank with a fresh nonce; rank 0's start-up verdict names the claim it accepted for
+  // every rank, and addresses are published per claim. A second process claiming the same rank (two jobs on one
+  // MASTER_PORT without job ids) fails here by name, and no rank ever connects to it.
   const std::string claim = random_token();
-  if (size > 1) store_->set("claim/" + std::to_string(rank), claim);
-  transport_ = std::make_unique<TcpTransport>(rank, size, store_, *config_, route_hint);
+  auto tcp = std::make_unique<TcpTransport>(rank, size, store_, *config_, route_hint, claim);
+  TcpTransport& transport = *tcp;
+  transport_ = std::move(tcp);
   if (size > 1) {
-    agree_on_settings();
-    // Two processes that both think they are rank r of this job (two jobs started on one MASTER_PORT without
-    // job ids) overwrite each other's claim: the one that reads back another's fails here, by name.
-    if (store_->get("claim/" + std::to_string(rank), limit) != claim)
+    const std::vector<std::string> claims = agree_on_settings(claim);
+    if (claims[static_cast<size_t>(rank)] != claim)
       throw CommError("another process also claims rank " + std::to_string(rank) + " of job '" + config_->job_id +
                       "': two jobs share one rendezvous (MASTER_ADDR:MASTER_PORT); give each job its own port, or "
                       "start it with smartcoll run or torchrun, which set a job id (SMARTCOLL_JOB_ID)");
+    transport.accept_claims(claims);
   }
-  if (size > 1 && config_->cma) cma_ = std::make_unique<cma::Local>(*transport_);
+  // A launcher that says ranks span hosts spares every rank the all-pairs probe of the same-host path.
+  const char* local = std::getenv("LOCAL_WORLD_SIZE");
+  const bool spans_hosts = local && std::atoi(local) > 0 && std::atoi(local) < size;
+  if (size > 1 && config_->cma && !spans_hosts) cma_ = std::make_unique<cma::Local>(*transport_);
   cma_usable_ = cma_ && cma_->usable();
-  cma_reason_ = size == 1 ? "" : !cma_ ? "disabled (cma=off)" : cma_->why_not();
+  cma_reason_ = size == 1          ? ""
+                : !config_->cma    ? "disabled (cma=off)"
+                : spans_hosts      ? "ranks span hosts (LOCAL_WORLD_SIZE=" + std::string(local) + " of " +
+                                         std::to_string(size) + ")"
+                                   : cma_->why_not();
   engine_ = std::make_shared<Engine>(*transport_, *config_, rank);
   engine_->explain_failure = [this](const std::string& error) {
     return explain_disagreement(error, *store_, rank_, size_,
@@ -150,33 +162,37 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
 
 Communicator::~Communicator() { close(); }
 
-void Communicator::agree_on_settings() {
+std::vector<std::string> Communicator::agree_on_settings(const std::string& claim) {
   // Knobs that change what goes on the wire outside a call's descriptor: a rank that skips the header, cuts
   // segments differently (they are striped over streams by index) or picks another algorithm would misframe
   // every later message. Rank 0 compares everyone's (n reads of the store, not n^2 messages) and publishes the
-  // verdict that every rank reads.
+  // verdict that every rank reads: "ok" and the claim it read of each rank, or what is wrong.
   const std::string mine = Config::must_match(options_);
   const auto limit = std::chrono::milliseconds(static_cast<int64_t>(config_->connect_timeout * 1000));
-  const std::string waiting = "rank " + std::to_string(rank_) + " timed out after " +
-                              std::to_string(config_->connect_timeout) + " s waiting for ";
+  char seconds[32];
+  std::snprintf(seconds, sizeof seconds, "%g", config_->connect_timeout);
+  const std::string waiting = "rank " + std::to_string(rank_) + " timed out after " + seconds + " s waiting for ";
   const std::string hint = ": are they running, with the same WORLD_SIZE and MASTER_ADDR? (SMARTCOLL_CONNECT_TIMEOUT)";
-  store_->set("settings/" + std::to_string(rank_), mine);
+  store_->set("settings/" + std::to_string(rank_), claim + " " + mine);
   if (rank_ == 0) {
     std::map<std::string, std::string> groups;
-    std::string missing;
+    std::string missing, claims = claim;
     const auto deadline = std::chrono::steady_clock::now() + limit;
     for (int p = 1; p < size_; ++p) {
       try {
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline -
                                                                                  std::chrono::steady_clock::now());
-        std::string theirs = store_->get("settings/" + std::to_string(p), std::max(left, std::chrono::milliseconds(1)));
-        groups[theirs] += (groups[theirs].empty() ? "" : ",") + std::to_string(p);
+        const std::string theirs = store_->get("settings/" + std::to_string(p), std::max(left, std::chrono::milliseconds(1)));
+        const auto space = theirs.find(' ');
+        const std::string what = space == std::string::npos ? theirs : theirs.substr(space + 1);
+        groups[what] += (groups[what].empty() ? "" : ",") + std::to_string(p);
+        claims += " " + theirs.substr(0, space);
       } catch (const CommError&) {
         missing += (missing.empty() ? "" : ",") + std::to_string(p);
       }
     }
     groups[mine] = groups[mine].empty() ? "0" : "0," + groups[mine];
-    std::string verdict = "ok";
+    std::string verdict = "ok " + claims;
     if (!missing.empty()) {
       verdict = waiting + "rank(s) " + missing + " of " + std::to_string(size_) + " to start" + hint;
     } else if (groups.size() > 1) {
@@ -193,7 +209,20 @@ void Communicator::agree_on_settings() {
   } catch (const CommError&) {
     throw CommError(waiting + "rank 0's start-up check" + hint);
   }
-  if (verdict != "ok") throw CommError(verdict);
+  if (!verdict.starts_with("ok ")) throw CommError(verdict);
+  std::vector<std::string> claims;
+  std::istringstream words(verdict.substr(3));
+  for (std::string w; words >> w;) claims.push_back(w);
+  if (claims.size() != static_cast<size_t>(size_))
+    throw CommError("rank 0's start-up verdict names " + std::to_string(claims.size()) + " ranks, not " +
+                    std::to_string(size_) + ": a corrupted store, or another smartcoll version");
+  return claims;
+}
+
+void Communicator::abort(const std::string& reason) {
+  if (::getpid() != pid_) return;  // a forked child's copy: the parent owns the job
+  std::lock_guard closing(close_mu_);
+  if (engine_) engine_->abort("rank " + std::to_string(rank_) + " aborted: " + reason);
 }
 
 std::string Communicator::cma_unusable_reason() const { return cma_reason_; }
@@ -202,6 +231,15 @@ void Communicator::close() {
   std::lock_guard closing(close_mu_);  // two threads closing at once must not both stop the engine
   if (closed_) return;
   closed_ = true;
+  if (::getpid() != pid_) {
+    // A forked child: the engine's threads were not copied, and its locks may be held by threads that do not
+    // exist here. Let go without touching any of it; the child's exit closes the sockets.
+    new std::shared_ptr<Engine>(std::move(engine_));
+    (void)cma_.release();
+    (void)transport_.release();
+    (void)history_.release();
+    return;
+  }
   if (engine_) engine_->stop();
   engine_.reset();
   cma_.reset();
@@ -242,16 +280,57 @@ Algorithm Communicator::choose(Collective coll, size_t count, DataType dt, Algor
   return coll::choose(coll, q, requested, config_->rhd_max_bytes);
 }
 
-std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, void* out) {
+void Communicator::check_usable() {
+  if (::getpid() != pid_)
+    throw CommError("this communicator belongs to process " + std::to_string(pid_) + "; process " +
+                    std::to_string(::getpid()) + " is a fork() of it and cannot use it: create a new communicator "
+                    "in the child (with its own rank and world), or start workers with the 'spawn' method");
   if (closed_) throw InvalidArgument("the communicator is closed");
+}
+
+void Communicator::check_buffers(const Call& call, const void* in, const void* out) const {
+  if (!in || !out || in == out || call.count == 0) return;
+  const size_t block = call.count * dtype_size(call.dt), n = static_cast<size_t>(size_);
+  size_t in_bytes = block, out_bytes = block;
+  if (call.coll == Collective::reduce_scatter || call.coll == Collective::alltoall) in_bytes = n * block;
+  if (call.coll == Collective::allgather || call.coll == Collective::alltoall) out_bytes = n * block;
+  const auto* i = static_cast<const char*>(in);
+  const auto* o = static_cast<const char*>(out);
+  // In-place allgather (MPI_IN_PLACE, torch's all_gather_into_tensor on a view): the input is this rank's block.
+  if (call.coll == Collective::allgather && i == o + static_cast<size_t>(rank_) * block) return;
+  require(i + in_bytes <= o || o + out_bytes <= i,
+          std::string(collective_name(call.coll)) + ": the input and output buffers partly overlap (input " +
+              std::to_string(in_bytes) + " bytes, output " + std::to_string(out_bytes) + " bytes, " +
+              std::to_string(o > i ? o - i : i - o) + " bytes apart); pass the same buffer to work in place, or "
+              "buffers that do not overlap");
+}
+
+void Communicator::check_one_poster() {
+  const auto me = std::this_thread::get_id();
+  if (config_->one_poster && me != poster_) {
+    if (auto last = last_posted_.lock(); last && !last->test())
+      throw InvalidArgument(
+          "collectives posted from two threads at once: another thread's call is still running, and two threads "
+          "cannot post in the same order on every rank (same-shaped calls would mix data). Post every call of a "
+          "communicator from one thread, wait for the other thread's calls first, or give each thread its own "
+          "communicator (or, if the application orders its threads' posts alike on every rank, posting=ordered)");
+    poster_ = me;
+  }
+}
+
+std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, void* out) {
+  check_usable();
+  check_buffers(call, in, out);
   auto req = std::make_shared<Request>();
   if (size_ == 1 || (call.count == 0 && call.coll != Collective::barrier)) {
     // Nothing to exchange: the result is the input. A call of no elements still takes its number, so that the
     // calls after it keep the same numbers on every rank.
     const size_t bytes = call.count * dtype_size(call.dt);
-    if (in && out && in != out && bytes) std::memmove(out, in, bytes);
     std::lock_guard lock(submit_mu_);
+    check_one_poster();
+    if (in && out && in != out && bytes) std::memmove(out, in, bytes);
     ++seq_;
+    last_posted_ = req;
     req->finish("");
     return req;
   }
@@ -271,6 +350,8 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
   req->engine_ = engine_;
   req->driver_ = !task->exclusive && task->lanes.size() == 1 ? engine_->worker_of(task->lanes[0].stream) : -1;
   std::lock_guard lock(submit_mu_);  // numbers and queue order agree
+  check_one_poster();
+  last_posted_ = req;
   task->seq = seq_++;
   task->name = std::string(collective_name(call.coll)) + " #" + std::to_string(task->seq) + " on rank " +
                std::to_string(rank_);

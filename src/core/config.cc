@@ -130,6 +130,7 @@ Config Config::from(const Options& o) {
   c.codec = Codec::parse(o.str("codec"));  // a bad SMARTCOLL_CODEC fails here, not at the first collective
   c.codec_owner = o.str("codec_mode") == "owner";
   c.check = o.integer("check") != 0;
+  c.one_poster = o.str("posting") == "one_thread";
   constexpr std::string_view levels[] = {"error", "warn", "info", "debug"};
   for (int i = 0; i < 4; ++i)
     if (o.str("log") == levels[i]) c.log = static_cast<LogLevel>(i);

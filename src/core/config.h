@@ -28,6 +28,7 @@ struct Config {
   Codec codec;
   bool codec_owner = false;
   bool check = true;
+  bool one_poster = true;  // posting=one_thread
   LogLevel log = LogLevel::warn;
 
   // Throws InvalidArgument naming the knob for a value that cannot be used (a bad codec, an unknown CPU).

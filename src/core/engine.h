@@ -57,6 +57,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   int workers() const { return static_cast<int>(workers_.size()); }
   int worker_of(int stream) const { return stream % workers(); }
   double cpu_seconds() const;
+  // Fails every pending and later call with `reason` and tells the peers (through the transport), as the first
+  // error of a call would.
+  void abort(const std::string& reason) { fail(reason); }
+
   // Runs fn on worker w's driver at `when` (the engine's timers, for retransmission and the like).
   void at(int w, Clock::time_point when, std::function<void()> fn);
 

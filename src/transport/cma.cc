@@ -157,8 +157,10 @@ Local::Local(Transport& t) : pids_(t.size(), 0), pidfds_(t.size(), -1) {
     return;
   }
   // Yama ptrace_scope=1 only lets ancestors read a process unless it names a tracer (one pid, or any: peers are
-  // several). Only then: it widens who may ptrace this process to every process of this user, as under scope 0.
-  if (first_line("/proc/sys/kernel/yama/ptrace_scope") == "1") prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+  // several). Only then, and only while the path may be used: it widens who may ptrace this process to every
+  // process of this user (as under scope 0) until the probe finds the path unusable or the communicator closes.
+  widened_ = first_line("/proc/sys/kernel/yama/ptrace_scope") == "1" &&
+             prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) == 0;
   ContextGuard guard(t, "cma setup on rank " + std::to_string(r));
 
   std::string reason;
@@ -222,6 +224,7 @@ Local::Local(Transport& t) : pids_(t.size(), 0), pidfds_(t.size(), -1) {
   if (!usable_) {
     for (int& fd : pidfds_)
       if (fd >= 0) close(fd), fd = -1;
+    narrow();
     return;
   }
   staging_.resize(2 * kPieceBytes + 64);
@@ -230,6 +233,12 @@ Local::Local(Transport& t) : pids_(t.size(), 0), pidfds_(t.size(), -1) {
 Local::~Local() {
   for (int fd : pidfds_)
     if (fd >= 0) close(fd);
+  narrow();
+}
+
+void Local::narrow() {
+  if (widened_) prctl(PR_SET_PTRACER, 0, 0, 0, 0);  // back to Yama's default: ancestors only
+  widened_ = false;
 }
 
 void Local::read_peer(Transport& t, int peer, void* local, uint64_t remote, size_t len) {

@@ -19,8 +19,8 @@ class Local {
   // Exchanges pid and host identity (boot id, host name, network and pid namespaces) with every rank through the
   // Transport, then probes that process_vm_readv of every peer works (each rank reads a random token from every
   // peer). All ranks reach the same verdict: usable() is true everywhere only if every rank found every peer on
-  // its host and readable. Calls prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY) first so that Yama ptrace_scope=1
-  // lets sibling processes read this one. Throws CommError only when the Transport fails (a peer died).
+  // its host and readable. Under Yama ptrace_scope=1 it calls prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY) first so
+  // that sibling processes may read this one, and undoes that when the path is unusable and at destruction. Throws CommError only when the Transport fails (a peer died).
   // A world of size 1 is usable (allreduce is a copy).
   explicit Local(Transport& t);
   ~Local();
@@ -48,6 +48,8 @@ class Local {
   // Throws CommError naming a peer whose process has exited (guards against reads from a recycled pid).
   void check_alive(Transport& t);
 
+  void narrow();         // undoes the PR_SET_PTRACER widening, if this made one
+  bool widened_ = false;  // PR_SET_PTRACER_ANY is in force because of this communicator
   bool usable_ = false;
   std::string why_not_;
   std::vector<int> pids_;    // [rank]

@@ -13,7 +13,6 @@ namespace smartcoll {
 
 namespace {
 
-constexpr uint32_t kHelloMagic = 0x53434c33;  // "SCL3"
 constexpr auto kHelloDeadline = std::chrono::seconds(5);
 
 std::string listen_host(const Config& c, const std::string& route_hint) {
@@ -63,7 +62,7 @@ struct TcpTransport::Pending {
 };
 
 TcpTransport::TcpTransport(int rank, int size, std::shared_ptr<Store> store, const Config& config,
-                           const std::string& route_hint)
+                           const std::string& route_hint, const std::string& claim)
     : Transport(rank, size, config.streams), store_(std::move(store)), config_(config), job_(job_fingerprint(config.job_id)),
       chans_(new Channel[static_cast<size_t>(size) * config.streams]), addrs_(size) {
   timeout = std::chrono::duration<double>(config.timeout);
@@ -72,7 +71,7 @@ TcpTransport::TcpTransport(int rank, int size, std::shared_ptr<Store> store, con
   listener_ = net::listen_on(host, 0, 4096);
   net::set_nonblocking(listener_.get(), true);
   addrs_[rank] = host + ":" + std::to_string(net::bound_port(listener_.get()));
-  store_->set("addr/" + std::to_string(rank), addrs_[rank]);
+  store_->set("addr/" + std::to_string(rank) + "/" + claim, addrs_[rank]);
 }
 
 TcpTransport::~TcpTransport() = default;
@@ -187,7 +186,9 @@ bool TcpTransport::connect(int peer, int stream) {
     }
     return false;
   }
-  if (addrs_[peer].empty()) addrs_[peer] = store_->get("addr/" + std::to_string(peer), limit);
+  if (addrs_[peer].empty())
+    addrs_[peer] = store_->get(
+        "addr/" + std::to_string(peer) + "/" + (claims_.empty() ? "" : claims_.at(static_cast<size_t>(peer))), limit);
   const auto deadline = net::Clock::now() + limit;
   net::Fd s = net::connect_to(parse_endpoint(addrs_[peer]), deadline);
   Hello h{kHelloMagic, static_cast<uint32_t>(rank()), static_cast<uint32_t>(stream), static_cast<uint32_t>(size()), job_};

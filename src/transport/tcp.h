@@ -15,6 +15,7 @@
 namespace smartcoll {
 
 // The first bytes a connecting rank sends, in host byte order (one job runs one build).
+inline constexpr uint32_t kHelloMagic = 0x53434c33;  // "SCL3"
 struct Hello {
   uint32_t magic, rank, stream, size;
   uint64_t job;  // job_fingerprint(job id)
@@ -25,10 +26,13 @@ std::string hello_refusal(const Hello& h, int rank, int size, int streams, uint6
 
 class TcpTransport final : public Transport {
  public:
-  // Listens and publishes "host:port" under "addr/<rank>"; connects to nobody yet. route_hint: a host
+  // Listens and publishes "host:port" (see claim); connects to nobody yet. route_hint: a host
   // (MASTER_ADDR) whose route picks the listening address when neither addr nor ifname is set.
+  // `claim`: this process's nonce for its rank; the address goes under "addr/<rank>/<claim>".
   TcpTransport(int rank, int size, std::shared_ptr<Store> store, const Config& config,
-               const std::string& route_hint);
+               const std::string& route_hint, const std::string& claim = "");
+  // The claim rank 0 accepted for each rank (start-up): peers' addresses are looked up under these alone.
+  void accept_claims(std::vector<std::string> claims) { claims_ = std::move(claims); }
   ~TcpTransport() override;
 
   void attach(std::vector<int> epoll_fds) override;
@@ -63,6 +67,7 @@ class TcpTransport final : public Transport {
   mutable std::mutex mu_;  // connection set-up; I/O on a connected channel needs no lock
   std::unique_ptr<Channel[]> chans_;
   std::vector<std::string> addrs_;
+  std::vector<std::string> claims_;
   net::Fd listener_;
   std::vector<int> epfds_;
   std::vector<std::unique_ptr<Pending>> pending_;

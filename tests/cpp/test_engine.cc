@@ -105,7 +105,7 @@ TEST(Engine, SeveralCallsInFlight) {
 }
 
 TEST(Engine, CallsPostedFromTwoThreadsInAFixedOrder) {
-  run_ranks(3, options({}), [&](Communicator& c) {
+  run_ranks(3, options({{"posting", "ordered"}}), [&](Communicator& c) {
     std::vector<float> a(100000, 1.0f), b(7, 2.0f);
     std::latch posted(1);
     std::shared_ptr<Request> first;

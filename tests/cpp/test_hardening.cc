@@ -1,0 +1,252 @@
+// What strangers, other jobs, bad bytes, forks and careless callers can do to a communicator: each gets a clear
+// error within a bound, never a hang, a crash or mixed data.
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <latch>
+#include <thread>
+
+#include "core/agreement.h"
+#include "core/config.h"
+#include "ranks.h"
+#include "transport/socket.h"
+#include "transport/tcp.h"
+
+namespace smartcoll {
+namespace {
+
+using harness::run_ranks;
+using harness::run_threads;
+using harness::test_options;
+using Clock = std::chrono::steady_clock;
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Hardening, HelloFieldsAreCheckedBeforeUse) {
+  const uint64_t job = job_fingerprint("job-a");
+  const Hello good{kHelloMagic, 3, 1, 4, job};
+  EXPECT_EQ(hello_refusal(good, 0, 4, 2, job), "");
+  EXPECT_NE(hello_refusal({0x47455420, 3, 1, 4, job}, 0, 4, 2, job).find("not a smartcoll hello"), std::string::npos);
+  EXPECT_NE(hello_refusal({kHelloMagic, 3, 1, 4, job_fingerprint("job-b")}, 0, 4, 2, job).find("another job"),
+            std::string::npos);
+  EXPECT_NE(hello_refusal({kHelloMagic, 3, 1, 8, job}, 0, 4, 2, job).find("WORLD_SIZE"), std::string::npos);
+  EXPECT_NE(hello_refusal({kHelloMagic, 9, 1, 4, job}, 0, 4, 2, job), "");           // rank past the world
+  EXPECT_NE(hello_refusal({kHelloMagic, 0, 1, 4, job}, 0, 4, 2, job), "");           // not a higher rank
+  EXPECT_NE(hello_refusal({kHelloMagic, 3, 0xffffffffu, 4, job}, 0, 4, 2, job), "");  // stream past the streams
+}
+
+// Rank 0's listening address, as the store has it after start-up.
+net::Endpoint address_of_rank0(Store& store, const std::string& job) {
+  const std::string verdict = store.get("job/" + job + "/settings/verdict", std::chrono::seconds(10));
+  const std::string addr =
+      store.get("job/" + job + "/addr/0/" + verdict.substr(3, verdict.find(' ', 3) - 3), std::chrono::seconds(10));
+  const auto colon = addr.rfind(':');
+  return {addr.substr(0, colon), static_cast<uint16_t>(std::stoi(addr.substr(colon + 1)))};
+}
+
+TEST(Hardening, StrangersAtStartUpAreDroppedAndTheJobGoesOn) {
+  // A silent connection and an HTTP request reach rank 0's data port before rank 1 connects: neither delays
+  // nor breaks the job (the silent one would hold a blocking accept loop for the whole connect timeout).
+  const auto start = Clock::now();
+  std::latch up(2), strangers_in(1);
+  run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    Communicator c(r, 2, store, test_options({{"job_id", "S"}, {"cma", "off"}}));
+    up.arrive_and_wait();
+    std::vector<net::Fd> strangers;
+    if (r == 0) {
+      const net::Endpoint ep = address_of_rank0(*store, "S");
+      strangers.push_back(net::connect_to(ep, net::Clock::now() + std::chrono::seconds(5)));
+      strangers.push_back(net::connect_to(ep, net::Clock::now() + std::chrono::seconds(5)));
+      const char http[] = "GET / HTTP/1.0\r\n\r\n";
+      net::send_all(strangers.back().get(), http, sizeof http - 1, net::Clock::now() + std::chrono::seconds(5), "http");
+      strangers_in.count_down();
+    } else {
+      strangers_in.wait();
+    }
+    float x = 1.0f;
+    c.allreduce(&x, &x, 1, DataType::f32, ReduceOp::sum)->wait();
+    EXPECT_EQ(x, 2.0f);
+  });
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(4));
+}
+
+TEST(Hardening, TwoJobsOnOneStoreStayApart) {
+  // Four ranks of two jobs share one store: each job's sum is its own.
+  auto store = std::make_shared<MemoryStore>();
+  std::vector<std::thread> threads;
+  std::vector<float> result(4, 0.0f);
+  std::vector<std::string> errors(4);
+  for (int i = 0; i < 4; ++i)
+    threads.emplace_back([&, i] {
+      try {
+        const int job = i / 2, rank = i % 2;
+        Communicator c(rank, 2, store, test_options({{"job_id", "job" + std::to_string(job)}, {"cma", "off"}}));
+        float x = static_cast<float>(100 * job + 1 + rank);
+        c.allreduce(&x, &x, 1, DataType::f32, ReduceOp::sum)->wait();
+        result[i] = x;
+      } catch (const std::exception& e) {
+        errors[i] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(errors[i], "") << "process " << i;
+  EXPECT_EQ(result, (std::vector<float>{3, 3, 203, 203}));
+}
+
+TEST(Hardening, ASecondClaimOnARankFailsByName) {
+  // A process of another job that reaches this job's store without a job id (two jobs on one MASTER_PORT) reads
+  // this job's id and claims rank 1 again: it fails at once, and the job goes on unharmed.
+  run_threads(2, [](int r, std::shared_ptr<Store> store) {
+    Communicator c(r, 2, store, test_options({{"cma", "off"}}));
+    if (r == 1) {
+      const std::string error = error_of([&] { Communicator intruder(1, 2, store, test_options({{"cma", "off"}})); });
+      EXPECT_NE(error.find("claims rank 1"), std::string::npos) << error;
+    }
+    float x = 1.0f + static_cast<float>(r);
+    c.allreduce(&x, &x, 1, DataType::f32, ReduceOp::sum)->wait();
+    EXPECT_EQ(x, 3.0f);
+  });
+}
+
+// Rank 1 played by hand: it passes start-up, then sends `desc` where rank 0 expects its allreduce descriptor.
+std::string error_after_descriptor(const Descriptor& desc) {
+  auto store = std::make_shared<MemoryStore>();
+  const Options opts = test_options({{"job_id", "J"}, {"cma", "off"}, {"timeout", "5"}});
+  std::thread peer([&] {
+    store->set("job/J/settings/1", "peer " + Config::must_match(opts));
+    const auto deadline = net::Clock::now() + std::chrono::seconds(10);
+    net::Fd s = net::connect_to(address_of_rank0(*store, "J"), deadline);
+    const Hello hello{kHelloMagic, 1, 0, 2, job_fingerprint("J")};
+    net::send_all(s.get(), &hello, sizeof hello, deadline, "hello");
+    char payload[16] = {};
+    net::send_all(s.get(), &desc, sizeof desc, deadline, "descriptor");
+    net::send_all(s.get(), payload, sizeof payload, deadline, "payload");
+    char sink[256];
+    while (::recv(s.get(), sink, sizeof sink, 0) > 0) {  // until rank 0 gives up on the connection
+    }
+  });
+  std::string error = error_of([&] {
+    Communicator c(0, 2, store, opts);
+    float x[4] = {1, 2, 3, 4};
+    c.allreduce(x, x, 4, DataType::f32, ReduceOp::sum)->wait();
+  });
+  peer.join();
+  return error;
+}
+
+TEST(Hardening, CorruptDescriptorsFailTheCallNotTheProcess) {
+  const Descriptor good =
+      make_descriptor(Collective::allreduce, DataType::f32, ReduceOp::sum, Algorithm::rd, -1, 4, Codec(), false);
+  for (auto corrupt : {+[](Descriptor& d) { d.dtype = 9; }, +[](Descriptor& d) { d.coll = 8; },
+                       +[](Descriptor& d) { d.algo = 200; }, +[](Descriptor& d) { d.magic ^= 1; }}) {
+    Descriptor bad = good;
+    corrupt(bad);
+    const auto start = Clock::now();
+    const std::string error = error_after_descriptor(bad);
+    EXPECT_NE(error.find("a corrupted or foreign message"), std::string::npos) << error;
+    EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
+  }
+}
+
+TEST(Hardening, PartlyOverlappingBuffersAreRejected) {
+  Communicator c(0, 1, std::make_shared<MemoryStore>(), test_options());
+  std::vector<float> buf(2048, 1.0f);
+  const std::string error = error_of([&] { c.allreduce(buf.data(), buf.data() + 1, 1024, DataType::f32, ReduceOp::sum); });
+  EXPECT_NE(error.find("partly overlap"), std::string::npos) << error;
+  EXPECT_EQ(error_of([&] { c.allreduce(buf.data(), buf.data(), 1024, DataType::f32, ReduceOp::sum)->wait(); }), "");
+  EXPECT_EQ(error_of([&] { c.allreduce(buf.data(), buf.data() + 1024, 1024, DataType::f32, ReduceOp::sum)->wait(); }),
+            "");
+}
+
+TEST(Hardening, InPlaceAllgatherFromThisRanksBlock) {
+  run_ranks(3, [](Communicator& c) {
+    std::vector<int32_t> out(3 * 5, -1);
+    for (int i = 0; i < 5; ++i) out[static_cast<size_t>(c.rank() * 5 + i)] = c.rank() * 10 + i;
+    c.allgather(out.data() + c.rank() * 5, out.data(), 5, DataType::i32)->wait();
+    for (int r = 0; r < 3; ++r)
+      for (int i = 0; i < 5; ++i) ASSERT_EQ(out[static_cast<size_t>(r * 5 + i)], r * 10 + i);
+  });
+}
+
+TEST(Hardening, PostingFromASecondThreadWhileACallRunsIsRejected) {
+  std::latch checked(1);
+  run_ranks(2, [&](Communicator& c) {
+    float x = 1.0f;
+    if (c.rank() == 1) {
+      checked.wait();  // rank 0's first call cannot finish before this rank posts its own
+      c.allreduce(&x, &x, 1, DataType::f32, ReduceOp::sum)->wait();
+      EXPECT_EQ(x, 2.0f);
+      return;
+    }
+    std::shared_ptr<Request> first;
+    std::thread([&] { first = c.allreduce(&x, &x, 1, DataType::f32, ReduceOp::sum); }).join();
+    float y = 5.0f;
+    const std::string error = error_of([&] { c.allreduce(&y, &y, 1, DataType::f32, ReduceOp::sum); });
+    EXPECT_NE(error.find("two threads"), std::string::npos) << error;
+    checked.count_down();
+    first->wait();
+    EXPECT_EQ(x, 2.0f);
+  });
+}
+
+TEST(Hardening, AbortFailsThisRankAndItsPeersFast) {
+  const auto start = Clock::now();
+  std::latch posted(1);
+  run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    Communicator c(r, 2, store, test_options({{"cma", "off"}, {"timeout", "30"}}));
+    c.barrier()->wait();  // connected
+    float x = 1.0f;
+    if (r == 0) {
+      auto req = c.allreduce(&x, &x, 1, DataType::f32, ReduceOp::sum);
+      c.abort("interrupted by the test");
+      const std::string error = error_of([&] { req->wait(); });
+      EXPECT_NE(error.find("aborted: interrupted by the test"), std::string::npos) << error;
+      posted.count_down();
+    } else {
+      posted.wait();
+      const std::string error = error_of([&] { c.allreduce(&x, &x, 1, DataType::f32, ReduceOp::sum)->wait(); });
+      EXPECT_NE(error.find("interrupted by the test"), std::string::npos) << error;
+    }
+  });
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
+}
+
+TEST(Hardening, AForkedChildGetsAClearErrorAndExits) {
+  run_ranks(2, [](Communicator& c) {
+    float x = 1.0f;
+    c.allreduce(&x, &x, 1, DataType::f32, ReduceOp::sum)->wait();
+    if (c.rank() == 0) {
+      const pid_t child = ::fork();
+      if (child == 0) {
+        const std::string error = error_of([&] { c.allreduce(&x, &x, 1, DataType::f32, ReduceOp::sum); });
+        c.close();  // must not wait for the parent's engine threads, which the child does not have
+        ::_exit(error.find("fork") != std::string::npos ? 0 : 1);
+      }
+      int status = -1;
+      for (int i = 0; i < 1000 && ::waitpid(child, &status, WNOHANG) == 0; ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      if (!WIFEXITED(status)) {
+        ::kill(child, SIGKILL);
+        ::waitpid(child, &status, 0);
+        FAIL() << "the forked child hung";
+      }
+      EXPECT_EQ(WEXITSTATUS(status), 0) << "the child's call did not fail naming the fork";
+    }
+    c.allreduce(&x, &x, 1, DataType::f32, ReduceOp::sum)->wait();  // the parent goes on
+    EXPECT_EQ(x, 4.0f);
+  });
+}
+
+}  // namespace
+}  // namespace smartcoll

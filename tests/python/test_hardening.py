@@ -1,0 +1,194 @@
+"""Other jobs, forks, signals and careless arguments: each gets a clear error within a bound, never a hang, a crash
+or mixed data (scenarios in hardening_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import clean_env, describe, free_port, run_ranks
+
+import smartcoll
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "hardening_worker.py"
+
+
+def last_json(text: str) -> dict:
+    lines = [line.split("] ", 1)[-1] for line in text.splitlines() if line.rstrip().endswith("}")]
+    assert lines, f"no report in:\n{text}"
+    return json.loads(lines[-1])
+
+
+def reports_by_rank(text: str) -> dict[int, dict]:
+    """The JSON report of each rank in `smartcoll run`'s prefixed output."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("[rank ") and line.rstrip().endswith("}"):
+            rank, body = line[6:].split("] ", 1)
+            out[int(rank)] = json.loads(body)
+    return out
+
+
+def start_job(port: int, hold: float, env: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "smartcoll.tools.cli", "run", "-n", "2", "--master-port", str(port), "--",
+           sys.executable, str(WORKER), "job", str(hold)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=HERE)
+
+
+def test_two_launches_on_one_master_port_never_mix():
+    """Job B starts on job A's MASTER_PORT while A runs: A is right; B's ranks fail with clear errors."""
+    port, env = free_port(), clean_env()
+    a = start_job(port, 3.0, env)
+    time.sleep(1.5)
+    b = start_job(port, 0.0, env)
+    out_a, _ = a.communicate(timeout=60)
+    out_b, _ = b.communicate(timeout=60)
+    ra, rb = reports_by_rank(out_a), reports_by_rank(out_b)
+    assert a.returncode == 0 and [ra[r]["value"] for r in (0, 1)] == [3.0, 3.0], out_a
+    for r, rep in rb.items():
+        assert not rep["ok"] and rep["error"], out_b
+    assert "in use" in out_b or "cannot listen" in out_b, out_b  # B's rank 0: the port is A's
+
+
+def test_two_jobs_without_job_ids_on_one_port_never_mix():
+    """The same with hand-set env:// variables and no job id anywhere: B's rank 1 reaches A's store, finds rank 1
+    claimed and fails naming the cause; B's rank 0 cannot serve the port."""
+    port = free_port()
+
+    def start(rank: int, hold: float) -> subprocess.Popen:
+        env = dict(clean_env(), RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        return subprocess.Popen([sys.executable, str(WORKER), "job", str(hold)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, cwd=HERE)
+
+    a = [start(0, 3.0), start(1, 3.0)]
+    time.sleep(1.5)
+    b = [start(1, 0.0), start(0, 0.0)]
+    outs = [p.communicate(timeout=60)[0] for p in a + b]
+    a0, a1, b1, b0 = map(last_json, outs)
+    assert a0["value"] == 3.0 and a1["value"] == 3.0, describe_outs(outs)
+    assert not b1["ok"] and "claims rank 1" in b1["error"], describe_outs(outs)
+    assert not b0["ok"] and ("in use" in b0["error"] or "listen" in b0["error"]), describe_outs(outs)
+
+
+def describe_outs(outs: list[str]) -> str:
+    return "\n".join(f"--- process {i}:\n{o[-2000:]}" for i, o in enumerate(outs))
+
+
+def test_ctrl_c_aborts_the_rank_and_fails_its_peers_fast(tmp_path):
+    """Rank 0 of 3 gets SIGINT while waiting: it raises KeyboardInterrupt at once, and rank 1, stuck in the same
+    allreduce, fails within seconds naming rank 0 (the timeout is 60 s)."""
+    res = run_ranks(3, ["interrupted"], timeout=60, worker=WORKER)
+    reps = {r: last_json(res[r].stdout) for r in range(3)}
+    assert "KeyboardInterrupt" in reps[0]["error"] and reps[0]["elapsed"] < 5, describe(res)
+    assert not reps[1]["ok"] and "rank 0 aborted: interrupted" in reps[1]["error"], describe(res)
+    assert reps[1]["elapsed"] < 10, describe(res)
+    assert not reps[2]["ok"], describe(res)
+
+
+def gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # a zombie has ended; whoever adopted it reaps it
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
+def test_ranks_die_with_the_launcher(sig):
+    cmd = [sys.executable, "-m", "smartcoll.tools.cli", "run", "-n", "2", "--", sys.executable, str(WORKER), "sleeper"]
+    launcher = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pids = []
+    deadline = time.monotonic() + 30
+    while len(pids) < 2 and time.monotonic() < deadline:
+        line = launcher.stdout.readline()
+        if "pid " in line:
+            pids.append(int(line.rsplit("pid ", 1)[1]))
+    try:
+        assert len(pids) == 2, "the ranks did not start"
+        launcher.send_signal(sig)
+        launcher.wait(timeout=15)
+        deadline = time.monotonic() + 10
+        while not all(gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(gone(p) for p in pids), f"ranks {pids} outlived the launcher ({sig.name})"
+        if sig == signal.SIGHUP:
+            assert launcher.returncode == 128 + signal.SIGHUP
+    finally:
+        launcher.kill()
+        launcher.communicate()
+        for p in pids:
+            if not gone(p):
+                os.kill(p, signal.SIGKILL)
+
+
+FORK_SCRIPT = """
+import os, sys, time, numpy as np, smartcoll
+with smartcoll.init(rank=0, world_size=1, init_method="tcp://127.0.0.1:{port}") as comm:
+    x = np.ones(4, dtype=np.float32)
+    comm.allreduce(x)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            comm.allreduce(x)
+            print("child: no error")
+        except smartcoll.CommError as e:
+            print("child:", e)
+        sys.exit(0)  # leaves the with-block: closes the communicator in the child
+    for _ in range(500):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.02)
+    else:
+        os.kill(pid, 9)
+        print("parent: the child hung")
+    comm.allreduce(x)
+    print("parent:", x[0])
+"""
+
+
+def test_a_forked_child_gets_a_clear_error_and_exits():
+    proc = subprocess.run([sys.executable, "-c", FORK_SCRIPT.format(port=free_port())], env=clean_env(),
+                          capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "child:" in out and "fork" in out.split("child:", 1)[1].splitlines()[0], out
+    assert "hung" not in out and "parent: 1.0" in out, out
+
+
+@pytest.fixture(scope="module")
+def solo():
+    with smartcoll.init(rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}") as comm:
+        yield comm
+
+
+def test_partly_overlapping_input_and_output_are_rejected(solo):
+    buf = np.arange(2048, dtype=np.float32)
+    with pytest.raises(ValueError, match="partly overlap"):
+        solo.allreduce(buf[:1024], out=buf[1:1025])
+    solo.allreduce(buf[:1024], out=buf[1024:])  # adjacent, not overlapping
+    solo.allreduce(buf[:1024], out=buf[:1024])  # in place
+    np.testing.assert_array_equal(buf[1024:], np.arange(1024, dtype=np.float32))
+
+
+def test_read_only_inputs_are_accepted(solo):
+    data = np.arange(8, dtype=np.float32)
+    ro = np.frombuffer(data.tobytes(), dtype=np.float32)
+    assert not ro.flags.writeable
+    for call, out in [
+        (lambda o: solo.allreduce(ro, out=o), np.empty(8, np.float32)),
+        (lambda o: solo.allgather(ro, o), np.empty(8, np.float32)),
+        (lambda o: solo.reduce_scatter(ro, o), np.empty(8, np.float32)),
+        (lambda o: solo.alltoall(ro, o), np.empty(8, np.float32)),
+        (lambda o: solo.reduce(ro, root=0, out=o), np.empty(8, np.float32)),
+    ]:
+        call(out)
+        np.testing.assert_array_equal(out, data)
