@@ -161,7 +161,8 @@ class Communicator {
   std::unique_ptr<CallHistory> history_;
   std::mutex submit_mu_;  // calls are numbered and queued in one order
   uint64_t seq_ = 0;
-  int pid_ = 0;  // the process that made this communicator: a forked child has a copy it cannot use
+  int pid_ = 0;         // the process that made this communicator: a forked child has a copy it cannot use
+  uint64_t forks_ = 0;  // how many forks this process had come out of when it made it
   // The thread that posted the last call, and that call: another thread may post only once it has finished
   // (two threads posting at once would number their calls in different orders on different ranks).
   std::thread::id poster_;

@@ -1,6 +1,7 @@
 #include <array>
 #include <cstring>
 #include <cstdlib>
+#include <pthread.h>
 #include <unistd.h>
 #include <map>
 #include <random>
@@ -59,6 +60,15 @@ struct CallHistory {
 
 namespace {
 
+// Counts the forks this process came out of (as a child), so that the per-call check costs a load, not a syscall.
+std::atomic<uint64_t> g_forks{0};
+const bool g_fork_counter = [] {
+  pthread_atfork(nullptr, nullptr, [] { g_forks.fetch_add(1, std::memory_order_relaxed); });
+  return true;
+}();
+
+bool forked_since(uint64_t forks) { return g_forks.load(std::memory_order_relaxed) != forks; }
+
 std::string random_token() {
   std::random_device entropy;  // getrandom(2) on Linux
   const uint64_t bits = (static_cast<uint64_t>(entropy()) << 32) | entropy();
@@ -108,7 +118,8 @@ void check_root(int root, int size) {
 Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, const Options& options,
                            const std::string& route_hint)
     : rank_(rank), size_(size), options_(options), store_(std::move(store)),
-      history_(std::make_unique<CallHistory>()), pid_(static_cast<int>(::getpid())) {
+      history_(std::make_unique<CallHistory>()), pid_(static_cast<int>(::getpid())),
+      forks_(g_forks.load()) {
   if (size < 1) throw InvalidArgument("world size must be at least 1, got " + std::to_string(size));
   if (rank < 0 || rank >= size)
     throw InvalidArgument("rank " + std::to_string(rank) + " is outside the world of size " + std::to_string(size));
@@ -220,7 +231,7 @@ std::vector<std::string> Communicator::agree_on_settings(const std::string& clai
 }
 
 void Communicator::abort(const std::string& reason) {
-  if (::getpid() != pid_) return;  // a forked child's copy: the parent owns the job
+  if (forked_since(forks_)) return;  // a forked child's copy: the parent owns the job
   std::lock_guard closing(close_mu_);
   if (engine_) engine_->abort("rank " + std::to_string(rank_) + " aborted: " + reason);
 }
@@ -231,7 +242,7 @@ void Communicator::close() {
   std::lock_guard closing(close_mu_);  // two threads closing at once must not both stop the engine
   if (closed_) return;
   closed_ = true;
-  if (::getpid() != pid_) {
+  if (forked_since(forks_)) {
     // A forked child: the engine's threads were not copied, and its locks may be held by threads that do not
     // exist here. Let go without touching any of it; the child's exit closes the sockets.
     new std::shared_ptr<Engine>(std::move(engine_));
@@ -281,7 +292,7 @@ Algorithm Communicator::choose(Collective coll, size_t count, DataType dt, Algor
 }
 
 void Communicator::check_usable() {
-  if (::getpid() != pid_)
+  if (forked_since(forks_))
     throw CommError("this communicator belongs to process " + std::to_string(pid_) + "; process " +
                     std::to_string(::getpid()) + " is a fork() of it and cannot use it: create a new communicator "
                     "in the child (with its own rank and world), or start workers with the 'spawn' method");
