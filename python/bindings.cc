@@ -176,12 +176,21 @@ NB_MODULE(_core, m) {
       .def_prop_ro("size", &Communicator::size)
       .def_prop_ro("options", [](const Communicator& c) { return c.options().values(); })
       .def_prop_ro("cma_unusable_reason", &Communicator::cma_unusable_reason)
-      .def("choose_allreduce", [](const Communicator& c, size_t count, const std::string& dtype,
-                                  const std::string& algo, const std::string& op, const std::string& codec) {
+      .def("choose", [](const Communicator& c, const std::string& collective, size_t count, const std::string& dtype,
+                        const std::string& algo, const std::string& op, const std::string& codec) {
+        Collective coll = Collective::allreduce;
+        bool known = false;
+        for (int i = 0; i < kCollectives && !known; ++i)
+          if (collective_name(static_cast<Collective>(i)) == collective) coll = static_cast<Collective>(i), known = true;
+        if (!known) throw nb::value_error(("unknown collective '" + collective + "'").c_str());
         const DataType dt = parse_dtype(dtype);
-        const bool compressed = c.choose_codec(dt, parse_op(op), parse_codec(codec)).kind() != CodecKind::identity;
-        return std::string(algorithm_name(c.choose(Collective::allreduce, count, dt, parse_algorithm(algo),
-                                                   compressed)));
+        const bool reduces = coll == Collective::allreduce || coll == Collective::reduce_scatter ||
+                             coll == Collective::reduce;
+        const std::optional<ReduceOp> rop = reduces ? std::optional(parse_op(op)) : std::nullopt;
+        const bool compressed = (coll == Collective::allreduce || coll == Collective::reduce_scatter ||
+                                 coll == Collective::allgather) &&
+                                c.choose_codec(dt, rop, parse_codec(codec)).kind() != CodecKind::identity;
+        return std::string(algorithm_name(c.choose(coll, count, dt, parse_algorithm(algo, coll), compressed)));
       })
       .def("engine_stats", [](const Communicator& c) {
         const EngineStats s = c.engine_stats();

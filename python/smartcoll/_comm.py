@@ -238,7 +238,15 @@ class Communicator:
         self, count: int, dtype: str = "float32", algo: str = "auto", op: str = "sum", codec: Optional[str] = None
     ) -> str:
         """The algorithm allreduce would use for `count` elements of `dtype`."""
-        return self._core.choose_allreduce(count, dtype, algo, op, codec or "")
+        return self.algorithm_for("allreduce", count, dtype, algo, op, codec)
+
+    def algorithm_for(
+        self, collective: str, count: int, dtype: str = "float32", algo: str = "auto", op: str = "sum",
+        codec: Optional[str] = None,
+    ) -> str:
+        """The algorithm `collective` would use for `count` elements of `dtype` (as the collective takes its count:
+        per rank for reduce_scatter, allgather and alltoall)."""
+        return self._core.choose(collective, count, dtype, algo, op, codec or "")
 
 
 # Where each launcher puts a rank's place in the job, in the order looked at: torchrun and smartcoll run (the

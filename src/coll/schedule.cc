@@ -82,6 +82,8 @@ int32_t Builder::join(int stream, const std::vector<int32_t>& ops) {
   return last;
 }
 
+Collective Builder::collective() const { return static_cast<Collective>(task_.desc.coll); }
+
 void Builder::exclusive(std::function<void()> body) { task_.exclusive = std::move(body); }
 
 char* Builder::scratch(size_t bytes) {

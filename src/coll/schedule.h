@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/task.h"
+#include "smartcoll/comm.h"
 #include "smartcoll/codec.h"
 #include "smartcoll/types.h"
 
@@ -72,6 +73,7 @@ class Builder {
   char* scratch(size_t bytes);
   // The call runs `body` alone instead of lanes (core/task.h).
   void exclusive(std::function<void()> body);
+  Collective collective() const;
 
  private:
   Lane& lane(int stream);

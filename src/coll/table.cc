@@ -21,34 +21,46 @@ constexpr AlgorithmInfo kAllreduceAlgos[] = {
      allreduce_rhd, raw_only, [](int n) { return 2 * log2n(n) + 2; }, [](int n) { return 2.0 * (n - 1) / n + 1; }},
     {Algorithm::rd, "recursive doubling: log2(n) exchanges of the whole vector; fewest steps for tiny messages",
      allreduce_rd, raw_only, [](int n) { return log2n(n) + 2; }, [](int n) { return log2n(n) + 1; }},
-    {Algorithm::cma, "same host: every rank reads its peers' buffers once with process_vm_readv", allreduce_cma,
+    {Algorithm::cma, "same host: every rank reads its peers' buffers once with process_vm_readv", same_host_cma,
      needs_cma, [](int) { return 4.0; }, [](int n) { return (n - 1.0) / n; }},
 };
+// Same host, the other collectives: one exchange of addresses, single-copy reads, one closing barrier.
+constexpr AlgorithmInfo kCmaGather = {Algorithm::cma, "same host: each rank reads its peers' blocks once", same_host_cma,
+                                      needs_cma, [](int) { return 3.0; }, [](int n) { return n - 1.0; }};
+constexpr AlgorithmInfo kCmaReduce = {Algorithm::cma, "same host: chunk q reduced by rank q from every rank's input",
+                                      same_host_cma, needs_cma, [](int) { return 4.0; },
+                                      [](int n) { return (n - 1.0) / n; }};
 constexpr AlgorithmInfo kReduceScatterAlgos[] = {
     {Algorithm::ring, "pipelined ring, any codec", reduce_scatter_ring, any, [](int n) { return n - 1.0; },
      [](int n) { return n - 1.0; }},
+    kCmaReduce,
 };
 constexpr AlgorithmInfo kAllgatherAlgos[] = {
     {Algorithm::ring, "pipelined ring, any codec", allgather_ring, any, [](int n) { return n - 1.0; },
      [](int n) { return n - 1.0; }},
     {Algorithm::bruck, "Bruck: ceil(log2 n) steps, blocks rotated into place at the end", allgather_bruck, raw_only,
      [](int n) { return log2n(n); }, [](int n) { return n - 1.0; }},
+    kCmaGather,
 };
 constexpr AlgorithmInfo kBroadcastAlgos[] = {
     {Algorithm::tree, "binomial tree: log2(n) steps", broadcast_tree, raw_only, [](int n) { return log2n(n); },
      [](int n) { return log2n(n); }},
     {Algorithm::chain, "pipelined chain: the link rate whatever n, n-1 steps to fill", broadcast_chain, raw_only,
      [](int n) { return n - 1.0; }, [](int) { return 1.0; }},
+    {Algorithm::cma, "same host: every rank reads the root's buffer once", same_host_cma, needs_cma,
+     [](int) { return 3.0; }, [](int) { return 1.0; }},
 };
 constexpr AlgorithmInfo kReduceAlgos[] = {
     {Algorithm::tree, "binomial tree: log2(n) steps", reduce_tree, raw_only, [](int n) { return log2n(n); },
      [](int n) { return log2n(n); }},
     {Algorithm::chain, "pipelined chain: the link rate whatever n, n-1 steps to fill", reduce_chain, raw_only,
      [](int n) { return n - 1.0; }, [](int) { return 1.0; }},
+    kCmaReduce,
 };
 constexpr AlgorithmInfo kAlltoallAlgos[] = {
     {Algorithm::direct, "every pair at once", alltoall_direct, raw_only, [](int) { return 1.0; },
      [](int n) { return n - 1.0; }},
+    kCmaGather,
 };
 constexpr AlgorithmInfo kBarrierAlgos[] = {
     {Algorithm::dissemination, "dissemination: ceil(log2 n) rounds of one signal each", barrier_dissemination,
@@ -89,17 +101,26 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
     return requested;
   }
   const bool small = q.bytes <= small_bytes;
+  // q.bytes is one rank's block for these; what the call moves is n of them.
+  const bool small_total = q.bytes * static_cast<size_t>(q.n) <= small_bytes;
+  // On one host, single-copy reads beat copying every byte through TCP twice once the call is not tiny.
+  const bool same_host = q.cma_usable && !q.compressed;
   switch (c) {
     case Collective::allreduce:
       if (q.compressed) return Algorithm::ring;
       // Recursive doubling sends the whole vector log2(n) times: only while the latency dominates.
       if (small) return q.bytes <= 8192 ? Algorithm::rd : Algorithm::rhd;
-      return q.cma_usable ? Algorithm::cma : Algorithm::ring;
+      return same_host ? Algorithm::cma : Algorithm::ring;
     case Collective::allgather:
-      // q.bytes is one rank's block; what the call moves is n of them.
-      return !q.compressed && q.bytes * static_cast<size_t>(q.n) <= small_bytes ? Algorithm::bruck : Algorithm::ring;
+      if (small_total) return q.compressed ? Algorithm::ring : Algorithm::bruck;
+      return same_host ? Algorithm::cma : Algorithm::ring;
+    case Collective::reduce_scatter:
+    case Collective::alltoall:
+      return same_host && !small_total ? Algorithm::cma : algorithms(c).front().algo;
     case Collective::broadcast:
-    case Collective::reduce: return small ? Algorithm::tree : Algorithm::chain;
+    case Collective::reduce:
+      if (small) return Algorithm::tree;
+      return same_host ? Algorithm::cma : Algorithm::chain;
     default: return algorithms(c).front().algo;
   }
 }

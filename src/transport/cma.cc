@@ -18,11 +18,21 @@
 
 namespace smartcoll::cma {
 
+// What each rank calls, and where its buffers are (a non-root's `out` in reduce: its reduced chunk).
+struct Addresses {
+  uint32_t magic;
+  uint8_t coll, dtype, op, pad;
+  int64_t root;
+  uint64_t count;
+  uint64_t in, out;
+};
+static_assert(sizeof(Addresses) == 40);
+
 namespace {
 
 constexpr uint32_t kHelloMagic = 0x434d4131;    // "CMA1"
 constexpr uint32_t kVerdictMagic = 0x434d4156;  // "CMAV"
-constexpr uint32_t kAddrMagic = 0x434d4141;     // "CMAA"
+constexpr uint32_t kAddrMagic = 0x434d4142;     // "CMAB"
 
 struct Hello {
   uint32_t magic;
@@ -40,12 +50,16 @@ struct Verdict {
 };
 static_assert(sizeof(Verdict) == 256);
 
-struct Addresses {
-  uint32_t magic;
-  uint8_t dtype, op, pad[2];
-  uint64_t count;
-  uint64_t in, out;
-};
+std::string describe(const Addresses& a) {
+  std::string coll = a.coll < kCollectives ? std::string(collective_name(static_cast<Collective>(a.coll)))
+                                           : "collective " + std::to_string(a.coll);
+  std::string dt = a.dtype < std::size(kAllDataTypes) ? std::string(dtype_name(static_cast<DataType>(a.dtype)))
+                                                      : "dtype " + std::to_string(a.dtype);
+  std::string op = a.op < std::size(kAllReduceOps) ? std::string(op_name(static_cast<ReduceOp>(a.op)))
+                                                   : "op " + std::to_string(a.op);
+  return coll + "(count=" + std::to_string(a.count) + ", " + dt + ", op=" + op +
+         ", root=" + std::to_string(a.root) + ")";
+}
 
 // Sends the same `bytes` at `mine` to every peer and receives each peer's into all + peer * bytes (all + rank * bytes
 // gets a copy of mine), all at once over the Transport.
@@ -288,82 +302,117 @@ void Local::barrier(Transport& t, uint8_t phase) {
                       std::to_string(got[p]) + ", expected " + std::to_string(phase) + ")");
 }
 
-void Local::allreduce(Transport& t, const char* in, char* out, size_t count, DataType dt, ReduceOp op) {
-  if (!usable_) throw InvalidArgument("cma allreduce: cross-memory attach is not usable here: " + why_not_);
-  if (op == ReduceOp::avg && !is_floating(dt))
-    throw InvalidArgument("op 'avg' needs a floating-point dtype, got " + std::string(dtype_name(dt)));
+void Local::reduce_from_all(Transport& t, const std::vector<Addresses>& addrs, const Call& c, size_t from,
+                            size_t len, char* dst) {
   const int n = t.size(), r = t.rank();
-  const size_t esize = dtype_size(dt);
-  if (n == 1) {
-    if (out != in && count) std::memcpy(out, in, count * esize);
+  const size_t esize = dtype_size(c.dt), piece = kPieceBytes / esize;
+  char* s0 = staging_.data() + (64 - reinterpret_cast<uintptr_t>(staging_.data()) % 64) % 64;
+  char* s1 = s0 + kPieceBytes;
+  // x_0 op x_1 op ... accumulates in staging (s0); the last step writes dst. This rank's own input is read in
+  // place; where dst is this rank's own input (allreduce in place), dst is written only by the last step of each
+  // piece, which reads that same piece (exact aliasing, allowed by reduce()).
+  for (size_t off = 0; off < len; off += piece) {
+    const size_t k = std::min(piece, len - off), at = (from + off) * esize;
+    auto fetch = [&](int p, char* buf) -> const char* {
+      if (p == r) return c.in + at;
+      read_peer(t, p, buf, addrs[p].in + at, k * esize);
+      return buf;
+    };
+    const char* acc = fetch(0, s0);
+    for (int p = 1; p < n; ++p) {
+      const char* x = fetch(p, s1);
+      char* into = p == n - 1 ? dst + off * esize : s0;
+      reduce(c.dt, c.op, into, acc, x, k);
+      acc = into;
+    }
+    if (c.op == ReduceOp::avg) scale_divide(c.dt, dst + off * esize, k, n);
+  }
+}
+
+void Local::run(Transport& t, const Call& c) {
+  if (!usable_) throw InvalidArgument("cma: cross-memory attach is not usable here: " + why_not_);
+  const int n = t.size(), r = t.rank();
+  const size_t esize = dtype_size(c.dt), block = c.count * esize;
+  const bool reduces = c.coll == Collective::allreduce || c.coll == Collective::reduce_scatter ||
+                       c.coll == Collective::reduce;
+  if (reduces && c.op == ReduceOp::avg && !is_floating(c.dt))
+    throw InvalidArgument("op 'avg' needs a floating-point dtype, got " + std::string(dtype_name(c.dt)));
+  if (n == 1) {  // every collective of one rank is a copy (or nothing, in place and for broadcast)
+    if (c.in && c.out && c.out != c.in && block) std::memcpy(c.out, c.in, block);
     return;
   }
+  // Chunk q of a whole vector (the same split as the ring) is reduced by rank q.
+  auto chunk_begin = [&](int q) {
+    const size_t base = c.count / n, extra = c.count % n, uq = static_cast<size_t>(q);
+    return uq * base + std::min(uq, extra);
+  };
+  auto chunk_len = [&](int q) { return chunk_begin(q + 1) - chunk_begin(q); };
+  // reduce: a non-root reduces its chunk here, where the root reads it.
+  std::vector<char> chunk(c.coll == Collective::reduce && r != c.root ? chunk_len(r) * esize : 0);
+  char* out = c.coll == Collective::reduce && r != c.root ? chunk.data() : c.out;
 
-  // Addresses (and the call, so that a mismatch fails cleanly instead of reading past a peer's buffer).
-  Addresses mine{kAddrMagic, static_cast<uint8_t>(dt), static_cast<uint8_t>(op), {0, 0}, count,
-                 reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out)};
+  // Addresses, and the call, so that a mismatch fails cleanly instead of reading past a peer's buffer.
+  const Addresses mine{kAddrMagic, static_cast<uint8_t>(c.coll), static_cast<uint8_t>(c.dt),
+                       static_cast<uint8_t>(reduces ? c.op : ReduceOp::sum), 0, c.root, c.count,
+                       reinterpret_cast<uintptr_t>(c.in), reinterpret_cast<uintptr_t>(out)};
   std::vector<Addresses> addrs(n);
   exchange(t, &mine, addrs.data(), sizeof(Addresses));
   for (int p = 0; p < n; ++p) {
     const Addresses& a = addrs[p];
-    if (a.magic == kAddrMagic && a.dtype == mine.dtype && a.op == mine.op && a.count == count) continue;
-    throw CommError(prefix(t) + ": ranks disagree: rank " + std::to_string(p) + " called allreduce(count=" +
-                    std::to_string(a.count) + ", " +
-                    (a.dtype < std::size(kAllDataTypes) ? std::string(dtype_name(static_cast<DataType>(a.dtype)))
-                                                        : "?") +
-                    ", op=" +
-                    (a.op < std::size(kAllReduceOps) ? std::string(op_name(static_cast<ReduceOp>(a.op))) : "?") +
-                    "), this rank (" + std::to_string(r) + ") allreduce(count=" + std::to_string(count) + ", " +
-                    std::string(dtype_name(dt)) + ", op=" + std::string(op_name(op)) + ")");
+    if (a.magic != kAddrMagic || a.coll != mine.coll || a.dtype != mine.dtype || a.op != mine.op ||
+        a.root != mine.root || a.count != mine.count)
+      throw CommError(prefix(t) + ": ranks disagree: rank " + std::to_string(p) + " called " +
+                      (a.magic == kAddrMagic ? describe(a) : "something else (a corrupted message)") +
+                      ", this rank (" + std::to_string(r) + ") " + describe(mine));
   }
-  if (count == 0) return;
+  if (c.count == 0) return;
 
-  // Chunk c (the same split as the ring) is reduced by rank c.
-  auto chunk_begin = [&](int c) {
-    size_t base = count / n, extra = count % n, uc = static_cast<size_t>(c);
-    return uc * base + std::min(uc, extra);
-  };
-  auto chunk_end = [&](int c) { return chunk_begin(c + 1); };
-
-  // Phase 1: reduce chunk r, piece by piece. x_0 op x_1 op ... accumulates in staging (s0); the last step writes
-  // out. This rank's own input is read in place; where out == in, out[chunk r] is written only by the last step
-  // of each piece, which reads that same piece of in (exact aliasing, allowed by reduce()), and no peer reads
-  // this rank's chunk r of in.
-  {
-    char* s0 = staging_.data() + (64 - reinterpret_cast<uintptr_t>(staging_.data()) % 64) % 64;
-    char* s1 = s0 + kPieceBytes;
-    const size_t piece = kPieceBytes / esize;
-    const size_t end = chunk_end(r);
-    for (size_t off = chunk_begin(r); off < end; off += piece) {
-      const size_t len = std::min(piece, end - off), bytes = len * esize;
-      auto fetch = [&](int p, char* buf) -> const char* {
-        if (p == r) return in + off * esize;
-        read_peer(t, p, buf, addrs[p].in + off * esize, bytes);
-        return buf;
-      };
-      const char* acc = fetch(0, s0);
-      for (int p = 1; p < n; ++p) {
-        const char* x = fetch(p, s1);
-        char* dst = p == n - 1 ? out + off * esize : s0;
-        reduce(dt, op, dst, acc, x, len);
-        acc = dst;
+  switch (c.coll) {
+    case Collective::allreduce:
+      reduce_from_all(t, addrs, c, chunk_begin(r), chunk_len(r), out + chunk_begin(r) * esize);
+      check_alive(t);
+      // Every chunk is final in its owner's out, and nobody reads any in any more: out may now be overwritten
+      // (in place, out[chunk p] of this rank is in[chunk p], which rank p was reading until this barrier).
+      barrier(t, 1);
+      for (int k = 1; k < n; ++k) {
+        const int p = (r + k) % n;
+        const size_t b = chunk_begin(p) * esize;
+        if (chunk_len(p)) read_peer(t, p, out + b, addrs[p].out + b, chunk_len(p) * esize);
       }
-      if (op == ReduceOp::avg) scale_divide(dt, out + off * esize, len, n);
+      break;
+    case Collective::reduce_scatter:
+      reduce_from_all(t, addrs, c, static_cast<size_t>(r) * c.count, c.count, out);
+      break;
+    case Collective::reduce:
+      reduce_from_all(t, addrs, c, chunk_begin(r), chunk_len(r),
+                      r == c.root ? out + chunk_begin(r) * esize : chunk.data());
+      check_alive(t);
+      barrier(t, 1);  // every chunk is reduced: the root gathers them
+      if (r == c.root)
+        for (int p = 0; p < n; ++p)
+          if (p != r && chunk_len(p))
+            read_peer(t, p, out + chunk_begin(p) * esize, addrs[p].out, chunk_len(p) * esize);
+      break;
+    case Collective::allgather:
+    case Collective::alltoall: {
+      // allgather: block p of out is rank p's input; alltoall: it is block r of rank p's input.
+      const size_t at = c.coll == Collective::alltoall ? static_cast<size_t>(r) * block : 0;
+      for (int k = 1; k < n; ++k) {
+        const int p = (r + k) % n;
+        read_peer(t, p, out + static_cast<size_t>(p) * block, addrs[p].in + at, block);
+      }
+      char* own = out + static_cast<size_t>(r) * block;
+      if (own != c.in + at) std::memcpy(own, c.in + at, block);  // in-place allgather: already there
+      break;
     }
+    case Collective::broadcast:
+      if (r != c.root) read_peer(t, c.root, out, addrs[static_cast<size_t>(c.root)].out, block);
+      break;
+    case Collective::barrier:
+      break;
   }
   check_alive(t);
-  // Every chunk is final in its owner's out, and nobody reads any in any more: out may now be overwritten (in place,
-  // out[chunk p] of this rank is in[chunk p], which rank p was reading until it reached this barrier).
-  barrier(t, 1);
-
-  // Phase 2: gather every other rank's reduced chunk straight from its out into this rank's out.
-  for (int k = 1; k < n; ++k) {
-    const int p = (r + k) % n;
-    const size_t b = chunk_begin(p), e = chunk_end(p);
-    if (e > b) read_peer(t, p, out + b * esize, addrs[p].out + b * esize, (e - b) * esize);
-  }
-  check_alive(t);
-  // No rank returns (and lets its caller touch out) while a peer may still be reading its chunk.
+  // No rank returns (and lets its caller touch its buffers) while a peer may still be reading them.
   barrier(t, 2);
 }
 

@@ -9,10 +9,13 @@
 #include <string>
 #include <vector>
 
+#include "smartcoll/comm.h"
 #include "smartcoll/types.h"
 #include "transport/transport.h"
 
 namespace smartcoll::cma {
+
+struct Addresses;  // what a rank calls and where its buffers are (exchanged at the start of each call)
 
 class Local {
  public:
@@ -30,12 +33,27 @@ class Local {
   bool usable() const { return usable_; }
   std::string why_not() const { return why_not_; }  // empty when usable
 
-  // Allreduce of `count` elements; in may equal out (other overlap is not allowed). Every rank ends with identical
-  // bits, the same from run to run: each element is x_0 op x_1 op ... op x_{n-1} in rank order, and avg divides the
-  // sum by n once. Buffers must not be touched by the caller during the call. Throws CommError naming the peer when
-  // a read fails (the peer died: ESRCH) or a barrier fails, and when ranks pass different counts, dtypes or ops.
-  // Requires usable().
-  void allreduce(Transport& t, const char* in, char* out, size_t count, DataType dt, ReduceOp op);
+  // A collective among ranks that all share this host, as the communicator's call passes it (count per rank for
+  // reduce_scatter, allgather and alltoall; broadcast's buffer is `out`; reduce's out is read on the root only).
+  struct Call {
+    Collective coll;
+    DataType dt;
+    ReduceOp op;
+    int root;
+    size_t count;
+    const char* in;
+    char* out;
+  };
+  // Runs `c` with single-copy reads of the peers' buffers: each byte crosses memory once (allgather, alltoall,
+  // broadcast) or is read once by the rank that reduces it (chunk q of a reduction by rank q, in rank order: every
+  // rank gets identical bits, the same from run to run; avg divides the sum by n once). Buffers must not be
+  // touched by the caller during the call; in == out is in place, other overlap is not allowed. Throws CommError
+  // naming the peer when a read fails (the peer died: ESRCH) or a barrier fails, and when ranks call different
+  // collectives, counts, dtypes, ops or roots. Requires usable().
+  void run(Transport& t, const Call& c);
+  void allreduce(Transport& t, const char* in, char* out, size_t count, DataType dt, ReduceOp op) {
+    run(t, {Collective::allreduce, dt, op, -1, count, in, out});
+  }
 
   // Bytes per piece of the reduce phase (read from a peer into an L2-resident staging buffer, then reduced).
   // Exposed for benchmarks; a multiple of every element size.
@@ -43,6 +61,9 @@ class Local {
 
  private:
   void barrier(Transport& t, uint8_t phase);
+  // dst[0, len) = elements [from, from + len) of every rank's input, reduced in rank order, piece by piece.
+  void reduce_from_all(Transport& t, const std::vector<Addresses>& addrs, const Call& c, size_t from,
+                       size_t len, char* dst);
   // Reads `len` bytes at `remote` in rank `peer`'s memory into `local`; throws CommError naming the peer.
   void read_peer(Transport& t, int peer, void* local, uint64_t remote, size_t len);
   // Throws CommError naming a peer whose process has exited (guards against reads from a recycled pid).

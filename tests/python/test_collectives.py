@@ -31,6 +31,8 @@ import rank_worker as rw
 from rank_worker import DTYPES, FLOAT_DTYPES, INT_DTYPES, STORAGE, Case
 
 SIZES = [1, 2, 3, 4, 5, 8]
+# World sizes run again with every call on the same-host path (rhd_max_bytes=0: auto picks cma at every size).
+SAME_HOST_SIZES = [3, 4]
 
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "float64": 2.0**-53, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 SMALLEST_SUBNORMAL = {"float32": 2.0**-149, "float64": 2.0**-1074, "float16": 2.0**-24, "bfloat16": 2.0**-133}
@@ -54,12 +56,16 @@ class World:
         return self.results[rank][case.key]
 
 
-@pytest.fixture(scope="module", params=SIZES, ids=lambda n: f"world{n}")
+WORLDS = [(n, "") for n in SIZES] + [(n, "cma") for n in SAME_HOST_SIZES]
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w[0]}{'-' + w[1] if w[1] else ''}")
 def world(request, ranks, tmp_path_factory):
-    n = request.param
-    outdir = tmp_path_factory.mktemp(f"collectives{n}")
+    n, path = request.param
+    outdir = tmp_path_factory.mktemp(f"collectives{n}{path}")
+    env = {"SMARTCOLL_RHD_MAX_BYTES": "0", "SMARTCOLL_CMA": "auto"} if path == "cma" else None
     t0 = time.monotonic()
-    res = ranks(n, ["collectives", outdir, free_port()], timeout=240, logdir=outdir / "logs")
+    res = ranks(n, ["collectives", outdir, free_port()], env=env, timeout=240, logdir=outdir / "logs")
     seconds = time.monotonic() - t0
     assert_all_ok(res)
     results, info = [], []
@@ -67,6 +73,9 @@ def world(request, ranks, tmp_path_factory):
         with np.load(outdir / f"rank{r}.npz") as z:
             results.append({k: z[k] for k in z.files})
         info.append(json.loads((outdir / f"rank{r}.json").read_text()))
+    if path == "cma":  # the run went where it was meant to
+        assert all(i["same_host_path"] == "usable" for i in info), [i["same_host_path"] for i in info]
+        assert all(set(i["chosen"].values()) == {"cma"} for i in info), [i["chosen"] for i in info]
     return World(n, results, info, seconds)
 
 
