@@ -12,6 +12,7 @@ from typing import Optional
 import numpy as np
 
 from .. import launcher
+from . import overlap
 from .report import aggregate, build_rows, format_report, metadata
 from .runners import (
     COLLECTIVES, DTYPES, LATENCY_ITERS_LARGE, LATENCY_ITERS_SMALL, LATENCY_LARGE_MESSAGE, MIN_ITERS, OPS, SIZELESS,
@@ -146,6 +147,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and one table of mean microseconds per call (averaged over the ranks), smartcoll and each --vs peer "
         "side by side with peer/smartcoll, and smartcoll's engine CPU seconds per GB. Without it, that table "
         "follows the bandwidth table",
+    )
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="overlap mode, as OSU's non-blocking benchmarks (osu_iallreduce, ...): per size the collective alone "
+        "(t_pure), a synthetic compute (small matmuls) as long as that, and post + compute + wait (t_total); "
+        "prints overlap%% = 100 x max(0, 1 - (t_total - t_compute) / t_pure) and the compute's slowdown while "
+        "the collective runs, for smartcoll and each --vs peer (gloo async_op, MPI's I-collectives)",
     )
     parser.add_argument(
         "--iter-bytes",
@@ -327,6 +336,7 @@ def main(args: argparse.Namespace) -> int:
         "peers": [p for p in vs if p == "gloo"],
         "world_size": args.nprocs,
         "timeout": args.time_limit,
+        "overlap": bool(getattr(args, "overlap", False)),
     }
     link = measure_link(c, getattr(args, "iperf", True)) if c else None
     where = f" on cluster {c.name} (one per host)" if c else ""
@@ -347,17 +357,20 @@ def main(args: argparse.Namespace) -> int:
         if rc != 0:
             print(f"smartcoll bench: the benchmark ranks failed (status {rc}); no results", file=sys.stderr)
             return rc
-        measured = {impl: aggregate(workdir, impl, args.nprocs) for impl in ["smartcoll"] + cfg["peers"]}
+        measured = {impl: True if cfg["overlap"] else aggregate(workdir, impl, args.nprocs)
+                    for impl in ["smartcoll"] + cfg["peers"]}
         mpi_failure = None
         if "mpi" in vs:
             how = f"tcp over the veths of cluster {c.name}, mpirun in host 0's namespace" if c else transport
             status(f"{args.nprocs} ranks: Open MPI ({how}) under mpirun")
             rc = peers.run_mpi(workdir, args.nprocs, args.time_limit, transport, cluster=c, mca=mca)
             if rc == 0:
-                measured["mpi"] = aggregate(workdir, "mpi", args.nprocs)
+                measured["mpi"] = True if cfg["overlap"] else aggregate(workdir, "mpi", args.nprocs)
             if not measured.get("mpi"):
                 mpi_failure = f"the MPI part failed (status {rc}); its columns are left out"
                 status(mpi_failure)
+        if cfg["overlap"]:
+            return _overlap_report(args, cfg, workdir, ["smartcoll"] + [p for p in vs if p in measured])
     shown = [p for p in vs if measured.get(p)]
     measured = {impl: data for impl, data in measured.items() if data}
     rows = build_rows(cfg, measured, link["GBps"] if link else None)
@@ -385,4 +398,13 @@ def main(args: argparse.Namespace) -> int:
     if wrong:
         print(f"smartcoll bench: {wrong} wrong elements", file=sys.stderr)
         return 1
+    return 0
+
+
+def _overlap_report(args: argparse.Namespace, cfg: dict, workdir: Path, impls: list[str]) -> int:
+    text, data = overlap.report(cfg, workdir, impls)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
+        status(f"wrote {args.json}")
     return 0

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .. import launcher
+from .overlap import run_overlap
 from .runners import Case, run_sizes, status, worker_config
 
 # dtypes mpi4py maps to a standard MPI datatype (MPI has no standard half-precision type)
@@ -165,6 +166,22 @@ class GlooRunner:
         }
         return calls[case.collective]
 
+    def ibind(self, case: Case):
+        """The same calls with async_op=True, waited on with Work.wait() (bench --overlap)."""
+        dist, op, root = self.dist, self.op, self.root
+        x = self.torch.from_numpy(case.send)
+        y = None if case.recv is None else self.torch.from_numpy(case.recv)
+        posts = {
+            "allreduce": lambda: dist.all_reduce(x, op=op, async_op=True),
+            "reduce_scatter": lambda: self.reduce_scatter(y, x, op=op, async_op=True),
+            "allgather": lambda: self.all_gather(y, x, async_op=True),
+            "broadcast": lambda: dist.broadcast(x, src=root, async_op=True),
+            "reduce": lambda: dist.reduce(x, dst=root, op=op, async_op=True),
+            "alltoall": lambda: dist.all_to_all_single(y, x, async_op=True),
+            "barrier": lambda: dist.barrier(async_op=True),
+        }
+        return posts[case.collective], lambda work: work.wait()
+
     def barrier(self) -> None:
         self.dist.barrier()
 
@@ -198,6 +215,20 @@ class MpiRunner:
             "barrier": c.Barrier,
         }
         return calls[case.collective], (x if y is None else y)
+
+    def ibind(self, case: Case):
+        """MPI's non-blocking collectives (MPI-3), completed by Wait (bench --overlap)."""
+        c, x, y, op, root = self.comm, case.send, case.recv, self.op, self.root
+        posts = {
+            "allreduce": lambda: c.Iallreduce(x, y, op=op),
+            "reduce_scatter": lambda: c.Ireduce_scatter_block(x, y, op=op),
+            "allgather": lambda: c.Iallgather(x, y),
+            "broadcast": lambda: c.Ibcast(x, root=root),
+            "reduce": lambda: c.Ireduce(x, y, op=op, root=root),
+            "alltoall": lambda: c.Ialltoall(x, y),
+            "barrier": c.Ibarrier,
+        }
+        return posts[case.collective], lambda req: req.Wait()
 
     def barrier(self) -> None:
         self.comm.Barrier()
@@ -383,7 +414,8 @@ def mpi_main(argv: Sequence[str]) -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    run_sizes([MpiRunner(comm, cfg)], cfg, comm.Get_rank(), comm.Get_size(), workdir)
+    measure = run_overlap if cfg.get("overlap") else run_sizes
+    measure([MpiRunner(comm, cfg)], cfg, comm.Get_rank(), comm.Get_size(), workdir)
     return 0
 
 

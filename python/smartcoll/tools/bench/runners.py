@@ -172,6 +172,20 @@ class SmartcollRunner:
         }
         return calls[case.collective], (x if y is None else y)
 
+    def ibind(self, case: Case):
+        """post() -> a handle, wait(handle): the non-blocking form of bind()'s call (bench --overlap)."""
+        comm, x, y, op, root = self.comm, case.send, case.recv, self.op, self.root
+        posts = {
+            "allreduce": lambda: comm.iallreduce(x, op=op, out=y, algo=self.algo),
+            "reduce_scatter": lambda: comm.ireduce_scatter(x, y, op=op),
+            "allgather": lambda: comm.iallgather(x, y),
+            "broadcast": lambda: comm.ibroadcast(x, root=root),
+            "reduce": lambda: comm.ireduce(x, root=root, op=op, out=y),
+            "alltoall": lambda: comm.ialltoall(x, y),
+            "barrier": comm.ibarrier,
+        }
+        return posts[case.collective], lambda req: req.wait()
+
     def barrier(self) -> None:
         self.comm.barrier()
 
@@ -347,7 +361,12 @@ def worker_main(argv: Sequence[str]) -> int:
 
             runners.append(GlooRunner(cfg, comm.rank, comm.size))
         try:
-            run_sizes(runners, cfg, comm.rank, comm.size, workdir)
+            if cfg.get("overlap"):
+                from .overlap import run_overlap  # imports this module
+
+                run_overlap(runners, cfg, comm.rank, comm.size, workdir)
+            else:
+                run_sizes(runners, cfg, comm.rank, comm.size, workdir)
         finally:
             for runner in runners[1:]:
                 runner.close()
