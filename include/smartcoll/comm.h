@@ -38,7 +38,7 @@ class Local;
 enum class Collective : uint8_t { allreduce, reduce_scatter, allgather, broadcast, reduce, alltoall, barrier };
 inline constexpr int kCollectives = 7;
 enum class Algorithm : uint8_t {
-  automatic, ring, rhd, chain, direct, local, cma, tree, rd, bruck, dissemination
+  automatic, ring, rhd, chain, direct, local, cma, tree, rd, bruck, dissemination, hier
 };
 
 std::string_view collective_name(Collective c);
@@ -131,6 +131,8 @@ class Communicator {
   Algorithm choose(Collective coll, size_t count, DataType dt, Algorithm requested = Algorithm::automatic,
                    bool compressed = false) const;
   EngineStats engine_stats() const;
+  // The host of every rank (numbered from 0 in order of first appearance), as ranks learned it at start-up.
+  const std::vector<int>& hosts() const { return hosts_; }
 
  private:
   struct Call {
@@ -146,8 +148,13 @@ class Communicator {
   void check_usable();                           // not closed, not a forked child's copy
   void check_buffers(const Call& call, const void* in, const void* out) const;
   void check_one_poster();  // submit_mu_ held
-  // At start-up, through the store: the knobs every rank must share. Returns the claim rank 0 accepted per rank.
-  std::vector<std::string> agree_on_settings(const std::string& claim);
+  // At start-up, through the store: the knobs every rank must share; the claim rank 0 accepted and the host of
+  // every rank.
+  struct StartUp {
+    std::vector<std::string> claims;
+    std::vector<int> hosts;
+  };
+  StartUp agree_on_settings(const std::string& claim);
 
   int rank_, size_;
   Options options_;
@@ -158,6 +165,7 @@ class Communicator {
   bool cma_usable_ = false;  // fixed at construction, so callers may read it while another thread closes
   std::string cma_reason_;
   std::shared_ptr<Engine> engine_;
+  std::vector<int> hosts_;  // [rank]: its host, numbered in order of first appearance (0: rank 0's)
   std::unique_ptr<CallHistory> history_;
   std::mutex submit_mu_;  // calls are numbered and queued in one order
   uint64_t seq_ = 0;

@@ -69,6 +69,9 @@ inline constexpr Knob kKnobs[] = {
      "is still running raises, since two threads cannot post in the same order on every rank and same-shaped "
      "calls would mix data) or ordered (the application makes the order of posts from several threads the same "
      "on every rank; not checked)"},
+    {"host", "", "str", 0, 0, false,
+     "which host this rank is on, for the host layout that hierarchical algorithms follow (ranks with the same "
+     "value share a host); empty: detected from the kernel (boot id, host name, network namespace)"},
     {"job_id", "", "str", 0, 0, false,
      "identifies the job: rendezvous keys and the peers' hello carry it, so ranks of another job that reach the "
      "same store or ports are refused, never joined. smartcoll run sets it; empty: TORCHELASTIC_RUN_ID, else "

@@ -125,6 +125,12 @@ class Communicator:
         return dict(self._core.options)
 
     @property
+    def hosts(self) -> list[int]:
+        """The host of every rank, numbered from 0 in order of first appearance (the `host` knob, or detected).
+        With several hosts of as many ranks each, allreduce goes hierarchical (algo "hier")."""
+        return list(self._core.hosts)
+
+    @property
     def same_host_path(self) -> str:
         """'usable' when allreduce can use the same-host path (algo 'cma'), otherwise why it cannot."""
         return self._core.cma_unusable_reason or "usable"

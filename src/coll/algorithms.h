@@ -15,6 +15,8 @@ struct Args {
 };
 
 void allreduce_ring(Builder& b, const Args& a);
+// Several ranks per host: reduce-scatter per host, allreduce across hosts, allgather per host (Context::hosts).
+void allreduce_hier(Builder& b, const Args& a);
 // Owner exchange of the compressed modes: each contribution encoded once (into enc, laid out by ch), sent to its
 // chunk's owner, summed there in float32 in rank order into `mine` (and, with share, encoded once into enc and
 // decoded back so that every rank ends with the same values). All on stream 0.

@@ -1,6 +1,7 @@
 #include "coll/schedule.h"
 
 #include <algorithm>
+#include <map>
 
 #include "core/engine.h"
 #include "smartcoll/reduce.h"
@@ -159,9 +160,37 @@ std::vector<char*> chunk_pointers(char* base, const Chunks& ch, size_t esize) {
   return p;
 }
 
-void ring(Builder& b, int steps, int first, const std::function<Step(int)>& kind_of, const Chunks& ch,
-          const RingBuffers& buf, int streams, int32_t ready) {
-  const int n = b.cx.size, r = b.cx.rank, next = mod(r + 1, n), prev = mod(r - 1, n);
+std::pair<int, int> host_layout_shape(const std::vector<int>& hosts) {
+  std::map<int, int> count;
+  for (int h : hosts) ++count[h];
+  const int per_host = count.empty() ? 0 : count.begin()->second;
+  for (const auto& [h, k] : count)
+    if (k != per_host) return {static_cast<int>(count.size()), 0};
+  return {static_cast<int>(count.size()), per_host};
+}
+
+Layout host_layout(const std::vector<int>& hosts, int rank) {
+  Layout l;
+  std::map<int, std::vector<int>> by_host;  // host -> its ranks, ascending
+  for (int r = 0; r < static_cast<int>(hosts.size()); ++r) by_host[hosts[static_cast<size_t>(r)]].push_back(r);
+  const std::vector<int>& mine = by_host[hosts[static_cast<size_t>(rank)]];
+  l.local.members = mine;
+  l.local.pos = static_cast<int>(std::find(mine.begin(), mine.end(), rank) - mine.begin());
+  for (const auto& [h, ranks] : by_host) {
+    if (h == hosts[static_cast<size_t>(rank)]) l.cross.pos = static_cast<int>(l.cross.members.size());
+    l.cross.members.push_back(ranks[static_cast<size_t>(l.local.pos)]);
+  }
+  return l;
+}
+
+RingOps ring(Builder& b, int steps, int first, const std::function<Step(int)>& kind_of, const Chunks& ch,
+             const RingBuffers& buf, int streams, int32_t ready, const Group& group) {
+  const bool world = group.members.empty();
+  const int n = world ? b.cx.size : static_cast<int>(group.members.size());
+  const int r = world ? b.cx.rank : group.pos;
+  auto rank_of = [&](int member) { return world ? member : group.members[static_cast<size_t>(member)]; };
+  const int next = rank_of(mod(r + 1, n)), prev = rank_of(mod(r - 1, n));
+  RingOps ops;
   const size_t esize = dtype_size(b.spec.dtype);
   const Codec* codec = b.spec.wire();
   const size_t seg = segment_elems(b.cx.segment_bytes, esize, codec);
@@ -191,7 +220,7 @@ void ring(Builder& b, int steps, int first, const std::function<Step(int)>& kind
         dep = b.compute(s, [codec, values, len, to] { codec->encode(reinterpret_cast<const float*>(values), len, to); },
                         {dep});
       }
-      b.send(s, next, src + wire_of(off), wire_of(len), {dep});
+      ops.sends.push_back(b.send(s, next, src + wire_of(off), wire_of(len), {dep}));
       ++j;
     });
     this_recv.clear();
@@ -217,8 +246,10 @@ void ring(Builder& b, int steps, int first, const std::function<Step(int)>& kind
       this_recv.push_back(b.recv(s, prev, land, wire_of(len), {ready}, finish, dst, local, len, divide, enc));
       ++j;
     });
+    ops.recvs.insert(ops.recvs.end(), this_recv.begin(), this_recv.end());
     prev_recv.swap(this_recv);
   }
+  return ops;
 }
 
 }  // namespace smartcoll::coll

@@ -32,6 +32,7 @@ struct Context {
   size_t segment_bytes;          // pipeline unit of ring and chain algorithms
   bool codec_owner = false;      // compressed allreduce, reduce_scatter: encode each contribution once
   std::shared_ptr<BufferPool> pool;
+  const std::vector<int>* hosts = nullptr;  // [rank]: its host (hierarchical algorithms)
 };
 
 // The reduction of a call, kept alive by the task for the lanes' `after`.
@@ -114,12 +115,34 @@ struct RingBuffers {
   bool pre_encoded;  // enc already holds the chunk sent first
 };
 
-// Ring schedule: at step k this rank sends chunk first-k to rank+1 and receives chunk first-k-1 from rank-1;
-// what it receives at step k it sends at step k+1, so the whole schedule is one pipeline. Segment j of every
-// chunk travels on stream j mod streams, so each stream is an independent pipeline (one lane, one worker).
-// `ready` (lane 0 only) must be done before anything is sent or received; `streams` 0: all of cx.streams.
-void ring(Builder& b, int steps, int first, const std::function<Step(int)>& kind_of, const Chunks& ch,
-          const RingBuffers& buf, int streams = 0, int32_t ready = -1);
+// The ranks a schedule runs over, in ring order; members[pos] is this rank. Empty members: the whole world.
+struct Group {
+  std::vector<int> members;
+  int pos = 0;
+};
+
+// Where this rank sits in the host layout: `local`, the ranks of its host (ascending), and `cross`, the ranks
+// with its local index on every host (hosts in order of their numbers). Only for a layout of at least two hosts
+// with the same number of ranks each (host_layout_uniform).
+struct Layout {
+  Group local, cross;
+};
+Layout host_layout(const std::vector<int>& hosts, int rank);
+// Hosts and ranks per host when every host has the same number of ranks; {hosts, 0} otherwise.
+std::pair<int, int> host_layout_shape(const std::vector<int>& hosts);
+
+// The ops a ring added: what later steps of a call depend on.
+struct RingOps {
+  std::vector<int32_t> sends, recvs;
+};
+
+// Ring schedule: at step k this rank sends chunk first-k to the next member and receives chunk first-k-1 from the
+// previous one (chunks and `first` count members: one chunk per member); what it receives at step k it sends at
+// step k+1, so the whole schedule is one pipeline. Segment j of every chunk travels on stream j mod streams, so
+// each stream is an independent pipeline (one lane, one worker). `ready` (lane 0 only) must be done before
+// anything is sent or received; `streams` 0: all of cx.streams.
+RingOps ring(Builder& b, int steps, int first, const std::function<Step(int)>& kind_of, const Chunks& ch,
+             const RingBuffers& buf, int streams = 0, int32_t ready = -1, const Group& group = {});
 
 // The finish step of a receive (Lane::after).
 void after_receive(const void* spec, const Op& op, const char* data);

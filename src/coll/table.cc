@@ -14,6 +14,15 @@ std::string needs_cma(const Query& q) {
   return q.cma_usable ? "" : "the same-host path is not usable here (see Communicator.cma_unusable_reason)";
 }
 
+std::string needs_hosts(const Query& q) {
+  if (q.compressed) return "it does not support codecs; use ring";
+  if (q.hosts < 2 || q.per_host < 2)
+    return "it needs several hosts with the same number (at least 2) of ranks each; this job has " +
+           std::to_string(q.hosts) + " host(s)" + (q.per_host ? "" : " with different numbers of ranks") +
+           " (see Communicator.hosts and the host knob)";
+  return "";
+}
+
 constexpr AlgorithmInfo kAllreduceAlgos[] = {
     {Algorithm::ring, "pipelined segmented ring (reduce-scatter + allgather in one pipeline), any codec",
      allreduce_ring, any, [](int n) { return 2.0 * (n - 1); }, [](int n) { return 2.0 * (n - 1) / n; }},
@@ -23,6 +32,9 @@ constexpr AlgorithmInfo kAllreduceAlgos[] = {
      allreduce_rd, raw_only, [](int n) { return log2n(n) + 2; }, [](int n) { return log2n(n) + 1; }},
     {Algorithm::cma, "same host: every rank reads its peers' buffers once with process_vm_readv", same_host_cma,
      needs_cma, [](int) { return 4.0; }, [](int n) { return (n - 1.0) / n; }},
+    {Algorithm::hier,
+     "hierarchical: reduce-scatter on each host, allreduce across hosts per local index, allgather on each host",
+     allreduce_hier, needs_hosts, [](int n) { return 2.0 * (n - 1); }, [](int n) { return 2.0 * (n - 1) / n; }},
 };
 // Same host, the other collectives: one exchange of addresses, single-copy reads, one closing barrier.
 constexpr AlgorithmInfo kCmaGather = {Algorithm::cma, "same host: each rank reads its peers' blocks once", same_host_cma,
@@ -110,7 +122,8 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
       if (q.compressed) return Algorithm::ring;
       // Recursive doubling sends the whole vector log2(n) times: only while the latency dominates.
       if (small) return q.bytes <= 8192 ? Algorithm::rd : Algorithm::rhd;
-      return same_host ? Algorithm::cma : Algorithm::ring;
+      if (same_host) return Algorithm::cma;
+      return needs_hosts(q).empty() ? Algorithm::hier : Algorithm::ring;
     case Collective::allgather:
       if (small_total) return q.compressed ? Algorithm::ring : Algorithm::bruck;
       return same_host ? Algorithm::cma : Algorithm::ring;

@@ -26,7 +26,7 @@ std::string_view collective_name(Collective c) {
 
 std::string_view algorithm_name(Algorithm a) {
   constexpr std::string_view names[] = {"auto", "ring", "rhd",  "chain", "direct",       "local",
-                                        "cma",  "tree", "rd",   "bruck", "dissemination"};
+                                        "cma",  "tree", "rd",   "bruck", "dissemination", "hier"};
   return names[static_cast<int>(a)];
 }
 
@@ -68,6 +68,15 @@ const bool g_fork_counter = [] {
 }();
 
 bool forked_since(uint64_t forks) { return g_forks.load(std::memory_order_relaxed) != forks; }
+
+// A short identifier of `text` with no spaces (hosts travel in space-separated start-up records).
+std::string fingerprint(const std::string& text) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : text) h = (h ^ c) * 0x100000001b3ull;
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  return hex;
+}
 
 std::string random_token() {
   std::random_device entropy;  // getrandom(2) on Linux
@@ -137,24 +146,33 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
   auto tcp = std::make_unique<TcpTransport>(rank, size, store_, *config_, route_hint, claim);
   TcpTransport& transport = *tcp;
   transport_ = std::move(tcp);
+  hosts_.assign(static_cast<size_t>(size), 0);
   if (size > 1) {
-    const std::vector<std::string> claims = agree_on_settings(claim);
+    const auto [claims, hosts] = agree_on_settings(claim);
+    hosts_ = hosts;
     if (claims[static_cast<size_t>(rank)] != claim)
       throw CommError("another process also claims rank " + std::to_string(rank) + " of job '" + config_->job_id +
                       "': two jobs share one rendezvous (MASTER_ADDR:MASTER_PORT); give each job its own port, or "
                       "start it with smartcoll run or torchrun, which set a job id (SMARTCOLL_JOB_ID)");
     transport.accept_claims(claims);
   }
-  // A launcher that says ranks span hosts spares every rank the all-pairs probe of the same-host path.
+  // Ranks that span hosts (by the layout learned at start-up, or as the launcher says) are spared the all-pairs
+  // probe of the same-host path.
   const char* local = std::getenv("LOCAL_WORLD_SIZE");
-  const bool spans_hosts = local && std::atoi(local) > 0 && std::atoi(local) < size;
+  const int host_count = coll::host_layout_shape(hosts_).first;
+  const bool spans_hosts = host_count > 1 || (local && std::atoi(local) > 0 && std::atoi(local) < size);
   if (size > 1 && config_->cma && !spans_hosts) cma_ = std::make_unique<cma::Local>(*transport_);
   cma_usable_ = cma_ && cma_->usable();
-  cma_reason_ = size == 1          ? ""
-                : !config_->cma    ? "disabled (cma=off)"
-                : spans_hosts      ? "ranks span hosts (LOCAL_WORLD_SIZE=" + std::string(local) + " of " +
-                                         std::to_string(size) + ")"
-                                   : cma_->why_not();
+  if (size == 1)
+    cma_reason_ = "";
+  else if (!config_->cma)
+    cma_reason_ = "disabled (cma=off)";
+  else if (host_count > 1)
+    cma_reason_ = "ranks span " + std::to_string(host_count) + " hosts";
+  else if (spans_hosts)
+    cma_reason_ = "ranks span hosts (LOCAL_WORLD_SIZE=" + std::string(local) + " of " + std::to_string(size) + ")";
+  else
+    cma_reason_ = cma_->why_not();
   engine_ = std::make_shared<Engine>(*transport_, *config_, rank);
   engine_->explain_failure = [this](const std::string& error) {
     return explain_disagreement(error, *store_, rank_, size_,
@@ -173,37 +191,45 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
 
 Communicator::~Communicator() { close(); }
 
-std::vector<std::string> Communicator::agree_on_settings(const std::string& claim) {
+Communicator::StartUp Communicator::agree_on_settings(const std::string& claim) {
   // Knobs that change what goes on the wire outside a call's descriptor: a rank that skips the header, cuts
   // segments differently (they are striped over streams by index) or picks another algorithm would misframe
   // every later message. Rank 0 compares everyone's (n reads of the store, not n^2 messages) and publishes the
-  // verdict that every rank reads: "ok" and the claim it read of each rank, or what is wrong.
+  // verdict that every rank reads: "ok", the claim it read of each rank and each rank's host (numbered in order
+  // of first appearance), or what is wrong. Each rank publishes "<claim> <host> <settings>".
   const std::string mine = Config::must_match(options_);
+  std::string error;
+  const std::string host = fingerprint(config_->host.empty() ? cma::host_identity(error) : config_->host);
   const auto limit = std::chrono::milliseconds(static_cast<int64_t>(config_->connect_timeout * 1000));
   char seconds[32];
   std::snprintf(seconds, sizeof seconds, "%g", config_->connect_timeout);
   const std::string waiting = "rank " + std::to_string(rank_) + " timed out after " + seconds + " s waiting for ";
   const std::string hint = ": are they running, with the same WORLD_SIZE and MASTER_ADDR? (SMARTCOLL_CONNECT_TIMEOUT)";
-  store_->set("settings/" + std::to_string(rank_), claim + " " + mine);
+  store_->set("settings/" + std::to_string(rank_), claim + " " + host + " " + mine);
   if (rank_ == 0) {
     std::map<std::string, std::string> groups;
-    std::string missing, claims = claim;
+    std::map<std::string, int> host_index{{host, 0}};
+    std::string missing, claims = claim, hosts = " 0";
     const auto deadline = std::chrono::steady_clock::now() + limit;
     for (int p = 1; p < size_; ++p) {
       try {
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline -
                                                                                  std::chrono::steady_clock::now());
-        const std::string theirs = store_->get("settings/" + std::to_string(p), std::max(left, std::chrono::milliseconds(1)));
-        const auto space = theirs.find(' ');
-        const std::string what = space == std::string::npos ? theirs : theirs.substr(space + 1);
+        std::istringstream theirs(
+            store_->get("settings/" + std::to_string(p), std::max(left, std::chrono::milliseconds(1))));
+        std::string their_claim, their_host, what;
+        theirs >> their_claim >> their_host >> std::ws;
+        std::getline(theirs, what);
         groups[what] += (groups[what].empty() ? "" : ",") + std::to_string(p);
-        claims += " " + theirs.substr(0, space);
+        claims += " " + their_claim;
+        const int next = static_cast<int>(host_index.size());
+        hosts += " " + std::to_string(host_index.emplace(their_host, next).first->second);
       } catch (const CommError&) {
         missing += (missing.empty() ? "" : ",") + std::to_string(p);
       }
     }
     groups[mine] = groups[mine].empty() ? "0" : "0," + groups[mine];
-    std::string verdict = "ok " + claims;
+    std::string verdict = "ok " + claims + hosts;
     if (!missing.empty()) {
       verdict = waiting + "rank(s) " + missing + " of " + std::to_string(size_) + " to start" + hint;
     } else if (groups.size() > 1) {
@@ -221,13 +247,22 @@ std::vector<std::string> Communicator::agree_on_settings(const std::string& clai
     throw CommError(waiting + "rank 0's start-up check" + hint);
   }
   if (!verdict.starts_with("ok ")) throw CommError(verdict);
-  std::vector<std::string> claims;
+  StartUp out;
   std::istringstream words(verdict.substr(3));
-  for (std::string w; words >> w;) claims.push_back(w);
-  if (claims.size() != static_cast<size_t>(size_))
-    throw CommError("rank 0's start-up verdict names " + std::to_string(claims.size()) + " ranks, not " +
-                    std::to_string(size_) + ": a corrupted store, or another smartcoll version");
-  return claims;
+  for (std::string w; words >> w;) out.claims.push_back(w);
+  if (out.claims.size() != 2 * static_cast<size_t>(size_))
+    throw CommError("rank 0's start-up verdict has " + std::to_string(out.claims.size()) + " fields, not " +
+                    std::to_string(2 * size_) + ": a corrupted store, or another smartcoll version");
+  for (int p = 0; p < size_; ++p) {
+    const std::string& h = out.claims[static_cast<size_t>(size_ + p)];
+    const int index = std::atoi(h.c_str());
+    if (h.find_first_not_of("0123456789") != std::string::npos || index >= size_)
+      throw CommError("rank 0's start-up verdict names host '" + h + "' for rank " + std::to_string(p) +
+                      ": a corrupted store, or another smartcoll version");
+    out.hosts.push_back(index);
+  }
+  out.claims.resize(static_cast<size_t>(size_));
+  return out;
 }
 
 void Communicator::abort(const std::string& reason) {
@@ -287,7 +322,8 @@ Algorithm Communicator::choose(Collective coll, size_t count, DataType dt, Algor
   if (size_ == 1) return Algorithm::local;
   if (requested == Algorithm::automatic && coll == Collective::allreduce)
     requested = parse_algorithm(config_->algo, coll);
-  const coll::Query q{size_, count * dtype_size(dt), compressed, cma_usable_};
+  const auto [hosts, per_host] = coll::host_layout_shape(hosts_);
+  const coll::Query q{size_, count * dtype_size(dt), compressed, cma_usable_, hosts, per_host};
   return coll::choose(coll, q, requested, config_->rhd_max_bytes);
 }
 
@@ -353,7 +389,7 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
   task->check = config_->check || call.coll == Collective::barrier;
   task->req = req;
   coll::Context cx{rank_, size_, config_->streams, transport_.get(), cma_.get(), config_->segment_size,
-                   config_->codec_owner, engine_->pool()};
+                   config_->codec_owner, engine_->pool(), &hosts_};
   auto spec = std::make_shared<const coll::ReduceSpec>(coll::ReduceSpec{call.dt, call.op, size_, call.codec});
   coll::Builder b(*task, cx, std::move(spec));
   coll::find(call.coll, call.algo).build(b, {static_cast<const char*>(in), static_cast<char*>(out), call.count,

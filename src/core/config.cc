@@ -126,6 +126,7 @@ Config Config::from(const Options& o) {
   c.ifname = o.str("ifname");
   c.addr = o.str("addr");
   c.job_id = o.str("job_id");
+  c.host = o.str("host");
   c.sockbuf = static_cast<int>(o.integer("sockbuf"));
   c.codec = Codec::parse(o.str("codec"));  // a bad SMARTCOLL_CODEC fails here, not at the first collective
   c.codec_owner = o.str("codec_mode") == "owner";

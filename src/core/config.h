@@ -23,6 +23,7 @@ struct Config {
   double spin_us = 0;
   double timeout = 0, connect_timeout = 0;
   std::string ifname, addr;
+  std::string host;    // as set; empty: detected
   std::string job_id;  // as set; the communicator resolves an empty one (see the knob) before the transport starts
   int sockbuf = 0;
   Codec codec;

@@ -85,32 +85,6 @@ std::string first_line(const char* path) {
   return line;
 }
 
-// Which kernel and namespaces this process runs in: two processes may read each other's memory by pid only when
-// these all match (same boot of the same machine, same pid namespace so that pids mean the same process).
-std::string host_identity(std::string& error) {
-  std::string boot = first_line("/proc/sys/kernel/random/boot_id");
-  if (boot.empty()) {
-    error = "cannot read /proc/sys/kernel/random/boot_id";
-    return "";
-  }
-  char host[256] = {};
-  if (gethostname(host, sizeof host - 1) != 0) {
-    error = std::string("gethostname failed: ") + std::strerror(errno);
-    return "";
-  }
-  std::string id = "host=" + std::string(host) + " boot_id=" + boot;
-  for (const char* ns : {"net", "pid"}) {
-    struct stat st {};
-    std::string path = std::string("/proc/self/ns/") + ns;
-    if (stat(path.c_str(), &st) != 0) {
-      error = "cannot stat " + path + ": " + std::strerror(errno);
-      return "";
-    }
-    id += std::string(" ") + ns + "ns=" + std::to_string(st.st_ino);
-  }
-  return id;
-}
-
 template <size_t N>
 void copy_cstr(char (&dst)[N], const std::string& s) {
   size_t len = std::min(s.size(), N - 1);
@@ -162,6 +136,33 @@ struct ContextGuard {
 };
 
 }  // namespace
+
+// Which kernel and namespaces this process runs in: two processes may read each other's memory by pid only when
+// these all match (same boot of the same machine, same pid namespace so that pids mean the same process).
+std::string host_identity(std::string& error) {
+  std::string boot = first_line("/proc/sys/kernel/random/boot_id");
+  if (boot.empty()) {
+    error = "cannot read /proc/sys/kernel/random/boot_id";
+    return "";
+  }
+  char host[256] = {};
+  if (gethostname(host, sizeof host - 1) != 0) {
+    error = std::string("gethostname failed: ") + std::strerror(errno);
+    return "";
+  }
+  std::string id = "host=" + std::string(host) + " boot_id=" + boot;
+  for (const char* ns : {"net", "pid"}) {
+    struct stat st {};
+    std::string path = std::string("/proc/self/ns/") + ns;
+    if (stat(path.c_str(), &st) != 0) {
+      error = "cannot stat " + path + ": " + std::strerror(errno);
+      return "";
+    }
+    id += std::string(" ") + ns + "ns=" + std::to_string(st.st_ino);
+  }
+  return id;
+}
+
 
 Local::Local(Transport& t) : pids_(t.size(), 0), pidfds_(t.size(), -1) {
   const int n = t.size(), r = t.rank();

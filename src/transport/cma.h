@@ -15,6 +15,10 @@
 
 namespace smartcoll::cma {
 
+// Which kernel and namespaces this process runs in: two processes may read each other's memory by pid only when
+// these all match. Empty (and `error` says why) when it cannot be read.
+std::string host_identity(std::string& error);
+
 struct Addresses;  // what a rank calls and where its buffers are (exchanged at the start of each call)
 
 class Local {

@@ -1,9 +1,11 @@
 // The engine: several workers give the same bits as one, several calls in flight, lazy connections.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <latch>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -145,6 +147,75 @@ TEST(Engine, ConnectsOnlyToThePeersItsAlgorithmsUse) {
     EXPECT_LE(after_barrier[r], 8) << "rank " << r;
   }
 }
+
+
+namespace hier {
+
+// Ranks as threads with a host each (the host knob), over one in-memory store.
+void run_on_hosts(const std::vector<std::string>& host_of, const std::function<void(Communicator&)>& body,
+                  std::map<std::string, std::string> extra = {}) {
+  const int n = static_cast<int>(host_of.size());
+  harness::run_threads(n, [&](int r, std::shared_ptr<Store> store) {
+    auto opts = extra;
+    opts["host"] = host_of[static_cast<size_t>(r)];
+    Communicator comm(r, n, std::move(store), options(opts));
+    body(comm);
+  });
+}
+
+TEST(Hierarchy, LayoutFromTheHostKnob) {
+  run_on_hosts({"a", "b", "a", "c", "b", "c"}, [](Communicator& c) {
+    EXPECT_EQ(c.hosts(), (std::vector<int>{0, 1, 0, 2, 1, 2}));
+    EXPECT_EQ(c.choose(Collective::allreduce, 1 << 20, DataType::f32), Algorithm::hier);
+    EXPECT_EQ(c.choose(Collective::allreduce, 16, DataType::f32), Algorithm::rd);  // latency still wins small
+  });
+  run_on_hosts({"a", "a", "a", "b"}, [](Communicator& c) {  // uneven: no hierarchy
+    EXPECT_EQ(c.choose(Collective::allreduce, 1 << 20, DataType::f32), Algorithm::ring);
+    EXPECT_THROW(c.choose(Collective::allreduce, 1 << 20, DataType::f32, Algorithm::hier), InvalidArgument);
+  });
+}
+
+TEST(Hierarchy, AllreduceExactOnInterleavedHosts) {
+  // Ranks of a host need not be contiguous: 0,2,4 on one host, 1,3,5 on the other; and 3 hosts x 2 ranks.
+  for (const auto& layout : {std::vector<std::string>{"a", "b", "a", "b", "a", "b"},
+                             std::vector<std::string>{"x", "x", "y", "y", "z", "z"}}) {
+    const int n = static_cast<int>(layout.size());
+    run_on_hosts(layout, [n](Communicator& c) {
+      for (size_t count : {size_t{5}, size_t{1000003}}) {
+        std::vector<int64_t> x(count);
+        for (size_t e = 0; e < count; ++e) x[e] = static_cast<int64_t>(e * 7 + static_cast<size_t>(c.rank()) * 1000);
+        c.allreduce(x.data(), x.data(), count, DataType::i64, ReduceOp::sum, Algorithm::hier)->wait();
+        for (size_t e = 0; e < count; ++e)
+          ASSERT_EQ(x[e], static_cast<int64_t>(e * 7 * n) + 1000 * (n * (n - 1) / 2)) << "element " << e;
+        std::vector<float> y(count);
+        for (size_t e = 0; e < count; ++e) y[e] = static_cast<float>(c.rank() + 1) * 0.5f;
+        c.allreduce(y.data(), y.data(), count, DataType::f32, ReduceOp::avg, Algorithm::hier)->wait();
+        const float expect = 0.5f * static_cast<float>(n + 1) / 2.0f;
+        for (size_t e = 0; e < count; ++e) ASSERT_NEAR(y[e], expect, 1e-6) << "element " << e;
+      }
+    }, {{"segment_size", "65536"}});
+  }
+}
+
+TEST(Hierarchy, FloatSumsAreIdenticalOnEveryRank) {
+  const int n = 4;
+  std::vector<std::vector<float>> got(n);
+  run_on_hosts({"a", "a", "b", "b"}, [&](Communicator& c) {
+    std::vector<float> x(300007);
+    for (size_t e = 0; e < x.size(); ++e) x[e] = std::sin(static_cast<float>(e) * 0.001f + static_cast<float>(c.rank()));
+    std::vector<float> out(x.size());
+    c.allreduce(x.data(), out.data(), x.size(), DataType::f32, ReduceOp::sum)->wait();
+    got[static_cast<size_t>(c.rank())] = out;
+    for (size_t e = 0; e < x.size(); e += 9973) {
+      double ref = 0;
+      for (int r = 0; r < n; ++r) ref += std::sin(static_cast<double>(static_cast<float>(e) * 0.001f) + r);
+      ASSERT_NEAR(out[e], ref, 1e-5) << "element " << e;
+    }
+  });
+  for (int r = 1; r < n; ++r) EXPECT_EQ(got[static_cast<size_t>(r)], got[0]) << "rank " << r;
+}
+
+}  // namespace hier
 
 }  // namespace
 }  // namespace smartcoll
