@@ -431,3 +431,52 @@ def test_parse_rate_and_tbf_params():
     assert cl.tbf_params(10**8)["burst"] == 16 * 1024  # never below 16 KiB
     with pytest.raises(ValueError, match="bad cluster name"):
         cl.up(name="has-dash")
+
+
+HIER = r"""
+import os, sys, time, numpy as np, smartcoll
+with smartcoll.init(timeout=30) as comm:
+    x = np.full(int(sys.argv[1]), comm.rank + 1, dtype=np.int32)
+    comm.barrier()
+    print("READY", comm.hosts, comm.allreduce_algorithm(x.size, "int32"), flush=True)
+    for _ in range(1200):  # the test reads the links' counters, then creates the file
+        if os.path.exists(sys.argv[2]):
+            break
+        time.sleep(0.05)
+    comm.allreduce(x)
+    comm.barrier()
+    ok = bool((x == comm.size * (comm.size + 1) // 2).all())
+    print("HIER", "OK" if ok else "WRONG", flush=True)
+"""
+
+
+def test_hierarchical_allreduce_two_ranks_per_host(cluster4, tmp_path):
+    """8 ranks, 2 per host (smartcoll run --ranks-per-host): the layout is learned, allreduce goes hierarchical,
+    results are exact, and each host sends about 2(H-1)/H of the vector across its link, not k times that."""
+    count = 2 << 20
+    script = tmp_path / "hier.py"
+    script.write_text(HIER)
+    cmd = [sys.executable, "-m", "smartcoll.tools.cli", "run", "--cluster", cluster4.name, "--ranks-per-host", "2",
+           "--timeout", "120", "--", sys.executable, str(script), str(count), str(tmp_path / "go")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        while sum("READY" in line for line in lines) < 8:
+            line = proc.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        assert all("[0, 0, 1, 1, 2, 2, 3, 3] hier" in line for line in lines if "READY" in line), "".join(lines)
+        def sent() -> list[int]:
+            counters = cluster4.counters()
+            return [counters[h]["host"]["tx_bytes"] for h in sorted(counters)]
+
+        before = sent()
+        (tmp_path / "go").touch()
+        out, _ = proc.communicate(timeout=120)
+        after = sent()
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and out.count("HIER OK") == 8, out
+    share = 2 * (4 - 1) / 4 * count * 4  # bytes one host must send: 2(H-1)/H of the vector
+    for h, (b, a) in enumerate(zip(before, after)):
+        assert share <= a - b <= 1.1 * share, f"host {h} sent {a - b} bytes, one host's share is {share:.0f}"

@@ -42,30 +42,34 @@ RankPrefix = Callable[[int], Sequence[str]]
 RankEnv = Callable[[int], Mapping[str, str]]
 
 
-def cluster_hooks(name: str, nprocs: int) -> tuple[RankPrefix, RankEnv]:
-    """(rank_prefix, rank_env) that run rank i on host i of the emulated cluster `name`.
+def cluster_hooks(name: str, nprocs: int, ranks_per_host: int = 1) -> tuple[RankPrefix, RankEnv]:
+    """(rank_prefix, rank_env) that run rank i on host i // ranks_per_host of the emulated cluster `name`.
 
-    rank_env(i) is the cluster's env(i) (SMARTCOLL_IFNAME, MASTER_ADDR = host 0's address, ...) plus
-    GLOO_SOCKET_IFNAME, so that torch's gloo in the rank also uses the host's link. Raises ValueError naming
-    the cluster's host count if nprocs is larger (one rank per host), and netemu.ClusterError if there is no
-    such cluster.
+    rank_env(i) is the cluster's env of that host (SMARTCOLL_IFNAME, MASTER_ADDR = host 0's address, ...) plus
+    GLOO_SOCKET_IFNAME, so that torch's gloo in the rank also uses the host's link, and LOCAL_RANK and
+    LOCAL_WORLD_SIZE for the ranks of one host. Raises ValueError naming the cluster's host count if the ranks
+    need more hosts than it has, and netemu.ClusterError if there is no such cluster.
     """
     from . import netemu
 
+    if ranks_per_host < 1:
+        raise ValueError(f"--ranks-per-host must be at least 1, got {ranks_per_host}")
     c = netemu.get(name)
-    if nprocs > c.size:
+    if -(-nprocs // ranks_per_host) > c.size:
         raise ValueError(
-            f"cluster {name!r} has {c.size} hosts, and runs one rank per host: -n {nprocs} is too many "
-            f"(use -n {c.size} or less, or bring up a bigger cluster: smartcoll cluster up -n {nprocs} "
-            f"--name {name})"
+            f"cluster {name!r} has {c.size} hosts, which hold {c.size * ranks_per_host} ranks at "
+            f"{ranks_per_host} per host: -n {nprocs} is too many (use -n {c.size * ranks_per_host} or less, "
+            f"more --ranks-per-host, or a bigger cluster: smartcoll cluster up -n HOSTS --name {name})"
         )
 
     def rank_env(rank: int) -> dict[str, str]:
-        env = c.env(rank)
+        env = c.env(rank // ranks_per_host)
         env["GLOO_SOCKET_IFNAME"] = env["SMARTCOLL_IFNAME"]
+        env["LOCAL_RANK"] = str(rank % ranks_per_host)
+        env["LOCAL_WORLD_SIZE"] = str(ranks_per_host)
         return env
 
-    return c.exec_prefix, rank_env
+    return (lambda rank: c.exec_prefix(rank // ranks_per_host)), rank_env
 
 
 def free_port(host: str = MASTER_ADDR, count: int = 1, tries: int = 100) -> int:
@@ -429,6 +433,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "interface, so rendezvous and traffic cross the emulated links",
     )
     parser.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --cluster: K ranks per host (ranks 0..K-1 on host 0, K..2K-1 on host 1, ...), each told "
+        "LOCAL_RANK and LOCAL_WORLD_SIZE (default: %(default)s); -n defaults to hosts x K",
+    )
+    parser.add_argument(
         "--master-port",
         type=int,
         metavar="P",
@@ -474,8 +486,8 @@ def main(args: argparse.Namespace) -> int:
 
         try:
             if nprocs is None:
-                nprocs = netemu.get(args.cluster).size
-            hooks["rank_prefix"], hooks["rank_env"] = cluster_hooks(args.cluster, nprocs)
+                nprocs = netemu.get(args.cluster).size * args.ranks_per_host
+            hooks["rank_prefix"], hooks["rank_env"] = cluster_hooks(args.cluster, nprocs, args.ranks_per_host)
         except (ValueError, netemu.ClusterError) as e:
             _message(str(e))
             return 2

@@ -98,6 +98,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "0's, TCP over the veths); measures the links with iperf3 first and adds busbw as %%link",
     )
     parser.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --cluster: K ranks per host for smartcoll and gloo (Open MPI's part keeps one per host and "
+        "is skipped when K > 1); -n defaults to hosts x K",
+    )
+    parser.add_argument(
         "--no-iperf",
         dest="iperf",
         action="store_false",
@@ -285,8 +293,9 @@ def main(args: argparse.Namespace) -> int:
         try:
             c = netemu.get(cluster_name)
             if args.nprocs is None:
-                args.nprocs = c.size
-            hooks["rank_prefix"], hooks["rank_env"] = launcher.cluster_hooks(cluster_name, args.nprocs)
+                args.nprocs = c.size * args.ranks_per_host
+            hooks["rank_prefix"], hooks["rank_env"] = launcher.cluster_hooks(cluster_name, args.nprocs,
+                                                                              args.ranks_per_host)
         except (ValueError, netemu.ClusterError) as e:
             print(f"smartcoll bench: {e}", file=sys.stderr)
             return 2
@@ -303,6 +312,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"smartcoll bench: {problem}", file=sys.stderr)
         return 2
     vs = list(dict.fromkeys(args.vs))
+    if c is not None and args.ranks_per_host > 1 and "mpi" in vs:
+        status("skipping mpi: its cluster launch places one rank per host (--ranks-per-host > 1)")
+        vs.remove("mpi")
     for peer in list(vs):
         reason = peers.unavailable(peer, args.dtype)
         if reason:
