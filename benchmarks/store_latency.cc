@@ -38,7 +38,9 @@ Summary time_each(int iters, F&& body) {
   return summarize(std::move(us));
 }
 
-void print(const char* what, Summary s) { std::printf("%-34s median %9.1f us   p90 %9.1f us\n", what, s.median_us, s.p90_us); }
+void print(const char* what, Summary s) {
+  std::printf("%-34s median %9.1f us   p90 %9.1f us\n", what, s.median_us, s.p90_us);
+}
 
 }  // namespace
 
