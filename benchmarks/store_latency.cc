@@ -1,5 +1,6 @@
-// Rendezvous store latency on loopback: client connect, get of an existing key, set followed by get, and a
-// round of many clients each fetching one key. Prints medians (and p90) in microseconds.
+// Rendezvous store latency on loopback: client connect (with and without the shared-secret handshake), get of an
+// existing key, set followed by get, and a round of many clients each fetching one key. Prints medians (and p90)
+// in microseconds.
 //
 //     build-tests/smartcoll_store_bench [--iters N] [--clients N]
 #include <algorithm>
@@ -57,6 +58,12 @@ int main(int argc, char** argv) {
   server.set("addr/0", std::string(64, 'a'));
 
   print("connect (new client)", time_each(iters / 4, [&](int) { TcpStore c("127.0.0.1", port, false, timeout); }));
+  {
+    TcpStore guarded("127.0.0.1", 0, true, timeout, "benchmark-secret");
+    print("connect + secret handshake", time_each(iters / 4, [&](int) {
+      TcpStore c("127.0.0.1", guarded.port(), false, timeout, "benchmark-secret");
+    }));
+  }
 
   TcpStore client("127.0.0.1", port, false, timeout);
   print("get (existing key, 64 B)", time_each(iters, [&](int) { client.get("addr/0", timeout); }));

@@ -98,8 +98,8 @@ class TcpStore : public Store {
   int connection(std::chrono::steady_clock::time_point deadline);
   void disconnect();
   std::string where() const;
+  uint16_t port_ = 0;  // first: checked before the host is resolved
   std::string ip_;
-  uint16_t port_ = 0;
   std::string secret_;
   StoreLimits limits_;
   std::unique_ptr<store::Server> server_;

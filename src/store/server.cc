@@ -334,8 +334,9 @@ void Server::account(Client& c) {
 // erased at the end of the loop iteration, as events for it may still be in hand.
 void Server::drop(Client& c, const std::string& why, std::atomic<uint64_t>* counter) {
   if (counter) ++*counter;
-  // Rejected clients are worth a warning; clients that leave or idle are routine.
-  log_drop(c.peer, why, counter && counter != &stats_.timed_out ? LogLevel::warn : LogLevel::info);
+  // Rejected clients are worth a warning, idle ones a note; clients that leave are routine.
+  const LogLevel level = !counter ? LogLevel::debug : counter == &stats_.timed_out ? LogLevel::info : LogLevel::warn;
+  log_drop(c.peer, why, level);
   if (c.waiting) {
     auto [lo, hi] = waiting_.equal_range(c.waiting_for);
     for (auto it = lo; it != hi; ++it)

@@ -96,7 +96,7 @@ bool unusable(int fd) {
 
 TcpStore::TcpStore(const std::string& host, int port, bool serve, std::chrono::milliseconds connect_timeout,
                    std::string secret, const StoreLimits& limits)
-    : ip_(net::resolve_ipv4(host)), port_(checked_port(port)), secret_(std::move(secret)), limits_(limits) {
+    : port_(checked_port(port)), ip_(net::resolve_ipv4(host)), secret_(std::move(secret)), limits_(limits) {
   if (serve) {
     // Listen on all addresses: MASTER_ADDR may name this host by an address other ranks reach it through.
     net::Fd listener = net::listen_on("0.0.0.0", port_, 1024);
