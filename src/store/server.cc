@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <optional>
 
 #include "core/log.h"
 #include "smartcoll/types.h"
@@ -126,7 +127,8 @@ void Server::run() {
       sweep(now);
       next_sweep_ = now + kSweepPeriod;
     }
-    std::erase_if(clients_, [](const auto& entry) { return !entry.second->fd; });
+    for (uint64_t id : dropped_) clients_.erase(id);
+    dropped_.clear();
     stats_.clients = clients_.size();
   }
 }
@@ -348,6 +350,7 @@ void Server::drop(Client& c, const std::string& why, std::atomic<uint64_t>* coun
   }
   c.fd.reset();
   account(c);
+  dropped_.push_back(c.id);
 }
 
 void Server::sweep(Time now) {

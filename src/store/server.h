@@ -62,6 +62,7 @@ class Server {
   std::map<std::string, std::string> values_;
   std::multimap<std::string, uint64_t> waiting_;  // key -> ids of clients whose get waits for it
   std::vector<uint64_t> woken_;                    // clients whose get was answered: serve their next requests
+  std::vector<uint64_t> dropped_;                  // clients closed in this loop iteration, erased at its end
   size_t buffered_ = 0;                            // sum of every client's accounted bytes
   bool listening_ = true;
   Time accept_resume_{};

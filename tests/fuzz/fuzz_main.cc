@@ -90,10 +90,10 @@ class Mutator {
   // Values around the edges of length fields: zero, small, the store's limits (and the fuzz targets' own small
   // ones) plus or minus one, the signed and unsigned extremes, and the length of what follows.
   uint32_t extreme_length(size_t rest) {
-    static constexpr uint32_t kEdges[] = {0,    1,          2,          63,         64,         65,
-                                          1023, 1024,       1025,       4095,       4096,       4097,
-                                          (16u << 20) - 1, 16u << 20, (16u << 20) + 1, 0x7fffffff, 0x80000000, 0xffffffff};
-    if (below(4) == 0) return static_cast<uint32_t>(rest + below(3)) - 1;
+    static constexpr uint32_t kEdges[] = {0,          1,         2,          63,         64,        65,
+                                          1023,       1024,      1025,       4095,       4096,      4097,
+                                          0xffffff,   0x1000000, 0x1000001,  0x7fffffff, 0x80000000, 0xffffffff};
+    if (below(4) == 0) return static_cast<uint32_t>(rest + below(3)) - 1;  // rest - 1, rest or rest + 1
     return kEdges[below(std::size(kEdges))];
   }
 
