@@ -194,8 +194,12 @@ void Server::on_event(Client& c, uint32_t events, Time now) {
   }
   if (!(events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR))) return;
   if (c.stalled()) {
-    // Not reading from it: only a hang-up can be meant. A client that waits for a reply does not half-close.
-    drop(c, "closed the connection with requests outstanding", nullptr);
+    // Not reading from it. A hang-up (a client that waits for a reply does not half-close) ends it; input waits
+    // in the kernel until the client's replies are out.
+    if (events & (EPOLLRDHUP | EPOLLHUP | EPOLLERR))
+      drop(c, "closed the connection with requests outstanding", nullptr);
+    else
+      update_events(c);
     return;
   }
   const ssize_t n = ::recv(c.fd.get(), read_buf_.data(), read_buf_.size(), MSG_DONTWAIT);
