@@ -149,11 +149,16 @@ NB_MODULE(_core, m) {
 
   nb::class_<Store>(m, "Store");
   nb::class_<TcpStore, Store>(m, "TcpStore")
-      .def("__init__", [](TcpStore* self, const std::string& host, int port, bool serve, double timeout) {
+      .def("__init__", [](TcpStore* self, const std::string& host, nb::int_ port, bool serve, double timeout,
+                          std::string secret) {
+        int p = 0;
+        if (!nb::try_cast(port, p))  // beyond C++'s int; TcpStore checks the range of the others
+          throw nb::value_error(("TCP store port " + std::string(nb::str(port).c_str()) + " is outside 0..65535")
+                                    .c_str());
         nb::gil_scoped_release release;
-        new (self) TcpStore(host, static_cast<uint16_t>(port), serve,
-                            std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)));
-      }, "host"_a, "port"_a, "serve"_a, "timeout"_a)
+        new (self) TcpStore(host, p, serve, std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)),
+                            std::move(secret));
+      }, "host"_a, "port"_a, "serve"_a, "timeout"_a, "secret"_a = "")
       .def_prop_ro("port", &TcpStore::port);
   nb::class_<FileStore, Store>(m, "FileStore").def(nb::init<std::string>(), "path"_a);
 

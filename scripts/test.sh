@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up, then runs every test: C++ unit tests, the same under ASan/UBSan, and the Python suite.
+# Sets up, then runs every test: C++ unit tests, the same under ASan/UBSan, the fuzz targets, and the Python suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -17,6 +17,11 @@ cmake -S . -B build-asan -G Ninja -DSMARTCOLL_BUILD_TESTS=ON -DSMARTCOLL_BUILD_P
 cmake --build build-asan -j "$jobs"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$jobs" --timeout 600
+
+# A new seed each run covers new inputs over time; a failure prints its seed and saves the input it failed on.
+echo "[test] fuzzing the parsers under AddressSanitizer and UndefinedBehaviorSanitizer (20 s)"
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:abort_on_error=1 \
+  build-asan/smartcoll_fuzz --seconds 20 --seed "${SMARTCOLL_FUZZ_SEED:-$(date +%s)}"
 
 echo "[test] Python tests"
 ${PYTHON:-python3} -m pytest tests/python -q -p no:cacheprovider

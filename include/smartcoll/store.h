@@ -3,6 +3,8 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -59,20 +61,63 @@ class FileStore : public Store {
   std::string dir_;
 };
 
+// What the TCP store's server lets clients make it hold (docs/wire-format.md, "Rendezvous store"). A client that
+// goes over a limit is dropped and the drop logged; clients check the key and value limits before sending.
+struct StoreLimits {
+  size_t max_key = 4096;
+  size_t max_value = size_t{16} << 20;
+  size_t max_clients = 4096;
+  // Input and output buffered for all clients together (requests not yet complete, replies not yet sent).
+  size_t max_buffered = size_t{256} << 20;
+  // A client that has sent and received nothing for this long is dropped, unless it waits for a key; clients
+  // reconnect on their next request. One that has not passed the secret handshake this long after connecting too.
+  std::chrono::milliseconds idle_timeout = std::chrono::minutes(10);
+  std::chrono::milliseconds handshake_timeout = std::chrono::seconds(10);
+};
+
+// Counters of a TCP store's server, for tests and diagnostics.
+struct StoreServerStats {
+  uint64_t loop_iterations = 0;  // wake-ups of the server's event loop
+  uint64_t accepted = 0;         // connections accepted
+  uint64_t clients = 0;          // connected now
+  uint64_t bad_requests = 0;     // clients dropped for a malformed request or one over a size limit
+  uint64_t refused = 0;          // clients dropped for a wrong proof of the shared secret
+  uint64_t timed_out = 0;        // clients dropped for idling or for not finishing the handshake in time
+  uint64_t over_buffer = 0;      // clients dropped because the server's buffers were full (max_buffered)
+  uint64_t accept_backoffs = 0;  // pauses of accept() because the process or system ran out of descriptors
+};
+
+namespace store {
+class Server;
+}
+
 // TCP store as torchrun's env:// uses it: rank 0 serves at MASTER_ADDR:MASTER_PORT, every rank is a client.
 class TcpStore : public Store {
  public:
-  TcpStore(const std::string& host, uint16_t port, bool serve, std::chrono::milliseconds connect_timeout);
+  // A non-empty `secret` must be the same on every rank: the server then admits only clients that prove they
+  // know it, and a client refuses a server that does not ask. `limits` bound the server (when serving) and what
+  // this client sends and accepts. Throws InvalidArgument for a port outside 0..65535, CommError when the store
+  // cannot be reached within connect_timeout or refuses this client.
+  TcpStore(const std::string& host, int port, bool serve, std::chrono::milliseconds connect_timeout,
+           std::string secret = "", const StoreLimits& limits = {});
   ~TcpStore() override;
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key, std::chrono::milliseconds timeout) override;
   // The port served (when serving with port 0, the one the kernel chose) or connected to.
   uint16_t port() const { return port_; }
+  // The server's counters; all zero when this store only connects.
+  StoreServerStats server_stats() const;
 
  private:
-  class Server;
-  uint16_t port_ = 0;
-  std::unique_ptr<Server> server_;
+  int connect_and_greet(std::chrono::steady_clock::time_point deadline) const;
+  int connection(std::chrono::steady_clock::time_point deadline);
+  void disconnect();
+  std::string where() const;
+  uint16_t port_ = 0;  // first: checked before the host is resolved
+  std::string ip_;
+  std::string secret_;
+  StoreLimits limits_;
+  std::unique_ptr<store::Server> server_;
   int fd_ = -1;
   std::mutex mu_;
 };

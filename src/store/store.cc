@@ -1,19 +1,16 @@
 #include "smartcoll/store.h"
 
-#include <fcntl.h>
 #include <poll.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
-#include <atomic>
-#include <cstring>
+#include <array>
 #include <filesystem>
 #include <fstream>
-#include <optional>
 #include <sstream>
-#include <vector>
 
 #include "smartcoll/types.h"
+#include "store/protocol.h"
+#include "store/server.h"
 #include "transport/socket.h"
 
 namespace smartcoll {
@@ -76,165 +73,150 @@ std::string FileStore::get(const std::string& key, std::chrono::milliseconds tim
   }
 }
 
-// Wire format, both directions little-endian: request = op(u8: 1 set, 2 get) klen(u32) key [vlen(u32) value];
-// a get is answered with vlen(u32) value once the key exists.
-class TcpStore::Server {
- public:
-  explicit Server(net::Fd listener) : listener_(std::move(listener)) {
-    if (::pipe2(wake_, O_CLOEXEC) != 0) throw CommError("pipe failed");
-    thread_ = std::thread([this] { run(); });
-  }
-  // Serves on for up to kLinger while other ranks are still connected: a rank that fails reads the others'
-  // reports from the store after rank 0 may already be closing.
-  ~Server() {
-    stop_ = true;
-    char c = 0;
-    [[maybe_unused]] auto n = ::write(wake_[1], &c, 1);
-    thread_.join();
-    ::close(wake_[0]);
-    ::close(wake_[1]);
-  }
+namespace {
 
- private:
-  struct Client {
-    net::Fd fd;
-    std::string in;
-  };
+// A connection the server has closed (after it idled) is replaced on the next request, briefly: if the server is
+// gone, a rank reporting a failure must not wait a whole connect timeout to learn it.
+constexpr auto kReconnectWindow = std::chrono::seconds(1);
+constexpr auto kSetTimeout = std::chrono::seconds(60);
 
-  void run() {
-    std::vector<Client> clients;
-    std::map<std::string, std::string> values;
-    std::multimap<std::string, int> waiting;  // key -> client fd waiting for it
-    std::optional<net::Clock::time_point> closing;
-    for (;;) {
-      if (stop_) {
-        if (!closing) closing = net::Clock::now() + kLinger;
-        if (clients.empty() || net::Clock::now() > *closing) break;
-      }
-      std::vector<pollfd> fds{{listener_.get(), POLLIN, 0}, {wake_[0], POLLIN, 0}};
-      for (auto& c : clients) fds.push_back({c.fd.get(), POLLIN, 0});
-      if (::poll(fds.data(), fds.size(), stop_ ? 50 : 1000) <= 0) continue;
-      if (fds[1].revents & POLLIN) {
-        char drain[16];
-        [[maybe_unused]] auto n = ::read(wake_[0], drain, sizeof drain);
-      }
-      if (fds[0].revents & POLLIN) {
-        int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
-        if (fd >= 0) clients.push_back({net::Fd(fd), {}});
-      }
-      for (size_t i = 2; i < fds.size(); ++i) {
-        if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-        Client& c = clients[i - 2];
-        char buf[4096];
-        ssize_t n = ::recv(c.fd.get(), buf, sizeof buf, MSG_DONTWAIT);
-        if (n <= 0) {
-          // Forget its pending gets: a later client may be given the same fd number.
-          std::erase_if(waiting, [&](const auto& w) { return w.second == c.fd.get(); });
-          c.fd.reset();
-          continue;
-        }
-        c.in.append(buf, static_cast<size_t>(n));
-        parse(c, values, waiting);
-      }
-      std::erase_if(clients, [](const Client& c) { return !c.fd; });
-    }
-  }
+uint16_t checked_port(int port) {
+  if (port < 0 || port > 65535)
+    throw InvalidArgument("TCP store port " + std::to_string(port) + " is outside 0..65535");
+  return static_cast<uint16_t>(port);
+}
 
-  static bool take_u32(const std::string& in, size_t& pos, uint32_t& v) {
-    if (in.size() < pos + 4) return false;
-    std::memcpy(&v, in.data() + pos, 4);
-    pos += 4;
-    return true;
-  }
+// True when the server has closed an idle connection or sent on it unasked: either way it is not usable.
+bool unusable(int fd) {
+  pollfd p{fd, POLLIN | POLLRDHUP, 0};
+  return ::poll(&p, 1, 0) != 0;
+}
 
-  static void reply(int fd, const std::string& value) {
-    uint32_t len = static_cast<uint32_t>(value.size());
-    std::string msg(reinterpret_cast<char*>(&len), 4);
-    msg += value;
-    try {
-      net::send_all(fd, msg.data(), msg.size(), net::Clock::now() + std::chrono::seconds(10), "store reply");
-    } catch (const CommError&) {
-      // The client went away; it will report its own error.
-    }
-  }
+}  // namespace
 
-  void parse(Client& c, std::map<std::string, std::string>& values, std::multimap<std::string, int>& waiting) {
-    for (;;) {
-      size_t pos = 1;
-      uint32_t klen = 0, vlen = 0;
-      if (c.in.empty() || !take_u32(c.in, pos, klen) || c.in.size() < pos + klen) return;
-      std::string key = c.in.substr(pos, klen);
-      pos += klen;
-      const char op = c.in[0];
-      if (op == 1) {
-        if (!take_u32(c.in, pos, vlen) || c.in.size() < pos + vlen) return;
-        std::string value = c.in.substr(pos, vlen);
-        pos += vlen;
-        values[key] = value;
-        auto [lo, hi] = waiting.equal_range(key);
-        for (auto it = lo; it != hi; ++it) reply(it->second, value);
-        waiting.erase(lo, hi);
-      } else if (op == 2) {
-        if (auto it = values.find(key); it != values.end())
-          reply(c.fd.get(), it->second);
-        else
-          waiting.emplace(key, c.fd.get());
-      } else {
-        c.fd.reset();  // not a smartcoll store client
-        return;
-      }
-      c.in.erase(0, pos);
-    }
-  }
-
-  static constexpr auto kLinger = std::chrono::seconds(3);
-  net::Fd listener_;
-  int wake_[2] = {-1, -1};
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
-};
-
-TcpStore::TcpStore(const std::string& host, uint16_t port, bool serve, std::chrono::milliseconds connect_timeout) {
-  std::string ip = net::resolve_ipv4(host);
+TcpStore::TcpStore(const std::string& host, int port, bool serve, std::chrono::milliseconds connect_timeout,
+                   std::string secret, const StoreLimits& limits)
+    : port_(checked_port(port)), ip_(net::resolve_ipv4(host)), secret_(std::move(secret)), limits_(limits) {
   if (serve) {
     // Listen on all addresses: MASTER_ADDR may name this host by an address other ranks reach it through.
-    net::Fd listener = net::listen_on("0.0.0.0", port, 1024);
-    port = net::bound_port(listener.get());
-    server_ = std::make_unique<Server>(std::move(listener));
+    net::Fd listener = net::listen_on("0.0.0.0", port_, 1024);
+    port_ = net::bound_port(listener.get());
+    server_ = std::make_unique<store::Server>(std::move(listener), secret_, limits_);
   }
-  port_ = port;
-  fd_ = net::connect_to({ip, port}, net::Clock::now() + connect_timeout).release();
+  fd_ = connect_and_greet(net::Clock::now() + connect_timeout);
 }
 
 TcpStore::~TcpStore() {
-  if (fd_ >= 0) ::close(fd_);
+  disconnect();
   server_.reset();
 }
 
+std::string TcpStore::where() const { return ip_ + ":" + std::to_string(port_); }
+
+void TcpStore::disconnect() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+StoreServerStats TcpStore::server_stats() const { return server_ ? server_->stats() : StoreServerStats{}; }
+
+// Connects and completes the handshake (docs/wire-format.md): every failure names the store and what to check.
+int TcpStore::connect_and_greet(net::Clock::time_point deadline) const {
+  net::Fd fd = net::connect_to({ip_, port_}, deadline);
+  const std::string store = "the store at " + where();
+  uint8_t greeting = 0;
+  try {
+    net::recv_all(fd.get(), &greeting, 1, deadline, "the store's greeting");
+  } catch (const CommError& e) {
+    throw CommError(store + " did not greet this client: " + e.what() +
+                    " (is it a smartcoll store? is it at its client limit?)");
+  }
+  if (greeting == store::kGreetingOpen) {
+    if (!secret_.empty())
+      throw CommError(store + " has no shared secret but this rank has one: SMARTCOLL_SECRET must be the same on "
+                              "every rank, rank 0 included");
+    return fd.release();
+  }
+  if (greeting != store::kGreetingSecret)
+    throw CommError(store + " is not a smartcoll store (its greeting is byte " + std::to_string(greeting) + ")");
+  if (secret_.empty())
+    throw CommError(store + " refused this rank: it requires a shared secret and this rank has none (set "
+                            "SMARTCOLL_SECRET, the same on every rank)");
+  std::array<uint8_t, store::kNonceSize> nonce;
+  uint8_t verdict = store::kRefused;
+  try {
+    net::recv_all(fd.get(), nonce.data(), nonce.size(), deadline, "the store's challenge");
+    const Digest proof = store::handshake_proof(secret_, nonce);
+    net::send_all(fd.get(), proof.data(), proof.size(), deadline, "the secret handshake");
+    net::recv_all(fd.get(), &verdict, 1, deadline, "the store's verdict");
+  } catch (const CommError&) {
+    // A server that rejects the proof may close before its verdict arrives: that is a refusal as well.
+  }
+  if (verdict != store::kAccepted)
+    throw CommError(store + " refused this rank: wrong or missing shared secret (SMARTCOLL_SECRET must be the "
+                            "same on every rank)");
+  return fd.release();
+}
+
+int TcpStore::connection(net::Clock::time_point deadline) {
+  if (fd_ >= 0 && !unusable(fd_)) return fd_;
+  disconnect();
+  fd_ = connect_and_greet(std::min(deadline, net::Clock::now() + kReconnectWindow));
+  return fd_;
+}
+
 void TcpStore::set(const std::string& key, const std::string& value) {
+  if (key.size() > limits_.max_key || value.size() > limits_.max_value)
+    throw InvalidArgument("store entry '" + key.substr(0, 64) + "' is over the store's limits (key " +
+                          std::to_string(key.size()) + " of at most " + std::to_string(limits_.max_key) +
+                          " bytes, value " + std::to_string(value.size()) + " of at most " +
+                          std::to_string(limits_.max_value) + ")");
   std::lock_guard lock(mu_);
-  std::string msg(1, '\1');
-  uint32_t klen = static_cast<uint32_t>(key.size()), vlen = static_cast<uint32_t>(value.size());
-  msg.append(reinterpret_cast<char*>(&klen), 4).append(key).append(reinterpret_cast<char*>(&vlen), 4).append(value);
-  net::send_all(fd_, msg.data(), msg.size(), net::Clock::now() + std::chrono::seconds(60), "store set");
+  const auto deadline = net::Clock::now() + kSetTimeout;
+  const std::string msg = store::encode_request({store::Op::set, key, value});
+  try {
+    net::send_all(connection(deadline), msg.data(), msg.size(), deadline, "store set");
+  } catch (const CommError&) {
+    disconnect();
+    throw;
+  }
 }
 
 std::string TcpStore::get(const std::string& key, std::chrono::milliseconds timeout) {
+  if (key.size() > limits_.max_key)
+    throw InvalidArgument("store key '" + key.substr(0, 64) + "...' has " + std::to_string(key.size()) +
+                          " bytes, over the limit of " + std::to_string(limits_.max_key));
   std::lock_guard lock(mu_);
-  std::string msg(1, '\2');
-  uint32_t klen = static_cast<uint32_t>(key.size());
-  msg.append(reinterpret_cast<char*>(&klen), 4).append(key);
-  auto deadline = net::Clock::now() + timeout;
-  net::send_all(fd_, msg.data(), msg.size(), deadline, "store get");
-  uint32_t vlen = 0;
+  const auto deadline = net::Clock::now() + timeout;
+  // After a failure the reply may still come; on this connection it would be read as the answer to the next get.
+  auto lost = [&](const CommError& e) {
+    disconnect();
+    if (net::Clock::now() >= deadline) return CommError(timeout_message(key, timeout));
+    return CommError(std::string(e.what()) + " (the rendezvous server on rank 0 is gone)");
+  };
+  const int fd = connection(deadline);
+  const std::string msg = store::encode_request({store::Op::get, key, {}});
+  const std::string what = "store value for '" + key + "'";
+  uint8_t len[4];
   try {
-    net::recv_all(fd_, &vlen, 4, deadline, "store value for '" + key + "'");
+    net::send_all(fd, msg.data(), msg.size(), deadline, "store get");
+    net::recv_all(fd, len, 4, deadline, what);
   } catch (const CommError& e) {
-    if (net::Clock::now() >= deadline) throw CommError(timeout_message(key, timeout));
-    throw CommError(std::string(e.what()) + " (the rendezvous server on rank 0 is gone)");
+    throw lost(e);
   }
-  std::string value(vlen, '\0');
-  net::recv_all(fd_, value.data(), vlen, deadline, "store value for '" + key + "'");
+  const uint32_t value_len = store::load_u32(len);
+  if (value_len > limits_.max_value) {
+    disconnect();
+    throw CommError("the store at " + where() + " announced a value of " + std::to_string(value_len) +
+                    " bytes for '" + key + "', over the limit of " + std::to_string(limits_.max_value) +
+                    ": it is not a smartcoll store, or a broken one");
+  }
+  std::string value(value_len, '\0');
+  try {
+    net::recv_all(fd, value.data(), value_len, deadline, what);
+  } catch (const CommError& e) {
+    throw lost(e);
+  }
   return value;
 }
 

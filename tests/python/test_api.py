@@ -14,6 +14,7 @@ import torch
 from conftest import assert_all_ok, free_port
 
 import smartcoll
+from smartcoll import _core
 
 
 @pytest.fixture(autouse=True)
@@ -194,6 +195,38 @@ def test_init_without_env_names_the_variable(monkeypatch, missing):
     with pytest.raises(RuntimeError) as info:
         smartcoll.init()
     assert missing in str(info.value) and "is not set" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("port", [65536, 70000, 2**40, -1])
+def test_store_port_outside_range_is_a_value_error(port):
+    """A port is checked, not truncated to 16 bits (70000 would otherwise serve or dial 4464)."""
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=rf"TCP store port {port} is outside 0\.\.65535"):
+        _core.TcpStore("127.0.0.1", port, False, 2.0)
+    assert time.monotonic() - t0 < 1
+
+
+def test_master_port_outside_range_is_a_value_error(monkeypatch):
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match="port 70000 is outside"):
+        smartcoll.init(connect_timeout=2)
+
+
+def test_store_secret_keyword():
+    server = _core.TcpStore("127.0.0.1", 0, True, 5.0, secret="job-42")
+    client = _core.TcpStore("127.0.0.1", server.port, False, 5.0, secret="job-42")
+    assert client.port == server.port
+    t0 = time.monotonic()
+    with pytest.raises(smartcoll.CommError, match="refused this rank: wrong or missing shared secret"):
+        _core.TcpStore("127.0.0.1", server.port, False, 5.0, secret="job-41")
+    with pytest.raises(smartcoll.CommError, match="requires a shared secret and this rank has none"):
+        _core.TcpStore("127.0.0.1", server.port, False, 5.0)
+    open_server = _core.TcpStore("127.0.0.1", 0, True, 5.0)
+    with pytest.raises(smartcoll.CommError, match="has no shared secret but this rank has one"):
+        _core.TcpStore("127.0.0.1", open_server.port, False, 5.0, secret="job-42")
+    assert time.monotonic() - t0 < 3
+    del client  # before its server, which would otherwise linger for it
 
 
 # ------------------------------------------------------------------------------------------ return values

@@ -1,0 +1,28 @@
+// Fuzz targets: each runs one input through a component and checks that component's invariants, aborting with
+// FUZZ_CHECK on a violation (sanitizers abort on memory errors and undefined behaviour). fuzz_main.cc feeds them
+// seeds and mutations of the seeds; to add a target, declare its two functions here and add a row to the
+// registry in fuzz_main.cc.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace smartcoll::fuzz {
+
+[[noreturn]] void check_failed(const char* expr, const char* file, int line);
+#define FUZZ_CHECK(cond) ((cond) ? void(0) : ::smartcoll::fuzz::check_failed(#cond, __FILE__, __LINE__))
+
+// Valid inputs for a target, the starting points of mutation.
+using Seeds = std::vector<std::string>;
+
+// The store server's request parser (store/protocol.h) against a direct reading of the format.
+void store_request(const uint8_t* data, size_t size);
+Seeds store_request_seeds();
+
+// SHA-256 and HMAC-SHA-256 (core/mac.h): a message fed in pieces hashes as the whole.
+void sha256_pieces(const uint8_t* data, size_t size);
+Seeds sha256_pieces_seeds();
+
+}  // namespace smartcoll::fuzz
