@@ -30,6 +30,7 @@ class Transport;
 class Engine;
 struct Task;
 struct Config;
+struct StartUpVerdict;
 struct CallHistory;
 namespace cma {
 class Local;
@@ -150,11 +151,7 @@ class Communicator {
   void check_one_poster();  // submit_mu_ held
   // At start-up, through the store: the knobs every rank must share; the claim rank 0 accepted and the host of
   // every rank.
-  struct StartUp {
-    std::vector<std::string> claims;
-    std::vector<int> hosts;
-  };
-  StartUp agree_on_settings(const std::string& claim);
+  StartUpVerdict agree_on_settings(const std::string& claim);
 
   int rank_, size_;
   Options options_;

@@ -6,6 +6,7 @@ import datetime
 import itertools
 import os
 import re
+import secrets
 import socket
 import time
 from typing import Any, Optional
@@ -304,21 +305,24 @@ def _master() -> tuple[str, int]:
 _bootstraps = itertools.count()  # communicators made through one key-value store by this process
 
 
-def _store_through(kv: Any, rank: int, options: dict[str, str], timeout: float) -> tuple[Any, str]:
+def _store_through(kv: Any, rank: int, options: dict[str, str], timeout: float, secret: str) -> tuple[Any, str]:
     """A rendezvous store reached through another key-value store `kv` (torch.distributed's, or any object with
-    set(key, value) and get(key) -> bytes): rank 0 serves one on a free port and publishes where."""
+    set(key, value) and get(key) -> bytes): rank 0 serves one on a free port and publishes where, with a fresh
+    secret unless one is given (it keeps out whoever cannot read `kv`)."""
     key = f"smartcoll/{next(_bootstraps)}/store"
     if rank == 0:
         host = options.get("addr") or os.environ.get("SMARTCOLL_ADDR") or os.environ.get("MASTER_ADDR")
         host = host or socket.gethostbyname(socket.gethostname())
-        store = _core.TcpStore(host, 0, True, timeout)
-        kv.set(key, f"{host}:{store.port}")
+        secret = secret or secrets.token_hex(16)
+        store = _core.TcpStore(host, 0, True, timeout, secret=secret)
+        kv.set(key, f"{host}:{store.port} {secret}")
         return store, host
     if hasattr(kv, "wait"):  # torch's get() waits its own store-wide timeout; ours is connect_timeout
         kv.wait([key], datetime.timedelta(seconds=timeout))
     value = kv.get(key)
-    host, port = (value.decode() if isinstance(value, bytes) else str(value)).rsplit(":", 1)
-    return _core.TcpStore(host, int(port), False, timeout), host
+    where, secret = (value.decode() if isinstance(value, bytes) else str(value)).split(" ", 1)
+    host, port = where.rsplit(":", 1)
+    return _core.TcpStore(host, int(port), False, timeout, secret=secret), host
 
 
 def _torchrun_agent_store(timeout: float) -> Any:
@@ -334,6 +338,7 @@ def init(
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
     store: Any = None,
+    secret: Optional[str] = None,
     **options: Any,
 ) -> Communicator:
     """Creates a communicator; every rank calls it.
@@ -346,6 +351,8 @@ def init(
     OMPI_COMM_WORLD_RANK/SIZE, PMI_RANK/SIZE, with MASTER_ADDR set by the user).
     store: rendezvous through this key-value store instead of init_method (a torch.distributed.Store, or any object
     with set(key, value) and get(key) -> bytes); the torch backend passes torch's.
+    secret: a shared secret every rank must prove to the rendezvous store (default: SMARTCOLL_SECRET, which
+    `smartcoll run` sets to a fresh one per launch; empty: none). See docs/security.md.
     options: any knob of smartcoll.knobs() (algo=, streams=, segment_size=, timeout=, ifname=, ...); they
     override SMARTCOLL_* environment variables.
     """
@@ -357,11 +364,12 @@ def init(
         raise ValueError(f"rank {rank} is outside the world of size {world_size}")
     resolved = {k: str(v) for k, v in options.items()}
     connect_timeout = float(_core.resolve_options(resolved)["connect_timeout"])
+    secret = os.environ.get("SMARTCOLL_SECRET", "") if secret is None else secret
     url = urlparse(init_method)
     if store is None and url.scheme == "env" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         store = _torchrun_agent_store(connect_timeout)  # MASTER_PORT is taken by torchrun's agent
     if store is not None:
-        core_store, route_hint = _store_through(store, rank, resolved, connect_timeout)
+        core_store, route_hint = _store_through(store, rank, resolved, connect_timeout, secret)
     elif url.scheme in ("env", "tcp"):
         if url.scheme == "env":
             host, port = _master()
@@ -370,7 +378,7 @@ def init(
             if port is None:
                 raise ValueError(f"init_method {init_method!r} needs a port: tcp://HOST:PORT")
         route_hint = host
-        core_store = _core.TcpStore(host, port, rank == 0, connect_timeout)
+        core_store = _core.TcpStore(host, port, rank == 0, connect_timeout, secret=secret)
     elif url.scheme == "file":
         core_store, route_hint = _core.FileStore(url.path), ""
     else:

@@ -1,6 +1,8 @@
 #include "core/agreement.h"
 
+#include <charconv>
 #include <map>
+#include <sstream>
 
 namespace smartcoll {
 
@@ -34,6 +36,29 @@ constexpr std::string_view kHow =
     "op, root, algo, codec, codec_mode)";
 
 }  // namespace
+
+StartUpVerdict parse_verdict(const std::string& verdict, int size) {
+  if (!verdict.starts_with("ok ")) throw CommError(verdict);
+  const std::string corrupted = ": a corrupted store, or another smartcoll version";
+  StartUpVerdict out;
+  std::istringstream words(verdict.substr(3));
+  std::vector<std::string> fields;
+  for (std::string w; words >> w;) fields.push_back(w);
+  if (fields.size() != 2 * static_cast<size_t>(size))
+    throw CommError("rank 0's start-up verdict has " + std::to_string(fields.size()) + " fields, not " +
+                    std::to_string(2 * size) + corrupted);
+  for (int p = 0; p < size; ++p) {
+    const std::string& h = fields[static_cast<size_t>(size + p)];
+    int index = -1;
+    const auto [end, ec] = std::from_chars(h.data(), h.data() + h.size(), index);
+    if (ec != std::errc() || end != h.data() + h.size() || index < 0 || index >= size)
+      throw CommError("rank 0's start-up verdict names host '" + h + "' for rank " + std::to_string(p) + corrupted);
+    out.hosts.push_back(index);
+  }
+  fields.resize(static_cast<size_t>(size));
+  out.claims = std::move(fields);
+  return out;
+}
 
 Descriptor make_descriptor(Collective coll, DataType dt, ReduceOp op, Algorithm algo, int root, size_t count,
                            const Codec& codec, bool codec_owner) {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "core/task.h"
 #include "smartcoll/codec.h"
@@ -14,6 +15,15 @@
 #include "smartcoll/store.h"
 
 namespace smartcoll {
+
+// Rank 0's start-up verdict, "ok <claim of each rank> <host number of each rank>", as every rank reads it.
+struct StartUpVerdict {
+  std::vector<std::string> claims;
+  std::vector<int> hosts;  // numbered from 0 in order of first appearance
+};
+// Throws CommError with the verdict's text when it is not "ok ...", or naming what is malformed (the bytes came
+// from the store).
+StartUpVerdict parse_verdict(const std::string& verdict, int size);
 
 inline constexpr uint32_t kDescriptorMagic = 0x53434433;  // "SCD3"
 

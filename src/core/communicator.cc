@@ -191,7 +191,7 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
 
 Communicator::~Communicator() { close(); }
 
-Communicator::StartUp Communicator::agree_on_settings(const std::string& claim) {
+StartUpVerdict Communicator::agree_on_settings(const std::string& claim) {
   // Knobs that change what goes on the wire outside a call's descriptor: a rank that skips the header, cuts
   // segments differently (they are striped over streams by index) or picks another algorithm would misframe
   // every later message. Rank 0 compares everyone's (n reads of the store, not n^2 messages) and publishes the
@@ -246,23 +246,7 @@ Communicator::StartUp Communicator::agree_on_settings(const std::string& claim) 
   } catch (const CommError&) {
     throw CommError(waiting + "rank 0's start-up check" + hint);
   }
-  if (!verdict.starts_with("ok ")) throw CommError(verdict);
-  StartUp out;
-  std::istringstream words(verdict.substr(3));
-  for (std::string w; words >> w;) out.claims.push_back(w);
-  if (out.claims.size() != 2 * static_cast<size_t>(size_))
-    throw CommError("rank 0's start-up verdict has " + std::to_string(out.claims.size()) + " fields, not " +
-                    std::to_string(2 * size_) + ": a corrupted store, or another smartcoll version");
-  for (int p = 0; p < size_; ++p) {
-    const std::string& h = out.claims[static_cast<size_t>(size_ + p)];
-    const int index = std::atoi(h.c_str());
-    if (h.find_first_not_of("0123456789") != std::string::npos || index >= size_)
-      throw CommError("rank 0's start-up verdict names host '" + h + "' for rank " + std::to_string(p) +
-                      ": a corrupted store, or another smartcoll version");
-    out.hosts.push_back(index);
-  }
-  out.claims.resize(static_cast<size_t>(size_));
-  return out;
+  return parse_verdict(verdict, size_);
 }
 
 void Communicator::abort(const std::string& reason) {

@@ -37,6 +37,9 @@ struct Target {
 constexpr Target kTargets[] = {
     {"store_request", store_request, store_request_seeds},
     {"sha256_pieces", sha256_pieces, sha256_pieces_seeds},
+    {"peer_hello", peer_hello, peer_hello_seeds},
+    {"call_descriptor", call_descriptor, call_descriptor_seeds},
+    {"start_up_verdict", start_up_verdict, start_up_verdict_seeds},
 };
 // ---- End of registry. ----
 

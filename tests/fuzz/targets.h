@@ -25,4 +25,16 @@ Seeds store_request_seeds();
 void sha256_pieces(const uint8_t* data, size_t size);
 Seeds sha256_pieces_seeds();
 
+// A connecting rank's hello (transport/tcp.h): refused exactly when a field is out of range or foreign.
+void peer_hello(const uint8_t* data, size_t size);
+Seeds peer_hello_seeds();
+
+// A call's descriptor from a peer (core/agreement.h): compared and described without trusting a byte.
+void call_descriptor(const uint8_t* data, size_t size);
+Seeds call_descriptor_seeds();
+
+// Rank 0's start-up verdict from the store (core/agreement.h): parsed, or refused with a CommError.
+void start_up_verdict(const uint8_t* data, size_t size);
+Seeds start_up_verdict_seeds();
+
 }  // namespace smartcoll::fuzz

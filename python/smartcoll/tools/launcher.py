@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import hmac
 import os
 import secrets
 import tempfile
@@ -145,6 +146,14 @@ def new_job_id() -> str:
     return secrets.token_hex(8)
 
 
+_LAUNCH_KEY = secrets.token_bytes(32)  # this launcher's own: secrets of its launches cannot be guessed from ids
+
+
+def job_secret(job_id: str) -> str:
+    """The store secret (SMARTCOLL_SECRET) of one launch: the same for all its ranks, unguessable from outside."""
+    return hmac.new(_LAUNCH_KEY, job_id.encode(), "sha256").hexdigest()
+
+
 def _relay(stream, sink_name: str, tag: str, lock: threading.Lock) -> None:
     """Copy one child pipe to sys.<sink_name>, one whole line at a time, each prefixed with tag.
 
@@ -219,6 +228,9 @@ def rank_environ(
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
         SMARTCOLL_JOB_ID=job_id,
+        # The rendezvous store admits only ranks that know it (docs/security.md); derived from the job id, which
+        # is drawn fresh per launch and never published.
+        SMARTCOLL_SECRET=job_secret(job_id),
     )
     env.update({k: str(v) for k, v in (env_extra or {}).items()})
     env.update({k: str(v) for k, v in (rank_env(rank) if rank_env else {}).items()})
