@@ -61,6 +61,12 @@ def data(rank: int, shape: tuple, dtype: torch.dtype, seed: int, integers: bool 
     return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
 
+def _summary(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} {tuple(x.shape)} {x.reshape(-1)[:6].tolist()}"
+    return repr(x)[:300]
+
+
 class Checks:
     """smartcoll's result next to gloo's (or next to the expected value), problems recorded by name."""
 
@@ -80,7 +86,7 @@ class Checks:
         else:
             ok = ours == ref
         if not ok:
-            self.problems.append(f"{name}: smartcoll {ours!r} != expected {ref!r}")
+            self.problems.append(f"{name}: smartcoll {_summary(ours)} != expected {_summary(ref)}")
 
     def both(self, name: str, gloo: Any, fn: Callable[[Any], Any], exact: bool = True) -> None:
         """fn(group) returns the result; run on the default (smartcoll) group and on gloo."""

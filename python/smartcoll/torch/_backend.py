@@ -60,32 +60,40 @@ def _reduction(op: Any) -> tuple[str, Optional[float]]:
 
 class _Call:
     """The host memory of one call: CPU tensors as they are; CUDA tensors copied to the host before the call
-    and, for outputs, back to the device when it is done."""
+    and, for outputs, back to the device when it is done. Every tensor of the call passes through here, to be
+    checked and for the CUDA devices its future must know."""
 
     def __init__(self, what: str):
         self.what = what
+        self.devices: set[torch.device] = set()
         self._back: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device tensor, its host copy)
 
-    def input(self, t: torch.Tensor) -> torch.Tensor:
+    def _see(self, t: torch.Tensor) -> None:
         _check(t, self.what)
+        if t.is_cuda:
+            self.devices.add(t.device)
+
+    def input(self, t: torch.Tensor) -> torch.Tensor:
+        self._see(t)
         return t.cpu()  # t itself on the CPU
 
     def output(self, t: torch.Tensor, initial: bool = False) -> torch.Tensor:
         """initial: the call also reads the tensor (in place)."""
-        _check(t, self.what)
+        self._see(t)
         if t.device.type == "cpu":
             return t
         host = t.cpu() if initial else torch.empty(t.shape, dtype=t.dtype)
         self._back.append((t, host))
         return host
 
-    @property
-    def devices(self) -> Optional[list]:
-        return sorted({d.device for d, _ in self._back}, key=str) or None
+    def outputs(self, tensors: list) -> None:
+        """Outputs the call's finish step fills from a host buffer of its own (copy_ goes to any device)."""
+        for t in tensors:
+            self._see(t)
 
     def copy_back(self) -> None:
         for device_tensor, host in self._back:
-            device_tensor.copy_(host)  # from pageable memory: done when it returns, whatever stream reads it
+            device_tensor.copy_(host)  # synchronous: done when it returns, whatever stream reads it next
 
 
 class ProcessGroupSmartcoll(dist.ProcessGroup):
@@ -123,7 +131,7 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
             call.copy_back()
             return finish()
 
-        return self._completer.post(requests, done, call.devices)
+        return self._completer.post(requests, done, sorted(call.devices, key=str))
 
     # --- collectives (the signatures torch.distributed calls them with)
 
@@ -164,6 +172,7 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
         outputs, x = _one(output_lists, "allgather"), _one(inputs, "allgather")
         self._check_list(outputs, x, "allgather")
         call = _Call("allgather")
+        call.outputs(outputs)
         gathered = torch.empty((self.size(), *x.shape), dtype=x.dtype)
         request = self.comm.iallgather(_flat(call.input(x)), _flat(gathered))
 
@@ -210,8 +219,7 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
     def alltoall(self, outputs: list, inputs: list, opts: Any = None) -> Work:
         call = _Call("all_to_all")
         host_in = torch.cat([_flat(call.input(t)) for t in inputs])
-        for t in outputs:
-            _check(t, call.what)
+        call.outputs(outputs)
         host_out = torch.empty(sum(t.numel() for t in outputs), dtype=host_in.dtype)
         send, recv = [t.numel() for t in inputs], [t.numel() for t in outputs]
 
@@ -256,6 +264,7 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
         if self.rank() == opts.rootRank:
             self._check_list(outputs, x, "gather")
         call = _Call("gather")
+        call.outputs(outputs)
         gathered = torch.empty((self.size(), *x.shape), dtype=x.dtype)
         request = self.comm.iallgather(_flat(call.input(x)), _flat(gathered))
 
@@ -270,6 +279,7 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
         """Through broadcast: the root sends every block to every rank, each keeps its own."""
         out = _one(outputs, "scatter")
         call = _Call("scatter")
+        call.outputs([out])
         if self.rank() == opts.rootRank:
             inputs = _one(input_lists, "scatter")
             self._check_list(inputs, out, "scatter")

@@ -76,7 +76,7 @@ class Completer:
 
     def post(self, requests: list[Request], finish: Callable[[], Any], devices: Optional[list] = None) -> Work:
         """A Work completed once every request is done and `finish` has run; its future's value is what
-        `finish` returns. devices: the CUDA devices of that value (the future then synchronizes streams)."""
+        `finish` returns. devices: the CUDA devices of that value (a future must be told of them)."""
         source = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
         done = threading.Event()
         with self._lock:
