@@ -17,6 +17,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -114,6 +115,14 @@ def check_collectives(c: Checks, gloo: Any) -> None:
         factor = dist._make_nccl_premul_sum(0.25)
         c.same(f"all_reduce PREMUL_SUM {dtype}", reduced(x, factor, None), reduced(x * 0.25, R.SUM, gloo),
                exact=False)
+    def coalesced(g: Any) -> torch.Tensor:
+        xs = [data(r, (k + 3,), torch.float32, seed=k) for k in range(3)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # deprecated in torch, still public
+            dist.all_reduce_coalesced(xs, op=R.MAX, group=g)
+        return torch.cat(xs)
+
+    c.both("all_reduce_coalesced", gloo, coalesced)
     x = data(r, (5, 7), torch.float32, seed=8, integers=False)
     c.both("all_reduce SUM float32 2-D", gloo, lambda g: reduced(x, R.SUM, g), exact=False)
     z = torch.complex(data(r, (9,), torch.float32, 9), data(r, (9,), torch.float32, 10))
