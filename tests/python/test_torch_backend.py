@@ -153,31 +153,27 @@ def test_collectives_under_torchrun(tmp_path):
     assert_collectives(tmp_path, 2)
 
 
-def assert_ddp(outdir: Path, n: int, runs: list[str]) -> None:
-    for r, o in outcomes(outdir, range(n)).items():
+@pytest.mark.parametrize("launcher", ["smartcoll-run", "torchrun"])
+@pytest.mark.parametrize("default", ["smartcoll", "gloo"])
+def test_ddp_against_gloo(ranks, tmp_path, default, launcher):
+    """DDP on the smartcoll backend, and smartcoll's hook on that backend (reusing its communicator) and under
+    gloo (with a communicator of its own, made through torch's store): parameters after several steps equal
+    DDP on gloo's."""
+    args = ["ddp", tmp_path, default]
+    if launcher == "torchrun":
+        torchrun(2, WORKER, args, tmp_path, timeout=120)
+    else:
+        assert_all_ok(smartcoll_run(ranks, 2, args, tmp_path, timeout=120))
+    runs = ["hook", "hook bfp16"] + (["backend"] if default == "smartcoll" else [])
+    for r, o in outcomes(tmp_path, range(2)).items():
         assert not o["problems"], f"rank {r}: {o['problems']}"
         for name in runs:
             assert o[name]["losses"][0] == o["reference_losses"][0], (r, name, o)
+        if default == "smartcoll":
+            assert o["backend"]["max_param_diff"] == 0, (r, o["backend"])  # 2 ranks: the same sums as gloo's
+        assert o["hook_comm_is_backend"] == (default == "smartcoll"), r
         # bfp16 really compresses, and error feedback keeps it close to the uncompressed run
         assert 0 < o["hook bfp16"]["max_param_diff"] < 1e-3, (r, o["hook bfp16"])
-
-
-def test_ddp_smartcoll_backend(ranks, tmp_path):
-    """DDP on the smartcoll backend, with and without the hook (which reuses the backend's communicator):
-    parameters after several steps equal DDP on gloo's."""
-    assert_all_ok(smartcoll_run(ranks, 2, ["ddp", tmp_path, "smartcoll"], tmp_path, timeout=120))
-    assert_ddp(tmp_path, 2, ["backend", "hook", "hook bfp16"])
-    for r, o in outcomes(tmp_path, range(2)).items():
-        assert o["backend"]["max_param_diff"] == 0, (r, o["backend"])
-        assert o["hook_comm_is_backend"], r
-
-
-def test_ddp_hook_with_gloo_under_torchrun(tmp_path):
-    """The hook under the gloo backend (torchrun): its own communicator, made through torch's store."""
-    torchrun(2, WORKER, ["ddp", tmp_path, "gloo"], tmp_path, timeout=120)
-    assert_ddp(tmp_path, 2, ["hook", "hook bfp16"])
-    for r, o in outcomes(tmp_path, range(2)).items():
-        assert not o["hook_comm_is_backend"], r
 
 
 @pytest.mark.parametrize("default", ["smartcoll", "gloo"], ids=["backend", "gloo-hook"])

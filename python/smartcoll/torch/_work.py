@@ -109,7 +109,8 @@ class Completer:
                 request.wait()
             value: Any = finish()
         except BaseException as e:  # handed to whoever waits on the Work or reads its future
-            value = e
+            # Raised again from there; the traceback of this thread would only keep the call's frames alive.
+            value = e.with_traceback(None)
         source.set_result(value)
         done.set()
 
