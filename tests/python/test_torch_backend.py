@@ -123,7 +123,7 @@ def test_work_wait_timeout_and_failure():
         def wait(self):
             raise RuntimeError("peer went away")
 
-    completer = Completer("test")
+    completer = Completer("test", drain_s=5)
     slow = completer.post([Blocked()], lambda: [torch.ones(1)])
     failed = completer.post([Failed()], lambda: [torch.ones(1)])
     with pytest.raises(TimeoutError):
@@ -136,7 +136,7 @@ def test_work_wait_timeout_and_failure():
     assert failed.is_completed() and not failed.is_success()
     with pytest.raises(RuntimeError, match="peer went away"):
         failed.get_future().wait()
-    completer.close(5)
+    completer.close()
 
 
 # ---------------------------------------------------------------------------------------- across ranks

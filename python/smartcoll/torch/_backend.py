@@ -23,7 +23,6 @@ _OPS = {RedOpType.SUM: "sum", RedOpType.AVG: "avg", RedOpType.PRODUCT: "prod", R
 # What the engine reduces; other dtypes move as bytes in broadcast, allgather and alltoall.
 _ENGINE_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
                   torch.int32, torch.int64}
-_CLOSE_TIMEOUT_S = 10.0
 
 
 def _one(tensors: list, what: str) -> Any:
@@ -307,7 +306,7 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         """Completes what was posted, then closes the communicator (destroy_process_group calls this)."""
-        self._completer.close(_CLOSE_TIMEOUT_S)
+        self._completer.close()
         self.comm.close()
 
     abort = shutdown

@@ -83,6 +83,7 @@ class _AllreduceHook:
         self._cuda: Optional[_CudaStaging] = None
 
     def close(self) -> None:
+        self._completer.close()
         self.comm.close()
         self.comm = None
 

@@ -8,6 +8,7 @@ as soon as its call is done without a thread per call.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import queue
 import threading
@@ -66,13 +67,16 @@ class Work(dist._Work):
 
 class Completer:
     """Completes the Work of one communicator's calls, in the order they were posted, on one daemon thread
-    (started at the first call)."""
+    (started at the first call). drain_s: how long close() waits for the calls still in flight (the engine
+    fails a call that makes no progress for its timeout, so that bounds it)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, drain_s: float):
         self._name = name
+        self._drain_s = drain_s
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        _all_completers.add(self)
 
     def post(self, requests: list[Request], finish: Callable[[], Any], devices: Optional[list] = None) -> Work:
         """A Work completed once every request is done and `finish` has run; its future's value is what
@@ -86,13 +90,13 @@ class Completer:
         self._queue.put((requests, finish, source, done))
         return Work(source, done)
 
-    def close(self, timeout: float) -> None:
-        """Completes what was posted, then stops the thread (waiting at most `timeout` seconds for it)."""
+    def close(self) -> None:
+        """Completes what was posted, then stops the thread."""
         with self._lock:
             thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
-            thread.join(timeout)
+            thread.join(self._drain_s)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -115,6 +119,18 @@ class Completer:
         done.set()
 
 
+_all_completers: "weakref.WeakSet[Completer]" = weakref.WeakSet()  # a running thread keeps its own alive
+
+
+@atexit.register
+def _close_completers() -> None:
+    # Before the interpreter finalizes: a daemon thread that is inside the engine or torch then (waits and
+    # future callbacks release the GIL) is stopped as it takes the GIL back, and C++ aborts the process
+    # ("terminate called without an active exception").
+    for completer in list(_all_completers):
+        completer.close()
+
+
 _completers: "weakref.WeakKeyDictionary[Communicator, Completer]" = weakref.WeakKeyDictionary()
 _completers_lock = threading.Lock()
 
@@ -123,5 +139,6 @@ def completer_for(comm: Communicator) -> Completer:
     """The one Completer of `comm` (its process group and DDP hooks on it share the thread)."""
     with _completers_lock:
         if comm not in _completers:
-            _completers[comm] = Completer(f"smartcoll-completer-{comm.rank}")
+            drain_s = float(comm.options["timeout"]) + 5
+            _completers[comm] = Completer(f"smartcoll-completer-{comm.rank}", drain_s)
         return _completers[comm]
