@@ -201,6 +201,13 @@ def check_collectives(c: Checks, gloo: Any) -> None:
     x = data(r, (sum(splits), 3), torch.float32, seed=20)
     c.both("all_to_all_single uneven", gloo, lambda g: alltoall(x, sum(splits), (splits, splits), g))
 
+    def rows(i: int, j: int) -> int:  # rank 0's splits are all equal, the others' are not
+        return 2 if 0 in (i, j) else 1 + (i + 2 * j) % 3
+
+    send, recv = [rows(r, j) for j in range(n)], [rows(j, r) for j in range(n)]
+    x = data(r, (sum(send), 2), torch.int32, seed=21)
+    c.both("all_to_all_single equal here, uneven there", gloo, lambda g: alltoall(x, sum(recv), (recv, send), g))
+
     def all_to_all(size: Callable[[int, int], int], g: Any) -> list:
         """Rank r sends size(r, j) copies of 10 r + j to rank j."""
         inputs = [torch.full((size(r, j),), float(10 * r + j)) for j in range(n)]

@@ -170,14 +170,17 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
     def allgather(self, output_lists: list, inputs: list, opts: Any = None) -> Work:
         outputs, x = _one(output_lists, "allgather"), _one(inputs, "allgather")
         self._check_list(outputs, x, "allgather")
-        call = _Call("allgather")
+        return self._allgather_into(_Call("allgather"), outputs, x)
+
+    def _allgather_into(self, call: _Call, outputs: list, x: torch.Tensor) -> Work:
+        """allgather of x into a host buffer, then copied into `outputs` (none on gather's other ranks)."""
         call.outputs(outputs)
-        gathered = torch.empty((self.size(), *x.shape), dtype=x.dtype)
+        gathered = torch.empty((self.size(), x.numel()), dtype=x.dtype)
         request = self.comm.iallgather(_flat(call.input(x)), _flat(gathered))
 
         def finish() -> list:
             for out, part in zip(outputs, gathered):
-                out.copy_(part)
+                out.copy_(part.view(out.shape))
             return [outputs]
 
         return self._post(call, [request], finish)
@@ -208,50 +211,54 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
                           opts: Any = None) -> Work:
         call = _Call("all_to_all_single")
         host_in, host_out = _flat(call.input(x)), _flat(call.output(output))
-        # splits count rows (the first dimension); the engine counts elements
-        row_in = host_in.numel() // x.shape[0] if x.dim() and x.shape[0] else 0
-        row_out = host_out.numel() // output.shape[0] if output.dim() and output.shape[0] else 0
-        send = [s * row_in for s in input_splits] or self._equal(host_in.numel(), "input")
-        recv = [s * row_out for s in output_splits] or self._equal(host_out.numel(), "output")
-        return self._alltoall(call, host_in, host_out, send, recv, lambda: [output])
+        if not output_splits and not input_splits:
+            if host_in.numel() % self.size() or host_out.numel() != host_in.numel():
+                raise ValueError(f"smartcoll all_to_all_single: {host_in.numel()} input and {host_out.numel()} "
+                                 f"output elements do not split into {self.size()} equal parts; pass split sizes")
+            return self._post(call, [self.comm.ialltoall(host_in, host_out)], lambda: [output])
+        # splits count rows (the first dimension); the engine counts elements (of host_in's dtype)
+        send = self._splits(input_splits, host_in, x)
+        recv = self._splits(output_splits, host_out, output)
+        return self._alltoallv(call, host_in, host_out, send, recv, lambda: [output])
 
     def alltoall(self, outputs: list, inputs: list, opts: Any = None) -> Work:
         call = _Call("all_to_all")
         host_in = torch.cat([_flat(call.input(t)) for t in inputs])
         call.outputs(outputs)
-        host_out = torch.empty(sum(t.numel() for t in outputs), dtype=host_in.dtype)
-        send, recv = [t.numel() for t in inputs], [t.numel() for t in outputs]
+        host_out = torch.empty(sum(_flat(t).numel() for t in outputs), dtype=host_in.dtype)
+        send, recv = [_flat(t).numel() for t in inputs], [_flat(t).numel() for t in outputs]
 
         def finish() -> list:
             for out, part in zip(outputs, host_out.split(recv)):
                 _flat(out).copy_(part)
             return outputs
 
-        return self._alltoall(call, host_in, host_out, send, recv, finish)
+        return self._alltoallv(call, host_in, host_out, send, recv, finish)
 
-    def _alltoall(self, call: _Call, x: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int],
-                  finish: Callable[[], Any]) -> Work:
-        """alltoall of flat host tensors with per-peer element counts. The engine moves equal blocks: uneven
-        counts are padded to the largest block of any rank (found with one more allreduce) and unpacked."""
+    def _alltoallv(self, call: _Call, x: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int],
+                   finish: Callable[[], Any]) -> Work:
+        """alltoall of flat host tensors with per-peer element counts. The engine moves equal blocks, so every
+        block is padded to the largest of any rank: one more allreduce finds it, as equal counts on this rank
+        say nothing of the others'."""
         if len(send) != self.size() or len(recv) != self.size():
-            raise ValueError(f"smartcoll alltoall: {len(send)} input and {len(recv)} output splits for a group "
+            raise ValueError(f"smartcoll all_to_all: {len(send)} input and {len(recv)} output splits for a group "
                              f"of {self.size()}")
         if sum(send) != x.numel() or sum(recv) != out.numel():
-            raise ValueError("smartcoll alltoall: the splits do not add up to the tensors' sizes")
-        if len(set(send + recv)) == 1:
-            return self._post(call, [self.comm.ialltoall(x, out)], finish)
-        block = torch.tensor([max(send + recv)], dtype=torch.int64)
-        self.comm.allreduce(block, "max")
-        block = int(block)
-        padded_in = x.new_zeros(self.size() * block)
-        for dst, part in zip(padded_in.split(block), x.split(send)):
-            dst[: part.numel()].copy_(part)
-        padded_out = out.new_empty(self.size() * block)
+            raise ValueError("smartcoll all_to_all: the split sizes do not add up to the tensors' sizes")
+        largest = torch.tensor([max(send + recv)], dtype=torch.int64)
+        self.comm.allreduce(largest, "max")
+        block = int(largest)
+        padded_in = x if send == [block] * self.size() else x.new_zeros(self.size() * block)
+        if padded_in is not x:
+            for dst, part in zip(padded_in.split(block), x.split(send)):
+                dst[: part.numel()].copy_(part)
+        padded_out = out if recv == [block] * self.size() else out.new_empty(self.size() * block)
         request = self.comm.ialltoall(padded_in, padded_out)
 
         def unpack() -> Any:
-            for src, dst in zip(padded_out.split(block), out.split(recv)):
-                dst.copy_(src[: dst.numel()])
+            if padded_out is not out:
+                for src, dst in zip(padded_out.split(block), out.split(recv)):
+                    dst.copy_(src[: dst.numel()])
             return finish()
 
         return self._post(call, [request], unpack)
@@ -262,17 +269,7 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
         outputs = output_lists[0] if output_lists else []
         if self.rank() == opts.rootRank:
             self._check_list(outputs, x, "gather")
-        call = _Call("gather")
-        call.outputs(outputs)
-        gathered = torch.empty((self.size(), *x.shape), dtype=x.dtype)
-        request = self.comm.iallgather(_flat(call.input(x)), _flat(gathered))
-
-        def finish() -> list:
-            for out, part in zip(outputs, gathered):
-                out.copy_(part)
-            return [outputs]
-
-        return self._post(call, [request], finish)
+        return self._allgather_into(_Call("gather"), outputs, x)
 
     def scatter(self, outputs: list, input_lists: list, opts: Any) -> Work:
         """Through broadcast: the root sends every block to every rank, each keeps its own."""
@@ -282,13 +279,13 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
         if self.rank() == opts.rootRank:
             inputs = _one(input_lists, "scatter")
             self._check_list(inputs, out, "scatter")
-            blocks = torch.stack([call.input(t) for t in inputs])
+            blocks = torch.stack([call.input(t).reshape(-1) for t in inputs])
         else:
-            blocks = torch.empty((self.size(), *out.shape), dtype=out.dtype)
+            blocks = torch.empty((self.size(), out.numel()), dtype=out.dtype)
         request = self.comm.ibroadcast(_flat(blocks), opts.rootRank)
 
         def finish() -> list:
-            out.copy_(blocks[self.rank()])
+            out.copy_(blocks[self.rank()].view(out.shape))
             return [out]
 
         return self._post(call, [request], finish)
@@ -313,11 +310,10 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
 
     # --- helpers
 
-    def _equal(self, numel: int, what: str) -> list[int]:
-        if numel % self.size():
-            raise ValueError(f"smartcoll all_to_all_single: the {what} ({numel} elements) does not split into "
-                             f"{self.size()} equal parts; pass split sizes")
-        return [numel // self.size()] * self.size()
+    @staticmethod
+    def _splits(rows: list, flat: torch.Tensor, t: torch.Tensor) -> list[int]:
+        row = flat.numel() // t.shape[0] if t.dim() and t.shape[0] else 0
+        return [int(n) * row for n in rows]
 
     def _check_list(self, tensors: list, like: torch.Tensor, what: str) -> None:
         if len(tensors) != self.size():
