@@ -164,7 +164,7 @@ def test_ddp_against_gloo(ranks, tmp_path, default, launcher):
         torchrun(2, WORKER, args, tmp_path, timeout=120)
     else:
         assert_all_ok(smartcoll_run(ranks, 2, args, tmp_path, timeout=120))
-    runs = ["hook", "hook bfp16"] + (["backend"] if default == "smartcoll" else [])
+    runs = ["hook", "hook bfp16", "hook comm="] + (["backend"] if default == "smartcoll" else [])
     for r, o in outcomes(tmp_path, range(2)).items():
         assert not o["problems"], f"rank {r}: {o['problems']}"
         for name in runs:

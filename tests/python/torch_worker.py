@@ -369,7 +369,10 @@ def scenario_ddp(outdir: Path, default: str) -> None:
     base = make_model()
     reference = copy.deepcopy(base)
     ref_losses = train(reference, gloo)
-    runs = {"hook": smartcoll.torch.allreduce_hook(), "hook bfp16": smartcoll.torch.allreduce_hook("bfp16")}
+    own = smartcoll.init(store=dist.distributed_c10d._get_default_store(), rank=dist.get_rank(),
+                         world_size=dist.get_world_size())
+    runs = {"hook": smartcoll.torch.allreduce_hook(), "hook bfp16": smartcoll.torch.allreduce_hook("bfp16"),
+            "hook comm=": smartcoll.torch.allreduce_hook(comm=own)}
     if default == "smartcoll":
         runs = {"backend": None, **runs}
     c = Checks()
@@ -382,7 +385,7 @@ def scenario_ddp(outdir: Path, default: str) -> None:
         if name == "backend":
             # the same sums in the same order as gloo's (2 ranks: a + b either way)
             c.same(name, parameters(model), parameters(reference), exact=dist.get_world_size() == 2)
-        elif name == "hook":
+        elif name in ("hook", "hook comm="):
             # the engine averages the sum; DDP divides before gloo sums: last-bit differences
             c.same(name, parameters(model), parameters(reference), exact=False)
     result["problems"] = c.problems

@@ -18,17 +18,18 @@ from ._backend import ProcessGroupSmartcoll
 from ._work import completer_for
 
 
-def _default_communicator() -> _comm.Communicator:
+def _default_communicator() -> tuple[_comm.Communicator, bool]:
     """The default process group's communicator under the smartcoll backend; under any other backend, a new
-    one made through the store torch rendezvoused with (every rank calls this at the same point)."""
+    one made through the store torch rendezvoused with (every rank calls this at the same point). And whether
+    it was made here."""
     if not dist.is_initialized():
         raise RuntimeError("smartcoll.torch.allreduce_hook: call torch.distributed.init_process_group() first, "
                            "or pass comm=smartcoll.init(...)")
     group = dist.distributed_c10d._get_default_group()
     if isinstance(group, ProcessGroupSmartcoll):
-        return group.comm
+        return group.comm, False
     store = dist.distributed_c10d._get_default_store()
-    return _comm.init(store=store, rank=dist.get_rank(), world_size=dist.get_world_size())
+    return _comm.init(store=store, rank=dist.get_rank(), world_size=dist.get_world_size()), True
 
 
 class _CudaStaging:
@@ -67,13 +68,11 @@ class _CudaStaging:
 
 class _AllreduceHook:
     def __init__(self, codec: Optional[str], error_feedback: bool, comm: Optional[_comm.Communicator]):
-        if comm is None:
-            comm = _default_communicator()
-            if not isinstance(dist.distributed_c10d._get_default_group(), ProcessGroupSmartcoll):
-                # Made here, so closed here: DDP keeps its hook until the interpreter is torn down, too late
-                # for the engine to stop cleanly.
-                atexit.register(self.close)
-        self.comm = comm
+        self.comm, made_here = (comm, False) if comm is not None else _default_communicator()
+        if made_here:
+            # So closed here: DDP keeps its hook until the interpreter is torn down, too late for the engine to
+            # stop cleanly.
+            atexit.register(self.close)
         self._completer = completer_for(self.comm)
         self._codec = codec
         # The codec applies to float32 buckets; with one rank nothing is compressed, and feedback would only bias.
