@@ -238,6 +238,24 @@ def measure_link(c, iperf: bool = True) -> dict:
     return link
 
 
+def place_ranks(cluster_name: Optional[str], nprocs: Optional[int], default: int) -> tuple:
+    """(cluster or None, rank count, launcher hooks) for a bench run: with `cluster_name`, rank i on host i of
+    that emulated cluster (launcher.cluster_hooks) and one rank per host unless `nprocs` says fewer; else local
+    ranks, `default` of them unless `nprocs` is given. Raises ValueError saying why the ranks cannot be placed
+    (no such cluster, more ranks than hosts)."""
+    if not cluster_name:
+        return None, default if nprocs is None else nprocs, {}
+    from .. import netemu
+
+    try:
+        c = netemu.get(cluster_name)
+        nprocs = c.size if nprocs is None else nprocs
+        hooks = dict(zip(("rank_prefix", "rank_env"), launcher.cluster_hooks(cluster_name, nprocs)))
+    except netemu.ClusterError as e:
+        raise ValueError(str(e)) from e
+    return c, nprocs, hooks
+
+
 def core_missing() -> Optional[str]:
     """Why smartcoll collectives cannot run here, or None if they can."""
     try:
@@ -267,22 +285,11 @@ def _validate(args: argparse.Namespace) -> Optional[str]:
 def main(args: argparse.Namespace) -> int:
     from . import peers
 
-    cluster_name = getattr(args, "cluster", None)
-    hooks: dict = {}
-    c = None
-    if cluster_name:
-        from .. import netemu
-
-        try:
-            c = netemu.get(cluster_name)
-            if args.nprocs is None:
-                args.nprocs = c.size
-            hooks["rank_prefix"], hooks["rank_env"] = launcher.cluster_hooks(cluster_name, args.nprocs)
-        except (ValueError, netemu.ClusterError) as e:
-            print(f"smartcoll bench: {e}", file=sys.stderr)
-            return 2
-    elif args.nprocs is None:
-        args.nprocs = 2
+    try:
+        c, args.nprocs, hooks = place_ranks(getattr(args, "cluster", None), args.nprocs, 2)
+    except ValueError as e:
+        print(f"smartcoll bench: {e}", file=sys.stderr)
+        return 2
     transport = getattr(args, "mpi_transport", None) or ("tcp" if c else "shm")
     try:
         mca = peers.parse_mca(getattr(args, "mpi_mca", []))
