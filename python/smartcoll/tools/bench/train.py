@@ -12,6 +12,8 @@ once per variant, each variant in its own set of N ranks; every rank times each 
           bucket's all-reduce is done and its result is in the gradients (what the backward pass did not hide,
           waiting for slower ranks included)
   update  optimizer.step() (SGD with momentum) and zero_grad()
+  cpu     the CPU time of the rank's process per iteration, all threads (compute, DDP, gloo's or smartcoll's
+          engine): the ranks share this machine's CPUs, so what communication costs in CPU slows compute
 
 Timestamps are perf_counter() readings on each rank: the phases are contiguous, so they add up to the iteration's
 wall time; a tensor hook on every parameter marks when its gradient is produced (before DDP's reducer sees it),
@@ -129,11 +131,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "gradient per layer)",
     )
     parser.add_argument(
-        "--batch", type=_positive, default=128, metavar="B", help="samples per rank per iteration (default: %(default)s)"
+        "--batch", type=_positive, default=64, metavar="B", help="samples per rank per iteration (default: %(default)s)"
     )
-    parser.add_argument("--iters", type=_positive, default=20, metavar="K", help="timed iterations (default: %(default)s)")
+    parser.add_argument("--iters", type=_positive, default=15, metavar="K", help="timed iterations (default: %(default)s)")
     parser.add_argument(
-        "--warmup", type=int, default=5, metavar="W",
+        "--warmup", type=int, default=3, metavar="W",
         help="untimed iterations before them (connections, caches, DDP's bucket rebuild after the first "
         "iteration) (default: %(default)s)",
     )
@@ -271,6 +273,7 @@ def summarize(ranks: list[dict]) -> dict:
         "phases_ms": phases_ms,
         "total_ms": sum(phases_ms.values()),
         "final_loss": loss[-1],
+        "cpu_ms": 1e3 * _mean([_mean(r["cpu_s"]) for r in ranks]),
         "loss": loss,
         "rank_phases_ms": [{p: [1e3 * t for t in r["times_s"][p]] for p in phases} for r in ranks],
         "info": ranks[0]["info"],
@@ -287,11 +290,12 @@ def add_speedups(records: list[dict]) -> None:
 
 def format_report(meta: dict, records: list[dict]) -> str:
     """The table (one line per variant, ms per iteration) with a title and notes for unmeasured variants."""
-    headers = ["variant", "fwd(ms)", "bwd(ms)", "comm(ms)", "update(ms)", "total(ms)", "vs gloo", "final loss"]
+    headers = ["variant", "fwd(ms)", "bwd(ms)", "comm(ms)", "update(ms)", "total(ms)", "vs gloo", "final loss",
+               "cpu(ms)"]
     cells, notes = [], []
     for r in records:
         if r["status"] != "ok":
-            cells.append([r["name"]] + ["-"] * 7)
+            cells.append([r["name"]] + ["-"] * (len(headers) - 1))
             notes.append(f"# {r['name']}: {r['status']}: {r['reason']}")
             continue
         ph = r["phases_ms"]
@@ -299,7 +303,8 @@ def format_report(meta: dict, records: list[dict]) -> str:
         cells.append(
             [r["name"]]
             + [f"{ph[p]:.1f}" for p in ("fwd", "bwd", "comm", "update")]
-            + [f"{r['total_ms']:.1f}", "-" if speedup is None else f"{speedup:.2f}x", f"{r['final_loss']:.4f}"]
+            + [f"{r['total_ms']:.1f}", "-" if speedup is None else f"{speedup:.2f}x", f"{r['final_loss']:.4f}",
+               f"{r['cpu_ms']:.0f}"]
         )
     where = meta.get("cluster")
     place = (
@@ -312,6 +317,8 @@ def format_report(meta: dict, records: list[dict]) -> str:
         f"{meta['world_size']} ranks on {place}, {meta['threads']} torch thread(s) per rank",
         f"# mean per iteration over {meta['iters']} iterations after {meta['warmup']} warmup; comm = exposed "
         "all-reduce (after the last gradient until DDP's gradients are ready); vs gloo = gloo total / total",
+        f"# cpu: CPU time of a rank's process per iteration (all its threads; {meta['world_size']} ranks share "
+        f"{meta['cpu_count']} CPUs)",
     ]
     link = meta.get("link") or {}
     if link.get("iperf"):

@@ -16,12 +16,15 @@ one tensor hook per parameter):
   backward pass did not hide, including the wait for slower ranks.
 * update: optimizer.step() and zero_grad().
 
-The phases are contiguous, so their sum is the iteration's wall time.
+The phases are contiguous, so their sum is the iteration's wall time. Each iteration's CPU time (process_time:
+every thread of the rank, compute, DDP's and the engine's) is recorded too: the ranks share this machine's cores,
+so CPU spent on communication is taken from the compute of some rank.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import math
 import os
@@ -99,7 +102,6 @@ def comm_hook(variant: dict):
 def train(cfg: dict, variant: dict, workdir: Path) -> dict:
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(cfg["threads"])
     if variant["backend"] == "smartcoll" or variant.get("hook"):
@@ -109,61 +111,82 @@ def train(cfg: dict, variant: dict, workdir: Path) -> dict:
     dist.init_process_group(variant["backend"], rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=cfg["timeout"]))
     try:
-        model = DDP(build_model(cfg["layers"], cfg["width"], cfg["seed"]), bucket_cap_mb=bucket_cap_mb(cfg))
-        hook = comm_hook(variant)
-        if hook is not None:
-            model.register_comm_hook(None, hook)
-        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
-        data = synthetic_data(cfg["width"], cfg["batch"], rank, cfg["seed"])
-
-        grad_done = [0.0]
-
-        def stamp(grad):
-            grad_done[0] = time.perf_counter()  # the latest gradient produced so far
-            return grad
-
-        for p in model.parameters():
-            p.register_hook(stamp)
-
-        total = cfg["warmup"] + cfg["iters"]
-        times = {phase: [] for phase in PHASES}
-        losses = []
-        progress = workdir / "progress"
-        for it in range(total):
-            if it == cfg["warmup"]:
-                dist.barrier()  # the timed iterations start together
-            x, y = data[it % len(data)]
-            t0 = time.perf_counter()
-            loss = loss_fn(model(x), y)
-            t1 = time.perf_counter()
-            loss.backward()
-            t3 = time.perf_counter()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            t4 = time.perf_counter()
-            t2 = grad_done[0]
-            losses.append(loss.item())
-            if it >= cfg["warmup"]:
-                for phase, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                    times[phase].append(dt)
-            if rank == 0:
-                progress.write_text(f"{it + 1} {total} {losses[-1]:.6g}\n")
-        return {
-            "rank": rank,
-            "variant": variant["name"],
-            "times_s": times,
-            "loss": losses,
-            "info": {"torch": torch.__version__, "backend": variant["backend"], "threads": cfg["threads"],
-                     "bucket_cap_mb": bucket_cap_mb(cfg), "buckets": _bucket_count(model)},
-        }
+        result = _train_loop(cfg, variant, workdir, rank)
+        # torch 2.13 (gloo): destroying the process group while a DDP model still holds it aborts the process
+        # about one time in four ("terminate called without an active exception"); the model is gone by now.
+        gc.collect()
+        dist.barrier()
+        return result
     finally:
         dist.destroy_process_group()
 
 
+def _train_loop(cfg: dict, variant: dict, workdir: Path, rank: int) -> dict:
+    """The timed training of one rank; the model, its hooks and optimizer live only in here."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(build_model(cfg["layers"], cfg["width"], cfg["seed"]), bucket_cap_mb=bucket_cap_mb(cfg))
+    hook = comm_hook(variant)
+    if hook is not None:
+        model.register_comm_hook(None, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
+    data = synthetic_data(cfg["width"], cfg["batch"], rank, cfg["seed"])
+
+    grad_done = [0.0]
+
+    def stamp(grad):
+        grad_done[0] = time.perf_counter()  # the latest gradient produced so far
+        return grad
+
+    for p in model.parameters():
+        p.register_hook(stamp)
+
+    total = cfg["warmup"] + cfg["iters"]
+    times = {phase: [] for phase in PHASES}
+    losses = []
+    cpu_s = []  # CPU time of the whole process (every thread: compute, DDP, the engine) per iteration
+    progress = workdir / "progress"
+    for it in range(total):
+        if it == cfg["warmup"]:
+            dist.barrier()  # the timed iterations start together
+        x, y = data[it % len(data)]
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        loss = loss_fn(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t4 = time.perf_counter()
+        cpu = time.process_time() - cpu0
+        t2 = grad_done[0]
+        losses.append(loss.item())
+        if it >= cfg["warmup"]:
+            for phase, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                times[phase].append(dt)
+            cpu_s.append(cpu)
+        if rank == 0:
+            progress.write_text(f"{it + 1} {total} {losses[-1]:.6g}\n")
+    return {
+        "rank": rank,
+        "variant": variant["name"],
+        "times_s": times,
+        "loss": losses,
+        "cpu_s": cpu_s,
+        "info": {"torch": torch.__version__, "backend": variant["backend"], "threads": cfg["threads"],
+                 "bucket_cap_mb": bucket_cap_mb(cfg), "buckets": _bucket_count(model)},
+    }
+
+
 def _bucket_count(model) -> int | None:
-    """How many gradient buckets DDP made (None where this torch does not say)."""
+    """How many gradient buckets DDP all-reduced per iteration at the end (it starts with one and rebuilds them
+    in gradient order, capped at bucket_cap_mb, after the first iteration); None where this torch does not say."""
     try:
-        return len(model._get_ddp_logging_data().get("bucket_sizes", "").split(","))
+        data = model._get_ddp_logging_data()
+        return len(data.get("rebuilt_bucket_sizes", data["bucket_sizes"]).split(","))
     except Exception:  # noqa: BLE001 - private API: report nothing rather than fail the run
         return None
 
