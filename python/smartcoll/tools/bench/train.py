@@ -237,7 +237,12 @@ def run_variant(v: Variant, cfg: dict, workdir: Path, hooks: dict, time_limit: f
         rc = launcher.launch(
             [sys.executable, "-m", "smartcoll.tools.bench.train_worker", str(workdir), v.name],
             nprocs,
-            env_extra={"OMP_NUM_THREADS": str(cfg["threads"]), **v.env},
+            env_extra={
+                "OMP_NUM_THREADS": str(cfg["threads"]),
+                # c10d warns at every connection that an emulated host's name does not resolve; errors still show.
+                "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+                **v.env,
+            },
             timeout=time_limit,
             master_port=launcher.free_port(count=2),
             **hooks,
