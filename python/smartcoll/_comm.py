@@ -275,13 +275,17 @@ def _master() -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-_bootstraps = itertools.count()  # communicators made through one key-value store by this process
+# Communicators made by this process through each key-value store. Counted per store, not per process: the
+# ranks of a torch subgroup meet in that group's own store, and ranks outside it make fewer communicators in
+# all. The stores are kept alive so that a store made later cannot take over an id and its count.
+_bootstraps: dict[int, tuple[Any, itertools.count]] = {}
 
 
 def _store_through(kv: Any, rank: int, options: dict[str, str], timeout: float) -> tuple[Any, str]:
     """A rendezvous store reached through another key-value store `kv` (torch.distributed's, or any object with
     set(key, value) and get(key) -> bytes): rank 0 serves one on a free port and publishes where."""
-    key = f"smartcoll/{next(_bootstraps)}/store"
+    _, count = _bootstraps.setdefault(id(kv), (kv, itertools.count()))
+    key = f"smartcoll/{next(count)}/store"
     if rank == 0:
         host = options.get("addr") or os.environ.get("SMARTCOLL_ADDR") or os.environ.get("MASTER_ADDR")
         host = host or socket.gethostbyname(socket.gethostname())
@@ -295,12 +299,19 @@ def _store_through(kv: Any, rank: int, options: dict[str, str], timeout: float) 
     return _core.TcpStore(host, int(port), False, timeout), host
 
 
-def _torchrun_agent_store(timeout: float) -> Any:
-    """torchrun's own store (its agent serves it on MASTER_PORT), as a client."""
-    import torch.distributed as dist
+_agent_store: Any = None
 
-    host, port = _master()
-    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+
+def _torchrun_agent_store(timeout: float) -> Any:
+    """torchrun's own store (its agent serves it on MASTER_PORT), as a client: one per process, so that every
+    communicator made through it gets its own key (_bootstraps counts per store)."""
+    global _agent_store
+    if _agent_store is None:
+        import torch.distributed as dist
+
+        host, port = _master()
+        _agent_store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    return _agent_store
 
 
 def init(

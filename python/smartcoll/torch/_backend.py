@@ -1,0 +1,338 @@
+"""The "smartcoll" torch.distributed backend: a ProcessGroup whose collectives run on a smartcoll Communicator.
+
+Every call posts non-blocking smartcoll requests and returns a Work that one thread per communicator completes
+(_work.Completer). Tensors are used in place when they are contiguous CPU tensors; CUDA tensors are copied to
+host memory and back (synchronously: the DDP hook, smartcoll.torch.allreduce_hook, overlaps those copies).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import _comm
+from .._comm import Communicator, Request
+from ._work import Completer, Work, completer_for
+
+RedOpType = dist.ReduceOp.RedOpType
+_OPS = {RedOpType.SUM: "sum", RedOpType.AVG: "avg", RedOpType.PRODUCT: "prod", RedOpType.MIN: "min",
+        RedOpType.MAX: "max", RedOpType.PREMUL_SUM: "sum"}
+# What the engine reduces; other dtypes move as bytes in broadcast, allgather and alltoall.
+_ENGINE_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+                  torch.int32, torch.int64}
+_CLOSE_TIMEOUT_S = 10.0
+
+
+def _one(tensors: list, what: str) -> Any:
+    if len(tensors) != 1:
+        raise ValueError(f"smartcoll {what}: one tensor per process is supported, got {len(tensors)}")
+    return tensors[0]
+
+
+def _check(t: torch.Tensor, what: str) -> None:
+    if t.layout != torch.strided:
+        raise TypeError(f"smartcoll {what}: {t.layout} tensors are not supported; pass a dense tensor")
+    if t.device.type not in ("cpu", "cuda"):
+        raise TypeError(f"smartcoll {what}: tensor on {t.device}; smartcoll takes CPU and CUDA tensors")
+    if not t.is_contiguous():
+        raise ValueError(f"smartcoll {what}: tensor is not contiguous; pass tensor.contiguous()")
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view the engine can move: the tensor's own dtype where the engine has it, bytes otherwise."""
+    t = t.reshape(-1)
+    return t if t.dtype in _ENGINE_DTYPES else t.view(torch.uint8)
+
+
+def _reduction(op: Any) -> tuple[str, Optional[float]]:
+    """The engine's op for a torch ReduceOp, and the PREMUL_SUM factor (None for the others)."""
+    kind = op.op if hasattr(op, "op") else op
+    if kind not in _OPS:
+        raise ValueError(f"smartcoll: {kind} is not supported; use SUM, AVG, PRODUCT, MIN, MAX or PREMUL_SUM")
+    if kind != RedOpType.PREMUL_SUM:
+        return _OPS[kind], None
+    factor = op.factor
+    return "sum", float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+
+
+class _Call:
+    """The host memory of one call: CPU tensors as they are; CUDA tensors copied to the host before the call
+    and, for outputs, back to the device when it is done. Every tensor of the call passes through here, to be
+    checked and for the CUDA devices its future must know."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.devices: set[torch.device] = set()
+        self._back: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device tensor, its host copy)
+
+    def _see(self, t: torch.Tensor) -> None:
+        _check(t, self.what)
+        if t.is_cuda:
+            self.devices.add(t.device)
+
+    def input(self, t: torch.Tensor) -> torch.Tensor:
+        self._see(t)
+        return t.cpu()  # t itself on the CPU
+
+    def output(self, t: torch.Tensor, initial: bool = False) -> torch.Tensor:
+        """initial: the call also reads the tensor (in place)."""
+        self._see(t)
+        if t.device.type == "cpu":
+            return t
+        host = t.cpu() if initial else torch.empty(t.shape, dtype=t.dtype)
+        self._back.append((t, host))
+        return host
+
+    def outputs(self, tensors: list) -> None:
+        """Outputs the call's finish step fills from a host buffer of its own (copy_ goes to any device)."""
+        for t in tensors:
+            self._see(t)
+
+    def copy_back(self) -> None:
+        for device_tensor, host in self._back:
+            device_tensor.copy_(host)  # synchronous: done when it returns, whatever stream reads it next
+
+
+class ProcessGroupSmartcoll(dist.ProcessGroup):
+    """A torch.distributed process group on a smartcoll Communicator (`comm`)."""
+
+    def __init__(self, comm: Communicator):
+        super().__init__(comm.rank, comm.size)
+        self.comm = comm
+        self._completer: Completer = completer_for(comm)
+        self._group_name = ""
+        self._group_desc = ""
+
+    # --- identity; torch asks for these by their C++ names
+
+    def getBackendName(self) -> str:
+        return "smartcoll"
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroupSmartcoll rank {self.rank()} of {self.size()} {self._group_name!r}>"
+
+    def _post(self, call: _Call, requests: list[Request], finish: Callable[[], Any]) -> Work:
+        def done() -> Any:
+            call.copy_back()
+            return finish()
+
+        return self._completer.post(requests, done, sorted(call.devices, key=str))
+
+    # --- collectives (the signatures torch.distributed calls them with)
+
+    def allreduce(self, tensors: list, opts: Any = None) -> Work:
+        t = _one(tensors, "allreduce")
+        call = _Call("allreduce")
+        op, factor = _reduction(opts.reduceOp if opts else dist.ReduceOp.SUM)
+        buf = call.output(t, initial=True)
+        src = buf if factor is None else buf * factor
+        return self._post(call, [self.comm.iallreduce(src, op, out=buf)], lambda: [t])
+
+    def allreduce_coalesced(self, tensors: list, opts: Any = None) -> Work:
+        call = _Call("allreduce_coalesced")
+        op, factor = _reduction(opts.reduceOp if opts else dist.ReduceOp.SUM)
+        requests = []
+        for t in tensors:
+            buf = call.output(t, initial=True)
+            requests.append(self.comm.iallreduce(buf if factor is None else buf * factor, op, out=buf))
+        return self._post(call, requests, lambda: list(tensors))
+
+    def broadcast(self, tensors: list, opts: Any) -> Work:
+        t = _one(tensors, "broadcast")
+        call = _Call("broadcast")
+        buf = call.output(t, initial=self.rank() == opts.rootRank)
+        return self._post(call, [self.comm.ibroadcast(_flat(buf), opts.rootRank)], lambda: [t])
+
+    def reduce(self, tensors: list, opts: Any) -> Work:
+        t = _one(tensors, "reduce")
+        call = _Call("reduce")
+        op, factor = _reduction(opts.reduceOp)
+        root = self.rank() == opts.rootRank
+        buf = call.output(t, initial=True) if root else call.input(t)
+        src = buf if factor is None else buf * factor
+        request = self.comm.ireduce(src, opts.rootRank, op, out=buf if root else None)
+        return self._post(call, [request], lambda: [t])
+
+    def allgather(self, output_lists: list, inputs: list, opts: Any = None) -> Work:
+        outputs, x = _one(output_lists, "allgather"), _one(inputs, "allgather")
+        self._check_list(outputs, x, "allgather")
+        call = _Call("allgather")
+        call.outputs(outputs)
+        gathered = torch.empty((self.size(), *x.shape), dtype=x.dtype)
+        request = self.comm.iallgather(_flat(call.input(x)), _flat(gathered))
+
+        def finish() -> list:
+            for out, part in zip(outputs, gathered):
+                out.copy_(part)
+            return [outputs]
+
+        return self._post(call, [request], finish)
+
+    def all_gather_single(self, output: torch.Tensor, x: torch.Tensor, opts: Any = None) -> Work:
+        call = _Call("all_gather_into_tensor")
+        request = self.comm.iallgather(_flat(call.input(x)), _flat(call.output(output)))
+        return self._post(call, [request], lambda: [output])
+
+    def reduce_scatter(self, outputs: list, input_lists: list, opts: Any) -> Work:
+        out, inputs = _one(outputs, "reduce_scatter"), _one(input_lists, "reduce_scatter")
+        self._check_list(inputs, out, "reduce_scatter")
+        call = _Call("reduce_scatter")
+        x = torch.cat([call.input(part).reshape(-1) for part in inputs])
+        return self._reduce_scatter(call, out, x, opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, x: torch.Tensor, opts: Any) -> Work:
+        call = _Call("reduce_scatter_tensor")
+        return self._reduce_scatter(call, output, call.input(x), opts)
+
+    def _reduce_scatter(self, call: _Call, out: torch.Tensor, x: torch.Tensor, opts: Any) -> Work:
+        op, factor = _reduction(opts.reduceOp)
+        src = x if factor is None else x * factor
+        request = self.comm.ireduce_scatter(src.reshape(-1), call.output(out).reshape(-1), op)
+        return self._post(call, [request], lambda: [out])
+
+    def all_to_all_single(self, output: torch.Tensor, x: torch.Tensor, output_splits: list, input_splits: list,
+                          opts: Any = None) -> Work:
+        call = _Call("all_to_all_single")
+        host_in, host_out = _flat(call.input(x)), _flat(call.output(output))
+        # splits count rows (the first dimension); the engine counts elements
+        row_in = host_in.numel() // x.shape[0] if x.dim() and x.shape[0] else 0
+        row_out = host_out.numel() // output.shape[0] if output.dim() and output.shape[0] else 0
+        send = [s * row_in for s in input_splits] or self._equal(host_in.numel(), "input")
+        recv = [s * row_out for s in output_splits] or self._equal(host_out.numel(), "output")
+        return self._alltoall(call, host_in, host_out, send, recv, lambda: [output])
+
+    def alltoall(self, outputs: list, inputs: list, opts: Any = None) -> Work:
+        call = _Call("all_to_all")
+        host_in = torch.cat([_flat(call.input(t)) for t in inputs])
+        call.outputs(outputs)
+        host_out = torch.empty(sum(t.numel() for t in outputs), dtype=host_in.dtype)
+        send, recv = [t.numel() for t in inputs], [t.numel() for t in outputs]
+
+        def finish() -> list:
+            for out, part in zip(outputs, host_out.split(recv)):
+                _flat(out).copy_(part)
+            return outputs
+
+        return self._alltoall(call, host_in, host_out, send, recv, finish)
+
+    def _alltoall(self, call: _Call, x: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int],
+                  finish: Callable[[], Any]) -> Work:
+        """alltoall of flat host tensors with per-peer element counts. The engine moves equal blocks: uneven
+        counts are padded to the largest block of any rank (found with one more allreduce) and unpacked."""
+        if len(send) != self.size() or len(recv) != self.size():
+            raise ValueError(f"smartcoll alltoall: {len(send)} input and {len(recv)} output splits for a group "
+                             f"of {self.size()}")
+        if sum(send) != x.numel() or sum(recv) != out.numel():
+            raise ValueError("smartcoll alltoall: the splits do not add up to the tensors' sizes")
+        if len(set(send + recv)) == 1:
+            return self._post(call, [self.comm.ialltoall(x, out)], finish)
+        block = torch.tensor([max(send + recv)], dtype=torch.int64)
+        self.comm.allreduce(block, "max")
+        block = int(block)
+        padded_in = x.new_zeros(self.size() * block)
+        for dst, part in zip(padded_in.split(block), x.split(send)):
+            dst[: part.numel()].copy_(part)
+        padded_out = out.new_empty(self.size() * block)
+        request = self.comm.ialltoall(padded_in, padded_out)
+
+        def unpack() -> Any:
+            for src, dst in zip(padded_out.split(block), out.split(recv)):
+                dst.copy_(src[: dst.numel()])
+            return finish()
+
+        return self._post(call, [request], unpack)
+
+    def gather(self, output_lists: list, inputs: list, opts: Any) -> Work:
+        """Through allgather: every rank receives every block, the root keeps them."""
+        x = _one(inputs, "gather")
+        outputs = output_lists[0] if output_lists else []
+        if self.rank() == opts.rootRank:
+            self._check_list(outputs, x, "gather")
+        call = _Call("gather")
+        call.outputs(outputs)
+        gathered = torch.empty((self.size(), *x.shape), dtype=x.dtype)
+        request = self.comm.iallgather(_flat(call.input(x)), _flat(gathered))
+
+        def finish() -> list:
+            for out, part in zip(outputs, gathered):
+                out.copy_(part)
+            return [outputs]
+
+        return self._post(call, [request], finish)
+
+    def scatter(self, outputs: list, input_lists: list, opts: Any) -> Work:
+        """Through broadcast: the root sends every block to every rank, each keeps its own."""
+        out = _one(outputs, "scatter")
+        call = _Call("scatter")
+        call.outputs([out])
+        if self.rank() == opts.rootRank:
+            inputs = _one(input_lists, "scatter")
+            self._check_list(inputs, out, "scatter")
+            blocks = torch.stack([call.input(t) for t in inputs])
+        else:
+            blocks = torch.empty((self.size(), *out.shape), dtype=out.dtype)
+        request = self.comm.ibroadcast(_flat(blocks), opts.rootRank)
+
+        def finish() -> list:
+            out.copy_(blocks[self.rank()])
+            return [out]
+
+        return self._post(call, [request], finish)
+
+    def barrier(self, opts: Any = None) -> Work:
+        return self._completer.post([self.comm.ibarrier()], lambda: [])
+
+    def _no_point_to_point(self, *args: Any) -> Work:
+        raise RuntimeError("smartcoll has no point-to-point send/recv: use a gloo group for those "
+                           "(dist.new_group(backend='gloo'))")
+
+    send = recv = recv_anysource = _no_point_to_point
+
+    # --- lifetime
+
+    def shutdown(self) -> None:
+        """Completes what was posted, then closes the communicator (destroy_process_group calls this)."""
+        self._completer.close(_CLOSE_TIMEOUT_S)
+        self.comm.close()
+
+    abort = shutdown
+
+    # --- helpers
+
+    def _equal(self, numel: int, what: str) -> list[int]:
+        if numel % self.size():
+            raise ValueError(f"smartcoll all_to_all_single: the {what} ({numel} elements) does not split into "
+                             f"{self.size()} equal parts; pass split sizes")
+        return [numel // self.size()] * self.size()
+
+    def _check_list(self, tensors: list, like: torch.Tensor, what: str) -> None:
+        if len(tensors) != self.size():
+            raise ValueError(f"smartcoll {what}: {len(tensors)} tensors in the list, expected {self.size()}")
+        for t in tensors:
+            if t.numel() != like.numel() or t.dtype != like.dtype:
+                raise ValueError(f"smartcoll {what}: list tensors must have {like.numel()} elements of "
+                                 f"{like.dtype}, got {t.numel()} of {t.dtype}")
+
+
+def _create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> ProcessGroupSmartcoll:
+    # torch's timeout is not the engine's: a collective fails after SMARTCOLL_TIMEOUT seconds without progress
+    # (the `timeout` knob), which also bounds a call a dead peer never finishes.
+    return ProcessGroupSmartcoll(_comm.init(store=store, rank=rank, world_size=size))
+
+
+dist.Backend.register_backend("smartcoll", _create, devices=["cpu", "cuda"])
