@@ -27,7 +27,7 @@ Variants (--variants; unavailable ones are listed with the reason, never measure
 {variants}
 
 With --cluster NAME the ranks run one per host of an emulated cluster (as `smartcoll bench --cluster`), over its
-shaped links, and the link limit is measured first with iperf3.
+shaped links, and the link limit is measured first with iperf3. docs/train-experiment.md tells more.
 """
 
 from __future__ import annotations
