@@ -17,8 +17,10 @@ fi
 PY=${PYTHON:-python3}
 echo "[setup] installing Python packages"
 # torch is pinned: it is the gloo peer in benchmarks, and an unpinned torch pulls a multi-GB CUDA build.
+# scikit-learn: the digits data set of examples/ddp_digits.py.
 $PY -m pip install -q --disable-pip-version-check \
-  "scikit-build-core>=0.10" "nanobind>=2.4" "numpy>=1.23" "pytest>=7" "torch==2.13.0" "mpi4py>=3.1" matplotlib
+  "scikit-build-core>=0.10" "nanobind>=2.4" "numpy>=1.23" "pytest>=7" "torch==2.13.0" "mpi4py>=3.1" matplotlib \
+  scikit-learn
 
 echo "[setup] building and installing smartcoll"
 $PY -m pip install -q --disable-pip-version-check --no-build-isolation .

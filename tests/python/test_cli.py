@@ -333,7 +333,7 @@ def test_help_lists_every_subcommand():
                 "--no-iperf",
             ],
         ),
-        ("demo", ["--nprocs", "--sizes", "--json"]),
+        ("demo", ["--nprocs", "--link", "--local", "--iters", "--png", "--json"]),
         ("cluster", ["up", "down", "status", "fault", "iperf"]),
     ],
 )

@@ -1,68 +1,117 @@
-"""`smartcoll demo`: the project's headline measurement, in one command.
+"""`smartcoll demo`: the project's headline measurement in one command: a short training run.
 
-For now: all-reduce of float32 gradients-sized buffers among 4 local ranks, smartcoll side by side with
-torch's gloo backend and Open MPI (whichever are installed). It is kept apart from bench because it will grow
-into a training experiment (time per iteration of a model trained with each backend).
+The FPGA smart-NIC paper's experiment (`smartcoll bench train`): an MLP trained data-parallel with torch DDP on
+gloo, on smartcoll, and on smartcoll with BFP16 on the wire. Where this process may build an emulated cluster
+(root, iproute2, network namespaces), the ranks run one per host of a 4-host cluster on 1 Gbit/s links, the
+papers' regime of a network slower than memory; the cluster is always taken down again, also after an error or
+Ctrl-C. Elsewhere (or with --local) they run as local processes, where the "network" is memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import signal
 from pathlib import Path
+from typing import Optional
 
-from . import bench
+from . import launcher
+from .bench import train
+from .bench.runners import status
 
-DEFAULT_SIZES = "1M,16M,64M"
+DEFAULT_PNG = Path("smartcoll-demo.png")
 
-EXPLANATION = """\
-smartcoll demo: all-reduce of {n} ranks on this host, smartcoll against {peers}.
-
-Each size is a float32 buffer summed across all ranks, as data-parallel training does with gradients.
-time is the slowest rank's mean time per call; algbw = size / time; busbw = algbw x 2(n-1)/n, the bytes
-each rank's link must carry per second (nccl-tests' figure: it is comparable across rank counts and bounded
-by the link speed). smartcoll/<peer> above 1 means smartcoll is faster. Every result is checked exactly
-(#wrong must be 0).
-
-These ranks share one host, so smartcoll takes its same-host path (peers' buffers read once with
-process_vm_readv) and this measures memory and CPU, not a network. For the papers' regime, a network slower
-than memory, run the same on the emulated cluster (root needed; see docs/cluster.md), with and without
-compression:
-  smartcoll cluster up --name demo --hosts 4 --link 1gbit
-  smartcoll bench allreduce --cluster demo -n 4 --sizes 1M:64M --vs gloo --vs mpi
-  smartcoll bench allreduce --cluster demo -n 4 --sizes 1M:64M --codec bfp16
-  smartcoll cluster down --name demo
+INTRO = """\
+smartcoll demo: {n} ranks train an {layers}-layer MLP ({width}x{width} layers, batch {batch} per rank) with
+torch DDP, once per variant: gloo's all-reduce, smartcoll's ring, and smartcoll's ring with BFP16 on the wire
+(error feedback per bucket).
+{where}
+Each iteration is split into forward, backward, exposed all-reduce (the part backward did not hide) and
+weight update, as in the paper's Fig. 4a.
 """
+
+WHERE_CLUSTER = "The ranks run one per host of an emulated cluster on {link} links (network namespaces, tc)."
+WHERE_LOCAL = ("The ranks run as local processes ({why}): all-reduces move through memory, so compression has "
+               "little to win here; the papers' regime is a network slower than memory (see --help).")
+
+OUTRO = """\
+vs gloo above 1 means faster than torch's gloo backend. final loss is the training loss after the last step:
+the variants start from the same weights and data, so they should agree (BFP16 to within its rounding).
+The picture: {png}
+Larger runs: smartcoll bench train --help; the measurements: BENCHMARKS.md."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "-n", "--nprocs", type=int, default=4, metavar="N", help="ranks to start (default: %(default)s)"
+        "-n", "--nprocs", type=int, default=4, metavar="N",
+        help="ranks, and hosts of the emulated cluster (default: %(default)s)",
     )
     parser.add_argument(
-        "--sizes",
-        default=DEFAULT_SIZES,
-        metavar="SPEC",
-        help="sizes as for bench: A:B powers of two or a comma list, K/M/G suffixes (default: %(default)s)",
+        "--link", default="1gbit", metavar="RATE",
+        help="link rate of the emulated cluster, as `smartcoll cluster up --link` (default: %(default)s)",
     )
     parser.add_argument(
-        "--json", type=Path, metavar="FILE", help="write the measurements and metadata to FILE"
+        "--local", action="store_true",
+        help="run the ranks as local processes even where an emulated cluster could be built",
     )
+    parser.add_argument(
+        "--iters", type=int, default=15, metavar="K",
+        help=f"timed training iterations per variant, after {train.build_parser().get_default('warmup')} "
+        "untimed ones (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--png", type=Path, default=DEFAULT_PNG, metavar="FILE",
+        help="where to draw the time per iteration by phase and the loss curves (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--json", type=Path, metavar="FILE", help="also write the figures, loss curves and metadata to FILE"
+    )
+
+
+def cluster_unavailable() -> Optional[str]:
+    """Why this process cannot build an emulated cluster, or None if it may try."""
+    if os.geteuid() != 0:
+        return "not root: network namespaces need root"
+    if not (shutil.which("ip") and shutil.which("tc")):
+        return "iproute2 (ip, tc) is not installed"
+    return None
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt  # unwinds through the finally that takes the cluster down
 
 
 def main(args: argparse.Namespace) -> int:
-    from .bench import peers
+    from . import netemu
 
-    available = [p for p in ("gloo", "mpi") if peers.unavailable(p, "float32") is None]
-    bench_argv = ["allreduce", "-n", str(args.nprocs), "--sizes", args.sizes, "--dtype", "float32"]
-    # bench reports, and skips, a peer that is not installed: pass both so the user is told what is missing.
-    bench_argv += ["--vs", "gloo", "--vs", "mpi"]
-    if args.json:
-        bench_argv += ["--json", str(args.json)]
-    parser = argparse.ArgumentParser(prog="smartcoll demo")
-    bench.add_arguments(parser)
-    bench_args = parser.parse_args(bench_argv)
-    print(
-        EXPLANATION.format(n=args.nprocs, peers=" and ".join(available) or "no peer (none installed)"),
-        flush=True,
-    )
-    return bench.main(bench_args)
+    why_local = "--local" if args.local else cluster_unavailable()
+    argv = ["-n", str(args.nprocs), "--iters", str(args.iters), "--png", str(args.png)]
+    argv += ["--json", str(args.json)] if args.json else []
+    name = None
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        if why_local is None:
+            name = f"demo{os.getpid()}"
+            status(f"bringing up an emulated cluster of {args.nprocs} hosts on {args.link} links ({name})")
+            try:
+                netemu.up(hosts=args.nprocs, link=args.link, name=name)
+                argv += ["--cluster", name]
+            except (netemu.ClusterError, ValueError) as e:
+                why_local = f"could not build an emulated cluster: {e}"
+        where = WHERE_LOCAL.format(why=why_local) if why_local else WHERE_CLUSTER.format(link=args.link)
+        defaults = train.build_parser().parse_args([])
+        print(INTRO.format(n=args.nprocs, layers=defaults.layers, width=defaults.width, batch=defaults.batch,
+                           where=where), flush=True)
+        rc = train.main(argv)
+        if rc != launcher.EXIT_INTERRUPTED:
+            print("\n" + OUTRO.format(png=args.png.resolve()), flush=True)
+        return rc
+    except KeyboardInterrupt:
+        print("smartcoll demo: interrupted", flush=True)
+        return launcher.EXIT_INTERRUPTED
+    finally:
+        if name is not None:
+            status(f"taking down cluster {name}")
+            netemu.down(name)
+        signal.signal(signal.SIGTERM, previous)

@@ -255,6 +255,27 @@ def measure_link(c, iperf: bool = True) -> dict:
     return link
 
 
+def place_ranks(
+    cluster_name: Optional[str], nprocs: Optional[int], default: int, ranks_per_host: int = 1
+) -> tuple:
+    """(cluster or None, rank count, launcher hooks) for a bench run: with `cluster_name`, `ranks_per_host` ranks
+    on each host of that emulated cluster (launcher.cluster_hooks), filling every host unless `nprocs` says fewer;
+    else local ranks, `default` of them unless `nprocs` is given. Raises ValueError saying why the ranks cannot
+    be placed (no such cluster, more ranks than the hosts hold)."""
+    if not cluster_name:
+        return None, default if nprocs is None else nprocs, {}
+    from .. import netemu
+
+    try:
+        c = netemu.get(cluster_name)
+        nprocs = c.size * ranks_per_host if nprocs is None else nprocs
+        hooks = dict(zip(("rank_prefix", "rank_env"),
+                         launcher.cluster_hooks(cluster_name, nprocs, ranks_per_host)))
+    except netemu.ClusterError as e:
+        raise ValueError(str(e)) from e
+    return c, nprocs, hooks
+
+
 def core_missing() -> Optional[str]:
     """Why smartcoll collectives cannot run here, or None if they can."""
     try:
@@ -284,23 +305,12 @@ def _validate(args: argparse.Namespace) -> Optional[str]:
 def main(args: argparse.Namespace) -> int:
     from . import peers
 
-    cluster_name = getattr(args, "cluster", None)
-    hooks: dict = {}
-    c = None
-    if cluster_name:
-        from .. import netemu
-
-        try:
-            c = netemu.get(cluster_name)
-            if args.nprocs is None:
-                args.nprocs = c.size * args.ranks_per_host
-            hooks["rank_prefix"], hooks["rank_env"] = launcher.cluster_hooks(cluster_name, args.nprocs,
-                                                                              args.ranks_per_host)
-        except (ValueError, netemu.ClusterError) as e:
-            print(f"smartcoll bench: {e}", file=sys.stderr)
-            return 2
-    elif args.nprocs is None:
-        args.nprocs = 2
+    try:
+        c, args.nprocs, hooks = place_ranks(getattr(args, "cluster", None), args.nprocs, 2,
+                                            getattr(args, "ranks_per_host", 1))
+    except ValueError as e:
+        print(f"smartcoll bench: {e}", file=sys.stderr)
+        return 2
     transport = getattr(args, "mpi_transport", None) or ("tcp" if c else "shm")
     try:
         mca = peers.parse_mca(getattr(args, "mpi_mca", []))
@@ -312,7 +322,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"smartcoll bench: {problem}", file=sys.stderr)
         return 2
     vs = list(dict.fromkeys(args.vs))
-    if c is not None and args.ranks_per_host > 1 and "mpi" in vs:
+    if c is not None and getattr(args, "ranks_per_host", 1) > 1 and "mpi" in vs:
         status("skipping mpi: its cluster launch places one rank per host (--ranks-per-host > 1)")
         vs.remove("mpi")
     for peer in list(vs):

@@ -117,6 +117,18 @@ def unavailable(peer: str, dtype: str) -> Optional[str]:
     raise ValueError(f"unknown peer {peer!r}")
 
 
+def set_gloo_ifname() -> str:
+    """Points gloo at the link smartcoll uses (GLOO_SOCKET_IFNAME, unless set) and returns MASTER_ADDR."""
+    addr = os.environ["MASTER_ADDR"]
+    if ipaddress.ip_address(addr).is_loopback:
+        # gloo otherwise picks the interface the hostname resolves to, which takes traffic off loopback.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    elif os.environ.get("SMARTCOLL_IFNAME"):
+        # The interface smartcoll uses (an emulated cluster's veth): the same link for both.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", os.environ["SMARTCOLL_IFNAME"])
+    return addr
+
+
 class GlooRunner:
     """torch.distributed with the gloo backend, in a bench rank next to smartcoll (a bench.run_sizes runner).
 
@@ -136,13 +148,7 @@ class GlooRunner:
             "min": dist.ReduceOp.MIN,
             "max": dist.ReduceOp.MAX,
         }[cfg["op"]]
-        addr = os.environ["MASTER_ADDR"]
-        if ipaddress.ip_address(addr).is_loopback:
-            # gloo otherwise picks the interface the hostname resolves to, which takes traffic off loopback.
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        elif os.environ.get("SMARTCOLL_IFNAME"):
-            # The interface smartcoll uses (an emulated cluster's veth): the same link for both.
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", os.environ["SMARTCOLL_IFNAME"])
+        addr = set_gloo_ifname()
         timeout = datetime.timedelta(seconds=cfg["timeout"])
         store = dist.TCPStore(addr, int(os.environ["MASTER_PORT"]) + 1, nranks, rank == 0, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=nranks, timeout=timeout)

@@ -221,13 +221,22 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def metadata(cfg: dict, measured: dict[str, dict]) -> dict:
+def host_metadata() -> dict:
+    """Where and when a benchmark ran, and the command that ran it."""
     return {
         "command": shlex.join(sys.argv),
         "hostname": socket.gethostname(),
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+    }
+
+
+def metadata(cfg: dict, measured: dict[str, dict]) -> dict:
+    return {
+        **host_metadata(),
         "world_size": cfg["world_size"],
         "collective": cfg["collective"],
         "dtype": cfg["dtype"],
@@ -242,8 +251,6 @@ def metadata(cfg: dict, measured: dict[str, dict]) -> dict:
         "osu_iters": cfg.get("osu_iters", False),
         "build_info": measured["smartcoll"]["info"]["build_info"],
         "knobs": measured["smartcoll"]["info"]["options"],
-        "python": platform.python_version(),
-        "numpy": np.__version__,
         "peers": {
             impl: {"info": d["info"], "error": d["error"]}
             for impl, d in measured.items()

@@ -269,6 +269,34 @@ def status(text: str) -> None:
     sys.stderr.flush()
 
 
+class ProgressBar:
+    """A progress bar on stderr next to status()'s lines: redrawn in place on a terminal; where stderr is a
+    pipe or a file (logs, tests), one status line per quarter of the work instead of carriage returns."""
+
+    WIDTH = 30
+
+    def __init__(self, label: str, total: int):
+        self.label, self.total = label, max(total, 1)
+        self.tty = sys.stderr.isatty()
+        self._shown = -1  # the last quarter (pipe) reported
+
+    def update(self, done: int, note: str = "") -> None:
+        done = min(max(done, 0), self.total)
+        if self.tty:
+            filled = self.WIDTH * done // self.total
+            bar = "#" * filled + "." * (self.WIDTH - filled)
+            sys.stderr.write(f"\rbench: {self.label} [{bar}] {done}/{self.total} {note}\033[K")
+            sys.stderr.flush()
+        elif 4 * done // self.total > self._shown:
+            self._shown = 4 * done // self.total
+            status(f"{self.label}: {done}/{self.total} {note}".rstrip())
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
 def run_sizes(runners: list, cfg: dict, rank: int, nranks: int, workdir: Path) -> None:
     """Measure every size with every runner (in turn, on the same buffers) and write each runner's results.
 
