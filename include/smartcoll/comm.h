@@ -34,11 +34,14 @@ struct CallHistory;
 namespace cma {
 class Local;
 }
+namespace sw {
+struct Path;
+}
 
 enum class Collective : uint8_t { allreduce, reduce_scatter, allgather, broadcast, reduce, alltoall, barrier };
 inline constexpr int kCollectives = 7;
 enum class Algorithm : uint8_t {
-  automatic, ring, rhd, chain, direct, local, cma, tree, rd, bruck, dissemination
+  automatic, ring, rhd, chain, direct, local, cma, tree, rd, bruck, dissemination, switch_
 };
 
 std::string_view collective_name(Collective c);
@@ -148,6 +151,8 @@ class Communicator {
   void check_one_poster();  // submit_mu_ held
   // At start-up, through the store: the knobs every rank must share. Returns the claim rank 0 accepted per rank.
   std::vector<std::string> agree_on_settings(const std::string& claim);
+  // Joins the job to the switches of the switch knob; every rank learns whether all could (through the store).
+  void join_switches();
 
   int rank_, size_;
   Options options_;
@@ -155,6 +160,7 @@ class Communicator {
   std::shared_ptr<Store> store_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<cma::Local> cma_;
+  std::unique_ptr<sw::Path> switch_;  // the aggregation switches (switch knob), joined at start-up
   bool cma_usable_ = false;  // fixed at construction, so callers may read it while another thread closes
   std::string cma_reason_;
   std::shared_ptr<Engine> engine_;

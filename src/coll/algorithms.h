@@ -25,6 +25,7 @@ OwnerSteps owner_reduce(Builder& b, const Chunks& ch, const char* in, uint8_t* e
 void allreduce_rhd(Builder& b, const Args& a);
 void allreduce_rd(Builder& b, const Args& a);
 void allreduce_cma(Builder& b, const Args& a);
+void allreduce_switch(Builder& b, const Args& a);
 void reduce_scatter_ring(Builder& b, const Args& a);
 void allgather_ring(Builder& b, const Args& a);
 void allgather_bruck(Builder& b, const Args& a);

@@ -13,16 +13,24 @@ std::string needs_cma(const Query& q) {
   if (q.compressed) return "it does not support codecs; use ring";
   return q.cma_usable ? "" : "the same-host path is not usable here (see Communicator.cma_unusable_reason)";
 }
+std::string needs_switch(const Query& q) {
+  if (q.compressed) return "it does not support codecs; use ring";
+  return q.switch_set ? "" : "no aggregation switch is set: SMARTCOLL_SWITCH=host:port (start one with smartcoll switch)";
+}
+double ring_wire(int n) { return 2.0 * (n - 1) / n; }
 
 constexpr AlgorithmInfo kAllreduceAlgos[] = {
     {Algorithm::ring, "pipelined segmented ring (reduce-scatter + allgather in one pipeline), any codec",
-     allreduce_ring, any, [](int n) { return 2.0 * (n - 1); }, [](int n) { return 2.0 * (n - 1) / n; }},
+     allreduce_ring, any, [](int n) { return 2.0 * (n - 1); }, ring_wire},
     {Algorithm::rhd, "recursive halving-doubling; non-power-of-two worlds fold the extra ranks in first",
      allreduce_rhd, raw_only, [](int n) { return 2 * log2n(n) + 2; }, [](int n) { return 2.0 * (n - 1) / n + 1; }},
     {Algorithm::rd, "recursive doubling: log2(n) exchanges of the whole vector; fewest steps for tiny messages",
      allreduce_rd, raw_only, [](int n) { return log2n(n) + 2; }, [](int n) { return log2n(n) + 1; }},
     {Algorithm::cma, "same host: every rank reads its peers' buffers once with process_vm_readv", allreduce_cma,
      needs_cma, [](int) { return 4.0; }, [](int n) { return (n - 1.0) / n; }},
+    // Each rank sends its vector once and receives the sum once, whatever n; the switch adds one hop each way.
+    {Algorithm::switch_, "in-network aggregation: the switches of the switch knob sum chunks as they arrive",
+     allreduce_switch, needs_switch, [](int) { return 2.0; }, [](int) { return 1.0; }},
 };
 constexpr AlgorithmInfo kReduceScatterAlgos[] = {
     {Algorithm::ring, "pipelined ring, any codec", reduce_scatter_ring, any, [](int n) { return n - 1.0; },
@@ -94,7 +102,9 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
       if (q.compressed) return Algorithm::ring;
       // Recursive doubling sends the whole vector log2(n) times: only while the latency dominates.
       if (small) return q.bytes <= 8192 ? Algorithm::rd : Algorithm::rhd;
-      return q.cma_usable ? Algorithm::cma : Algorithm::ring;
+      if (q.cma_usable) return Algorithm::cma;
+      // The switch moves S each way per rank, the ring 2(n-1)/n S: fewer bytes from 3 ranks on.
+      return q.switch_set && ring_wire(q.n) > 1.0 ? Algorithm::switch_ : Algorithm::ring;
     case Collective::allgather:
       // q.bytes is one rank's block; what the call moves is n of them.
       return !q.compressed && q.bytes * static_cast<size_t>(q.n) <= small_bytes ? Algorithm::bruck : Algorithm::ring;
