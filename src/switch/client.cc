@@ -26,6 +26,12 @@ struct Flight {
   uint8_t header[kHeaderBytes];
 };
 
+std::string seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g s", s);
+  return buf;
+}
+
 std::string ranks_missing(const std::vector<uint8_t>& bitmap, int world) {
   std::string out;
   for (int r = 0; r < world; ++r)
@@ -114,8 +120,8 @@ void Client::join() {
     while (!answered) {
       const auto now = Clock::now();
       if (now >= give_up)
-        throw SwitchGone(name(j) + " did not answer within " + std::to_string(settings_.switch_timeout) +
-                         " s (SMARTCOLL_SWITCH_TIMEOUT): is `smartcoll switch --listen " + r.ep.str() +
+        throw SwitchGone(name(j) + " did not answer within " + seconds(settings_.switch_timeout) +
+                         " (SMARTCOLL_SWITCH_TIMEOUT): is `smartcoll switch --listen " + r.ep.str() +
                          "` running and reachable from this host?");
       batch_.add(r.addr, datagram, sizeof datagram);
       batch_.flush(fd_.get());
@@ -307,8 +313,8 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
       const bool busy = std::any_of(remotes_[j].flights.begin(), remotes_[j].flights.end(),
                                     [](const Flight& f) { return f.busy; });
       if (busy && now - heard[j] > silence)
-        throw SwitchGone(name(j) + " stopped answering: nothing for " + std::to_string(settings_.switch_timeout) +
-                         " s (SMARTCOLL_SWITCH_TIMEOUT) while chunks were waiting for their results");
+        throw SwitchGone(name(j) + " stopped answering: nothing for " + seconds(settings_.switch_timeout) +
+                         " (SMARTCOLL_SWITCH_TIMEOUT) while chunks were waiting for their results");
     }
     if (now - last_result > stall) {
       std::string who;
@@ -316,8 +322,7 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
         const std::string missing = ranks_missing(remotes_[j].waiting, world_);
         if (remotes_[j].pending && !missing.empty()) who += "; " + name(j) + " still waits for rank(s) " + missing;
       }
-      throw CommError("allreduce through the switch made no progress for " + std::to_string(settings_.timeout) +
-                      " s" + (who.empty() ? "" : who) +
+      throw CommError("allreduce through the switch made no progress for " + seconds(settings_.timeout) + (who.empty() ? "" : who) +
                       ": a rank died, stalled or did not make this call (SMARTCOLL_TIMEOUT)");
     }
   }

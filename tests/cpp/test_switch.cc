@@ -8,9 +8,12 @@
 #include <random>
 
 #include "core/siphash.h"
+#include "ranks.h"
+#include "smartcoll/comm.h"
 #include "smartcoll/reduce.h"
 #include "switch/aggregator.h"
 #include "switch/protocol.h"
+#include "switch/server.h"
 #include "switch_fuzz.h"
 
 namespace smartcoll::sw {
@@ -508,6 +511,146 @@ TEST(SwitchAggregator, RefusesJobsWithoutPayloadAuthenticationWhenAskedTo) {
   auto d = join_datagram(1, kKey, 0, 2, 4, 32);
   agg.handle(0, d.data(), d.size(), addr_of(100), ch, Clock::now());
   EXPECT_EQ(joined_status(ch.to_workers, kKey), JoinStatus::needs_full_auth);
+}
+
+
+// ---- allreduce through a switch on loopback: ranks as threads, a switch in this process ----
+
+namespace e2e {
+
+struct Running {
+  std::unique_ptr<Switch> sw;
+  explicit Running(SwitchOptions o = {}) {
+    o.host = "127.0.0.1";
+    sw = std::make_unique<Switch>(o);
+    sw->start();
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(sw->port()); }
+};
+
+Options switch_options(const std::string& address, std::map<std::string, std::string> extra = {}) {
+  extra.emplace("switch", address);
+  extra.emplace("switch_timeout", "0.5");
+  extra.emplace("cma", "off");
+  return harness::test_options(extra);
+}
+
+// Small integers: every sum is exact in every dtype, so results can be compared with the ring's exactly.
+template <class T>
+std::vector<T> values(int rank, size_t count) {
+  std::vector<T> v(count);
+  for (size_t i = 0; i < count; ++i) v[i] = static_cast<T>(static_cast<int>((rank * 31 + i * 17) % 41) - 20);
+  return v;
+}
+
+template <class T>
+void compare_with_ring(Communicator& comm, DataType dt, ReduceOp op, size_t count) {
+  const auto in = values<T>(comm.rank(), count);
+  std::vector<T> via_switch(count), via_ring(count);
+  comm.allreduce(in.data(), via_switch.data(), count, dt, op, Algorithm::switch_)->wait();
+  comm.allreduce(in.data(), via_ring.data(), count, dt, op, Algorithm::ring)->wait();
+  ASSERT_EQ(std::memcmp(via_switch.data(), via_ring.data(), count * sizeof(T)), 0)
+      << dtype_name(dt) << " " << op_name(op) << " rank " << comm.rank();
+}
+
+}  // namespace e2e
+
+TEST(SwitchAllreduce, EveryDtypeAndOpMatchesTheRing) {
+  e2e::Running sw;
+  harness::run_ranks(3, [&](Communicator& comm) {
+    for (size_t count : {1, 1000, 100003}) {
+      for (ReduceOp op : {ReduceOp::sum, ReduceOp::min, ReduceOp::max}) {
+        e2e::compare_with_ring<float>(comm, DataType::f32, op, count);
+        e2e::compare_with_ring<double>(comm, DataType::f64, op, count);
+        e2e::compare_with_ring<int32_t>(comm, DataType::i32, op, count);
+        e2e::compare_with_ring<int64_t>(comm, DataType::i64, op, count);
+      }
+      e2e::compare_with_ring<float>(comm, DataType::f32, ReduceOp::avg, count);
+      e2e::compare_with_ring<double>(comm, DataType::f64, ReduceOp::avg, count);
+    }
+    // In place, and chosen by auto for a large vector.
+    auto x = e2e::values<float>(comm.rank(), 200000);
+    auto expect = x;
+    comm.allreduce(expect.data(), expect.data(), x.size(), DataType::f32, ReduceOp::sum, Algorithm::ring)->wait();
+    ASSERT_EQ(comm.choose(Collective::allreduce, x.size(), DataType::f32), Algorithm::switch_);
+    comm.allreduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum)->wait();
+    ASSERT_EQ(x, expect);
+  }, e2e::switch_options(sw.address()));
+  const SwitchStats s = sw.sw->stats();
+  EXPECT_EQ(s.jobs.size(), 0u);  // every rank left when its communicator closed
+  EXPECT_EQ(s.jobs_left, 1u);
+}
+
+TEST(SwitchAllreduce, SurvivesLossDuplicationAndReordering) {
+  SwitchOptions o;
+  o.threads = 2;
+  o.faults = {0.01, 0.01, 0.05, 3};
+  e2e::Running sw(o);
+  harness::run_ranks(4, [&](Communicator& comm) {
+    for (int i = 0; i < 3; ++i) e2e::compare_with_ring<float>(comm, DataType::f32, ReduceOp::sum, 300000);
+    e2e::compare_with_ring<int64_t>(comm, DataType::i64, ReduceOp::sum, 100000);
+    comm.barrier()->wait();
+    if (comm.rank() == 0) {  // before anyone leaves: the faults made work for the protocol
+      const SwitchStats s = sw.sw->stats();
+      ASSERT_EQ(s.jobs.size(), 1u);
+      EXPECT_GT(s.jobs[0].retransmits, 0u);
+    }
+    comm.barrier()->wait();
+  }, e2e::switch_options(sw.address(), {{"switch_packet", "4096"}, {"switch_slots", "32"}}));
+  EXPECT_EQ(sw.sw->stats().jobs_left, 1u);
+}
+
+TEST(SwitchAllreduce, FallsBackToTheRingWhenTheSwitchGoes) {
+  e2e::Running sw;
+  harness::run_ranks(3, [&](Communicator& comm) {
+    e2e::compare_with_ring<float>(comm, DataType::f32, ReduceOp::sum, 50000);
+    comm.barrier()->wait();
+    if (comm.rank() == 0) sw.sw->stop();
+    comm.barrier()->wait();
+    for (int i = 0; i < 2; ++i) {  // the first call notices, the second goes straight to the ring
+      auto x = e2e::values<int32_t>(comm.rank(), 70001);
+      std::vector<int32_t> expect(x.size());
+      comm.allreduce(x.data(), expect.data(), x.size(), DataType::i32, ReduceOp::sum, Algorithm::ring)->wait();
+      comm.allreduce(x.data(), x.data(), x.size(), DataType::i32, ReduceOp::sum, Algorithm::switch_)->wait();
+      ASSERT_EQ(x, expect) << "call " << i;
+    }
+  }, e2e::switch_options(sw.address()));
+}
+
+TEST(SwitchAllreduce, FailModeNamesTheSwitchWithinItsTimeout) {
+  e2e::Running sw;
+  const std::string address = sw.address();
+  harness::run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 2, std::move(store), e2e::switch_options(address, {{"switch_fallback", "fail"}}));
+    comm.barrier()->wait();
+    if (r == 0) sw.sw->stop();
+    comm.barrier()->wait();
+    std::vector<float> x(10000, 1.0f);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      comm.allreduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum, Algorithm::switch_)->wait();
+      ADD_FAILURE() << "rank " << r << ": the call succeeded without a switch";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find("switch " + address), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("switch_fallback=fail"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  });
+}
+
+TEST(SwitchAllreduce, NoSwitchAtStartUpFallsBackOrFails) {
+  // A port nobody serves: joining times out.
+  const std::string nobody = "127.0.0.1:9";
+  harness::run_ranks(2, [&](Communicator& comm) {
+    std::vector<double> x(5000, comm.rank() + 1.0);
+    comm.allreduce(x.data(), x.data(), x.size(), DataType::f64, ReduceOp::sum, Algorithm::switch_)->wait();
+    ASSERT_EQ(x[4999], 3.0);
+  }, e2e::switch_options(nobody, {{"switch_timeout", "0.2"}}));
+  harness::run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    EXPECT_THROW(Communicator(r, 2, std::move(store),
+                              e2e::switch_options(nobody, {{"switch_timeout", "0.2"}, {"switch_fallback", "fail"}})),
+                 CommError);
+  });
 }
 
 }  // namespace
