@@ -4,6 +4,7 @@
 #include <poll.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <sstream>
 
@@ -46,7 +47,7 @@ struct Client::Remote {
   sockaddr_in addr{};
   uint32_t threads = 1;
   uint64_t next_seq = 0;  // the next chunk number of the job on this switch
-  double srtt = 0;        // smoothed round trip, seconds (0: no sample yet)
+  double srtt = 0, rttvar = 0;  // smoothed round trip and its variation, seconds (0: no sample yet)
   std::vector<Flight> flights;  // by slot
   std::vector<uint8_t> waiting;  // the last `pending` bitmap of this call: who the switch has heard from
   bool pending = false;          // a `pending` came during this call
@@ -224,10 +225,12 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
     batch_.add(to, f.header, kHeaderBytes, in + off * esize, len * esize);
   };
   auto rto = [&](const Remote& r, int tries) {
-    // A few smoothed round trips, doubled per retry; never so long that a live switch looks silent.
-    const double base_s = r.srtt > 0 ? 3 * r.srtt : 0.02;
+    // TCP's estimate (RFC 6298: srtt + 4 rttvar), doubled per retry. At least 10 ms: a rank descheduled for a
+    // moment must not make every chunk in flight go twice. At most a quarter of switch_timeout, so that a live
+    // switch answers (`pending`) well before it could look silent.
+    const double base_s = r.srtt > 0 ? r.srtt + 4 * r.rttvar : 0.05;
     const double cap = std::min(0.25, settings_.switch_timeout / 4);
-    return std::clamp(base_s * static_cast<double>(1u << std::min(tries, 6)), 0.005, cap);
+    return std::clamp(base_s * static_cast<double>(1u << std::min(tries, 6)), std::min(0.01, cap), cap);
   };
 
   while (left > 0) {
@@ -302,7 +305,13 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
       if (op == ReduceOp::avg) scale_divide(dt, dst, len, world_);
       if (f.tries == 0) {  // Karn: only first transmissions time the round trip
         const double sample = Seconds(now - f.sent).count();
-        r.srtt = r.srtt > 0 ? 0.875 * r.srtt + 0.125 * sample : sample;
+        if (r.srtt == 0) {
+          r.srtt = sample;
+          r.rttvar = sample / 2;
+        } else {
+          r.rttvar = 0.75 * r.rttvar + 0.25 * std::abs(r.srtt - sample);
+          r.srtt = 0.875 * r.srtt + 0.125 * sample;
+        }
       }
       f.busy = false;
       done[f.chunk] = 1;
