@@ -208,8 +208,7 @@ NB_MODULE(_core, m) {
         for (int r = 1; r < sw::kRejectReasons; ++r)
           malformed[nb::str(std::string(sw::reject_name(static_cast<sw::Reject>(r))).c_str())] = st.malformed[r];
         out["malformed"] = malformed;
-        nb::list jobs;
-        for (const sw::JobStats& j : st.jobs) {
+        auto job = [](const sw::JobStats& j) {
           nb::dict d;
           char id[17];
           std::snprintf(id, sizeof id, "%016llx", static_cast<unsigned long long>(j.job));
@@ -230,8 +229,11 @@ NB_MODULE(_core, m) {
           for (size_t k = 0; k < j.drops.size(); ++k)
             drops[nb::str(std::string(sw::drop_name(static_cast<sw::Drop>(k))).c_str())] = j.drops[k];
           d["drops"] = drops;
-          jobs.append(d);
-        }
+          return d;
+        };
+        nb::list jobs;
+        for (const sw::JobStats& j : st.jobs) jobs.append(job(j));
+        out["ended"] = job(st.ended);
         out["jobs"] = jobs;
         return out;
       }, "Counters: per switch (datagrams, malformed ones by reason, unknown jobs, joins refused, slots) and per "

@@ -34,6 +34,17 @@ std::string_view drop_name(Drop d) {
   return names[static_cast<int>(d)];
 }
 
+void JobStats::add(const JobStats& o) {
+  contributions += o.contributions;
+  bytes_in += o.bytes_in;
+  results += o.results;
+  bytes_out += o.bytes_out;
+  resent += o.resent;
+  duplicates += o.duplicates;
+  retransmits += o.retransmits;
+  for (size_t d = 0; d < drops.size(); ++d) drops[d] += o.drops[d];
+}
+
 struct Aggregator::Slot {
   uint64_t seq = kIdle;         // the chunk being summed
   uint64_t result_seq = kIdle;  // the chunk whose result `result` holds: the shadow copy
@@ -213,7 +224,7 @@ void Aggregator::leave(int t, const Packet& p, const uint8_t* raw) {
   // Every worker is done: the slots go back to the pool. Threads still holding the job keep its memory alive
   // until they next refresh their view.
   if (jobs_.erase(job->id)) {
-    used_slots_ -= job->window;
+    retire(*job);
     jobs_left_.fetch_add(1, std::memory_order_relaxed);
     generation_.fetch_add(1, std::memory_order_release);
   }
@@ -307,7 +318,7 @@ std::vector<uint64_t> Aggregator::expire(Clock::time_point now, Clock::duration 
     const Job& job = *it->second;
     if (ticks(now) - job.last_active.load(std::memory_order_relaxed) > idle.count()) {
       gone.push_back(job.id);
-      used_slots_ -= job.window;
+      retire(job);
       it = jobs_.erase(it);
     } else {
       ++it;
@@ -318,6 +329,33 @@ std::vector<uint64_t> Aggregator::expire(Clock::time_point now, Clock::duration 
     generation_.fetch_add(1, std::memory_order_release);
   }
   return gone;
+}
+
+JobStats Aggregator::snapshot(const Job& job, Clock::time_point now) const {
+  JobStats j;
+  j.job = job.id;
+  j.world = job.world;
+  j.window = job.window;
+  j.full_auth = job.full_auth;
+  j.idle_s = std::chrono::duration<double>(Clock::duration(ticks(now) - job.last_active.load())).count();
+  for (int t = 0; t < threads_; ++t) {
+    const JobCounters& c = job.counters[t];
+    j.contributions += read(c.contributions);
+    j.bytes_in += read(c.bytes_in);
+    j.results += read(c.results);
+    j.bytes_out += read(c.bytes_out);
+    j.resent += read(c.resent);
+    j.duplicates += read(c.duplicates);
+    j.retransmits += read(c.retransmits);
+    j.busy_slots += static_cast<uint32_t>(read(c.busy));
+    for (size_t d = 0; d < kDrops; ++d) j.drops[d] += read(c.drops[d]);
+  }
+  return j;
+}
+
+void Aggregator::retire(const Job& job) {
+  used_slots_ -= job.window;
+  ended_.add(snapshot(job, Clock::now()));
 }
 
 SwitchStats Aggregator::stats(Clock::time_point now) const {
@@ -335,27 +373,8 @@ SwitchStats Aggregator::stats(Clock::time_point now) const {
   std::lock_guard lock(mu_);
   s.slots_total = budget_;
   s.slots_free = budget_ - used_slots_;
-  for (const auto& [id, job] : jobs_) {
-    JobStats j;
-    j.job = id;
-    j.world = job->world;
-    j.window = job->window;
-    j.full_auth = job->full_auth;
-    j.idle_s = std::chrono::duration<double>(Clock::duration(ticks(now) - job->last_active.load())).count();
-    for (int t = 0; t < threads_; ++t) {
-      const JobCounters& c = job->counters[t];
-      j.contributions += read(c.contributions);
-      j.bytes_in += read(c.bytes_in);
-      j.results += read(c.results);
-      j.bytes_out += read(c.bytes_out);
-      j.resent += read(c.resent);
-      j.duplicates += read(c.duplicates);
-      j.retransmits += read(c.retransmits);
-      j.busy_slots += static_cast<uint32_t>(read(c.busy));
-      for (size_t d = 0; d < kDrops; ++d) j.drops[d] += read(c.drops[d]);
-    }
-    s.jobs.push_back(j);
-  }
+  s.ended = ended_;
+  for (const auto& [id, job] : jobs_) s.jobs.push_back(snapshot(*job, now));
   return s;
 }
 

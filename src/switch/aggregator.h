@@ -53,10 +53,12 @@ struct JobStats {
   uint64_t retransmits = 0; // contributions flagged as retransmitted by their worker
   std::array<uint64_t, static_cast<size_t>(Drop::kCount)> drops{};
   double idle_s = 0;
+  void add(const JobStats& o);  // sums the counters (for the totals of jobs that ended)
 };
 
 struct SwitchStats {
   std::vector<JobStats> jobs;
+  JobStats ended;  // the counters of every job that left or expired, summed
   std::array<uint64_t, kRejectReasons> malformed{};  // by parse()'s reason
   uint64_t datagrams_in = 0;
   uint64_t unknown_job = 0;    // well-formed, but of no job this switch knows
@@ -93,6 +95,8 @@ class Aggregator {
   void leave(int t, const Packet& p, const uint8_t* raw);
   void contribute(int t, const Packet& p, const uint8_t* raw, const sockaddr_in& from, Outbox& out,
                   Clock::time_point now);
+  JobStats snapshot(const Job& job, Clock::time_point now) const;
+  void retire(const Job& job);  // mu_ held: the job leaves the table; its counters go to ended_
   void reply(int t, const Job& job, Type type, const Header& about, const void* body, size_t len,
              const sockaddr_in& to, Outbox& out);
 
@@ -104,6 +108,7 @@ class Aggregator {
   mutable std::mutex mu_;  // the job table; joins, leaves and expiry (rare) take it, the data path does not
   std::map<uint64_t, std::shared_ptr<Job>> jobs_;
   uint32_t used_slots_ = 0;
+  JobStats ended_;
   std::atomic<uint64_t> generation_{1};  // bumped whenever jobs_ changes: threads refresh their cached view
   std::atomic<uint64_t> join_refused_{0}, jobs_joined_{0}, jobs_left_{0}, jobs_expired_{0};
 };

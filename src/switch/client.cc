@@ -24,6 +24,7 @@ struct Flight {
   size_t chunk = 0;
   Clock::time_point sent;
   int tries = 0;
+  uint64_t completed_at_send = 0;  // the switch's finished chunks when this one was (last) sent
   uint8_t header[kHeaderBytes];
 };
 
@@ -51,6 +52,8 @@ struct Client::Remote {
   std::vector<Flight> flights;  // by slot
   std::vector<uint8_t> waiting;  // the last `pending` bitmap of this call: who the switch has heard from
   bool pending = false;          // a `pending` came during this call
+  uint64_t completed = 0;        // chunks of this call finished on this switch
+  Clock::time_point last_result;  // when the last of them came
 };
 
 std::vector<net::Endpoint> parse_switches(const std::string& text) {
@@ -199,6 +202,8 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
     next[j] = j;
     base[j] = remotes_[j].next_seq;
     remotes_[j].pending = false;
+    remotes_[j].completed = 0;
+    remotes_[j].last_result = now0;
   }
   size_t left = total;
   auto last_result = now0;
@@ -233,6 +238,55 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
     return std::clamp(base_s * static_cast<double>(1u << std::min(tries, 6)), std::min(0.01, cap), cap);
   };
 
+  // One datagram from the network: a result, or news of a chunk still waiting.
+  auto take = [&](size_t i, Clock::time_point now) {
+    const int j = switch_of(inbox_.from(i));
+    if (j < 0) return;  // not from a switch of this job: ignored
+    const Parsed got = parse(inbox_.data(i), inbox_.len(i));
+    if (!got.ok() || got.pkt.h.job != job_ || !authentic(got.pkt, inbox_.data(i), key_, settings_.full_auth))
+      return;
+    Remote& r = remotes_[static_cast<size_t>(j)];
+    heard[static_cast<size_t>(j)] = now;
+    const Header& h = got.pkt.h;
+    if (h.slot >= window) return;
+    Flight& f = r.flights[h.slot];
+    if (!f.busy || f.seq != h.seq) return;  // an answer to a chunk already done (a duplicate)
+    if (h.type == Type::error) {
+      ErrorBody e;
+      std::memcpy(&e, got.pkt.payload, sizeof e);
+      throw CommError(name(static_cast<size_t>(j)) + " received another call from rank " +
+                      std::to_string(e.first_rank) + " for the same chunk: ranks disagree on this allreduce "
+                      "(count, dtype or op), or call collectives in different orders");
+    }
+    if (h.type == Type::pending) {
+      std::memcpy(r.waiting.data(), got.pkt.payload, r.waiting.size());
+      r.pending = true;
+      return;
+    }
+    if (h.type != Type::result) return;
+    const size_t off = f.chunk * per, len = std::min(per, count - off);
+    if (h.count != len || h.dtype != dt || h.call != call) return;  // cannot be ours: never used
+    char* dst = out + off * esize;
+    std::memcpy(dst, got.pkt.payload, len * esize);
+    if (op == ReduceOp::avg) scale_divide(dt, dst, len, world_);
+    if (f.tries == 0) {  // Karn: only first transmissions time the round trip
+      const double sample = Seconds(now - f.sent).count();
+      if (r.srtt == 0) {
+        r.srtt = sample;
+        r.rttvar = sample / 2;
+      } else {
+        r.rttvar = 0.75 * r.rttvar + 0.25 * std::abs(r.srtt - sample);
+        r.srtt = 0.875 * r.srtt + 0.125 * sample;
+      }
+    }
+    f.busy = false;
+    done[f.chunk] = 1;
+    --left;
+    ++r.completed;
+    r.last_result = last_result = now;
+  };
+
+  double wait_s = 0.05;
   while (left > 0) {
     auto now = Clock::now();
     // New chunks, into the slots that are free, in order per switch.
@@ -242,82 +296,46 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
         const uint64_t seq = base[j] + next[j] / k;
         Flight& f = r.flights[seq % window];
         if (f.busy) break;
-        f = Flight{true, seq, next[j], now, 0, {}};
+        f = Flight{true, seq, next[j], now, 0, r.completed, {}};
         post(r, f);
         next[j] += k;
       }
     }
-    // Chunks whose result is overdue go again.
-    double wait_s = 0.05;
+    batch_.flush(fd_.get());
+    // Wait for answers (at most until a retransmission is due), then take everything that is waiting, so that no
+    // chunk whose result has already arrived looks overdue.
+    pollfd p{fd_.get(), POLLIN, 0};
+    ::poll(&p, 1, std::max(1, static_cast<int>(wait_s * 1000)));
+    for (int round = 0; round < 256; ++round) {
+      const size_t n = inbox_.receive(fd_.get());
+      if (n == 0) break;
+      now = Clock::now();
+      for (size_t i = 0; i < n; ++i) take(i, now);
+    }
+    now = Clock::now();
+    // Chunks whose result is overdue go again: when the switch has sent nothing for a while (the chunk or its
+    // result may be lost), or when more chunks of this switch finished since it was sent than there are slots,
+    // so that some sent after it finished before it (it was lost while others went through).
+    wait_s = 0.05;
     for (size_t j = 0; j < k; ++j) {
       Remote& r = remotes_[j];
       for (Flight& f : r.flights) {
         if (!f.busy) continue;
-        const double due = rto(r, f.tries) - Seconds(now - f.sent).count();
-        if (due <= 0) {
+        const double timeout_s = rto(r, f.tries);
+        const double due = timeout_s - Seconds(now - f.sent).count();
+        const bool overtaken = r.completed - f.completed_at_send > window + 8;
+        if (due <= 0 && (overtaken || Seconds(now - r.last_result).count() >= timeout_s)) {
           ++f.tries;
           f.sent = now;
+          f.completed_at_send = r.completed;
           post(r, f);
           wait_s = std::min(wait_s, rto(r, f.tries));
         } else {
-          wait_s = std::min(wait_s, due);
+          wait_s = std::min(wait_s, std::max(due, 0.001));
         }
       }
     }
     batch_.flush(fd_.get());
-
-    size_t n = inbox_.receive(fd_.get());
-    if (n == 0) {
-      pollfd p{fd_.get(), POLLIN, 0};
-      ::poll(&p, 1, std::max(1, static_cast<int>(wait_s * 1000)));
-      n = inbox_.receive(fd_.get());
-    }
-    now = Clock::now();
-    for (size_t i = 0; i < n; ++i) {
-      const int j = switch_of(inbox_.from(i));
-      if (j < 0) continue;  // not from a switch of this job: ignored
-      const Parsed got = parse(inbox_.data(i), inbox_.len(i));
-      if (!got.ok() || got.pkt.h.job != job_ || !authentic(got.pkt, inbox_.data(i), key_, settings_.full_auth))
-        continue;
-      Remote& r = remotes_[static_cast<size_t>(j)];
-      heard[static_cast<size_t>(j)] = now;
-      const Header& h = got.pkt.h;
-      if (h.slot >= window) continue;
-      Flight& f = r.flights[h.slot];
-      if (!f.busy || f.seq != h.seq) continue;  // an answer to a chunk already done (a duplicate)
-      if (h.type == Type::error) {
-        ErrorBody e;
-        std::memcpy(&e, got.pkt.payload, sizeof e);
-        throw CommError(name(static_cast<size_t>(j)) + " received another call from rank " +
-                        std::to_string(e.first_rank) + " for the same chunk: ranks disagree on this allreduce "
-                        "(count, dtype or op), or call collectives in different orders");
-      }
-      if (h.type == Type::pending) {
-        std::memcpy(r.waiting.data(), got.pkt.payload, r.waiting.size());
-        r.pending = true;
-        continue;
-      }
-      if (h.type != Type::result) continue;
-      const size_t off = f.chunk * per, len = std::min(per, count - off);
-      if (h.count != len || h.dtype != dt || h.call != call) continue;  // cannot be ours: never used
-      char* dst = out + off * esize;
-      std::memcpy(dst, got.pkt.payload, len * esize);
-      if (op == ReduceOp::avg) scale_divide(dt, dst, len, world_);
-      if (f.tries == 0) {  // Karn: only first transmissions time the round trip
-        const double sample = Seconds(now - f.sent).count();
-        if (r.srtt == 0) {
-          r.srtt = sample;
-          r.rttvar = sample / 2;
-        } else {
-          r.rttvar = 0.75 * r.rttvar + 0.25 * std::abs(r.srtt - sample);
-          r.srtt = 0.875 * r.srtt + 0.125 * sample;
-        }
-      }
-      f.busy = false;
-      done[f.chunk] = 1;
-      --left;
-      last_result = now;
-    }
     for (size_t j = 0; j < k; ++j) {
       const bool busy = std::any_of(remotes_[j].flights.begin(), remotes_[j].flights.end(),
                                     [](const Flight& f) { return f.busy; });

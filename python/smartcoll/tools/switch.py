@@ -73,7 +73,8 @@ def format_stats(stats: dict, previous: Optional[dict], elapsed: float, interval
         f"[switch {elapsed:.1f} s] jobs {len(stats['jobs'])}, slots free {stats['slots_free']}/{stats['slots_total']},"
         f" datagrams in {stats['datagrams_in']}, dropped: malformed {malformed}, unknown job {stats['unknown_job']},"
         f" joins refused {stats['join_refused']}; jobs joined {stats['jobs_joined']}, left {stats['jobs_left']},"
-        f" expired {stats['jobs_expired']}"
+        f" expired {stats['jobs_expired']}; ended jobs: results {stats['ended']['results']},"
+        f" retransmits {stats['ended']['retransmits']}"
     ]
     before = {j["job"]: j for j in (previous or {}).get("jobs", [])}
     for j in stats["jobs"]:
