@@ -25,6 +25,7 @@ struct Flight {
   Clock::time_point sent;
   int tries = 0;
   uint64_t completed_at_send = 0;  // the switch's finished chunks when this one was (last) sent
+  bool acked = false;              // the switch said it has this contribution (`pending`)
   uint8_t header[kHeaderBytes];
 };
 
@@ -229,13 +230,16 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
     if (batch_.full()) batch_.flush(fd_.get());
     batch_.add(to, f.header, kHeaderBytes, in + off * esize, len * esize);
   };
-  auto rto = [&](const Remote& r, int tries) {
-    // TCP's estimate (RFC 6298: srtt + 4 rttvar), doubled per retry. At least 10 ms: a rank descheduled for a
-    // moment must not make every chunk in flight go twice. At most a quarter of switch_timeout, so that a live
-    // switch answers (`pending`) well before it could look silent.
+  const double max_rto = std::min(0.25, settings_.switch_timeout / 4);
+  auto rto = [&](const Remote& r, const Flight& f) {
+    // A chunk the switch has acknowledged waits for slower ranks: it is only asked about now and then, to be
+    // told again or to get a result that was lost. Otherwise TCP's estimate (RFC 6298: srtt + 4 rttvar),
+    // doubled per retry: at least 40 ms, so that a rank descheduled for a moment (all others then wait for
+    // it) does not make every chunk in flight go twice; at most a quarter of switch_timeout, so that a live
+    // switch answers well before it could look silent.
+    if (f.acked) return max_rto;
     const double base_s = r.srtt > 0 ? r.srtt + 4 * r.rttvar : 0.05;
-    const double cap = std::min(0.25, settings_.switch_timeout / 4);
-    return std::clamp(base_s * static_cast<double>(1u << std::min(tries, 6)), std::min(0.01, cap), cap);
+    return std::clamp(base_s * static_cast<double>(1u << std::min(f.tries, 6)), std::min(0.04, max_rto), max_rto);
   };
 
   // One datagram from the network: a result, or news of a chunk still waiting.
@@ -261,6 +265,7 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
     if (h.type == Type::pending) {
       std::memcpy(r.waiting.data(), got.pkt.payload, r.waiting.size());
       r.pending = true;
+      f.acked = true;
       return;
     }
     if (h.type != Type::result) return;
@@ -296,7 +301,7 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
         const uint64_t seq = base[j] + next[j] / k;
         Flight& f = r.flights[seq % window];
         if (f.busy) break;
-        f = Flight{true, seq, next[j], now, 0, r.completed, {}};
+        f = Flight{true, seq, next[j], now, 0, r.completed, false, {}};
         post(r, f);
         next[j] += k;
       }
@@ -321,7 +326,7 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
       Remote& r = remotes_[j];
       for (Flight& f : r.flights) {
         if (!f.busy) continue;
-        const double timeout_s = rto(r, f.tries);
+        const double timeout_s = rto(r, f);
         const double due = timeout_s - Seconds(now - f.sent).count();
         const bool overtaken = r.completed - f.completed_at_send > window + 8;
         if (due <= 0 && (overtaken || Seconds(now - r.last_result).count() >= timeout_s)) {
@@ -329,7 +334,7 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
           f.sent = now;
           f.completed_at_send = r.completed;
           post(r, f);
-          wait_s = std::min(wait_s, rto(r, f.tries));
+          wait_s = std::min(wait_s, rto(r, f));
         } else {
           wait_s = std::min(wait_s, std::max(due, 0.001));
         }
