@@ -13,10 +13,13 @@
 
 #include "codec_bindings.h"
 
+#include "coll/table.h"
+
 #include "smartcoll/comm.h"
 #include "smartcoll/knobs.h"
 #include "smartcoll/reduce.h"
 #include "smartcoll/store.h"
+#include "switch/server.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -123,8 +126,13 @@ NB_MODULE(_core, m) {
         {"simd", std::string(simd_name(simd_active()))},
         {"simd_supported", std::string(simd_name(simd_supported()))},
         {"compiler", __VERSION__},
-        {"allreduce_algorithms", "auto, ring, rhd, rd, cma"},
-        {"transports", "tcp, cma (same host)"},
+        {"allreduce_algorithms", [] {
+           std::string all = "auto";
+           for (const coll::AlgorithmInfo& a : coll::algorithms(Collective::allreduce))
+             all += ", " + std::string(algorithm_name(a.algo));
+           return all;
+         }()},
+        {"transports", "tcp, cma (same host), udp (switch protocol)"},
         {"codecs", [] {
            std::string all;
            for (const auto& n : Codec::names()) all += (all.empty() ? "" : ", ") + n;
@@ -161,6 +169,80 @@ NB_MODULE(_core, m) {
       }, "host"_a, "port"_a, "serve"_a, "timeout"_a, "secret"_a = "")
       .def_prop_ro("port", &TcpStore::port);
   nb::class_<FileStore, Store>(m, "FileStore").def(nb::init<std::string>(), "path"_a);
+
+  // The aggregation switch (`smartcoll switch`): serves on its own threads; the CLI polls stats().
+  nb::class_<sw::Switch>(m, "Switch")
+      .def("__init__", [](sw::Switch* self, const std::string& host, int port, int threads, int64_t slots,
+                          double job_timeout, bool full_auth, double drop, double dup, double reorder,
+                          uint64_t seed) {
+        if (port < 0 || port > 65535) throw nb::value_error("port must be between 0 and 65535");
+        if (slots < 1 || slots > (int64_t{1} << 30)) throw nb::value_error("slots must be between 1 and 2^30");
+        for (double p : {drop, dup, reorder})
+          if (!(p >= 0 && p <= 1)) throw nb::value_error("fault probabilities must be between 0 and 1");
+        sw::SwitchOptions o;
+        o.host = host;
+        o.port = static_cast<uint16_t>(port);
+        o.threads = threads;
+        o.slots = static_cast<uint32_t>(slots);
+        o.job_timeout = job_timeout;
+        o.full_auth = full_auth;
+        o.faults = {drop, dup, reorder, seed};
+        new (self) sw::Switch(o);
+      }, "host"_a, "port"_a, "threads"_a = 1, "slots"_a = 4096, "job_timeout"_a = 60.0, "full_auth"_a = false,
+         "drop"_a = 0.0, "dup"_a = 0.0, "reorder"_a = 0.0, "seed"_a = 1)
+      .def_prop_ro("port", &sw::Switch::port)
+      .def("start", &sw::Switch::start)
+      .def("stop", [](sw::Switch& s) {
+        nb::gil_scoped_release release;
+        s.stop();
+      })
+      .def("take_expired", &sw::Switch::take_expired)
+      .def("stats", [](const sw::Switch& s) {
+        const sw::SwitchStats st = s.stats();
+        nb::dict out;
+        out["threads"] = st.threads;
+        out["slots_total"] = st.slots_total;
+        out["slots_free"] = st.slots_free;
+        out["datagrams_in"] = st.datagrams_in;
+        out["unknown_job"] = st.unknown_job;
+        out["join_refused"] = st.join_refused;
+        out["jobs_joined"] = st.jobs_joined;
+        out["jobs_left"] = st.jobs_left;
+        out["jobs_expired"] = st.jobs_expired;
+        nb::dict malformed;
+        for (int r = 1; r < sw::kRejectReasons; ++r)
+          malformed[nb::str(std::string(sw::reject_name(static_cast<sw::Reject>(r))).c_str())] = st.malformed[r];
+        out["malformed"] = malformed;
+        auto job = [](const sw::JobStats& j) {
+          nb::dict d;
+          char id[17];
+          std::snprintf(id, sizeof id, "%016llx", static_cast<unsigned long long>(j.job));
+          d["job"] = std::string(id);
+          d["world"] = j.world;
+          d["window"] = j.window;
+          d["busy_slots"] = j.busy_slots;
+          d["full_auth"] = j.full_auth;
+          d["contributions"] = j.contributions;
+          d["bytes_in"] = j.bytes_in;
+          d["results"] = j.results;
+          d["bytes_out"] = j.bytes_out;
+          d["resent"] = j.resent;
+          d["duplicates"] = j.duplicates;
+          d["retransmits"] = j.retransmits;
+          d["idle_s"] = j.idle_s;
+          nb::dict drops;
+          for (size_t k = 0; k < j.drops.size(); ++k)
+            drops[nb::str(std::string(sw::drop_name(static_cast<sw::Drop>(k))).c_str())] = j.drops[k];
+          d["drops"] = drops;
+          return d;
+        };
+        nb::list jobs;
+        for (const sw::JobStats& j : st.jobs) jobs.append(job(j));
+        out["ended"] = job(st.ended);
+        out["jobs"] = jobs;
+        return out;
+      }, "Counters: per switch (datagrams, malformed ones by reason, unknown jobs, joins refused, slots) and per "
+         "job (contributions, results, bytes, retransmissions, shadow resends, duplicates, drops by cause).");
 
   nb::class_<Request>(m, "Request")
       .def("test", &Request::test)

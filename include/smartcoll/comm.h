@@ -35,11 +35,14 @@ struct CallHistory;
 namespace cma {
 class Local;
 }
+namespace sw {
+struct Path;
+}
 
 enum class Collective : uint8_t { allreduce, reduce_scatter, allgather, broadcast, reduce, alltoall, barrier };
 inline constexpr int kCollectives = 7;
 enum class Algorithm : uint8_t {
-  automatic, ring, rhd, chain, direct, local, cma, tree, rd, bruck, dissemination, hier
+  automatic, ring, rhd, chain, direct, local, cma, tree, rd, bruck, dissemination, hier, switch_
 };
 
 std::string_view collective_name(Collective c);
@@ -152,6 +155,8 @@ class Communicator {
   // At start-up, through the store: the knobs every rank must share; the claim rank 0 accepted and the host of
   // every rank.
   StartUpVerdict agree_on_settings(const std::string& claim);
+  // Joins the job to the switches of the switch knob; every rank learns whether all could (through the store).
+  void join_switches();
 
   int rank_, size_;
   Options options_;
@@ -159,6 +164,7 @@ class Communicator {
   std::shared_ptr<Store> store_;
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<cma::Local> cma_;
+  std::unique_ptr<sw::Path> switch_;  // the aggregation switches (switch knob), joined at start-up
   bool cma_usable_ = false;  // fixed at construction, so callers may read it while another thread closes
   std::string cma_reason_;
   std::shared_ptr<Engine> engine_;

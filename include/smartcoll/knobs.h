@@ -22,10 +22,11 @@ struct Knob {
 inline constexpr double kNoLimit = 1e15;
 
 inline constexpr Knob kKnobs[] = {
-    {"algo", "auto", "choice:auto|ring|rhd|rd|cma", 0, 0, true,
+    {"algo", "auto", "choice:auto|ring|rhd|rd|cma|switch", 0, 0, true,
      "allreduce algorithm (smartcoll info lists them): ring (pipelined, segmented; bandwidth-optimal), rhd "
      "(recursive halving-doubling), rd (recursive doubling; fewest steps for tiny messages), cma (ranks on one "
-     "host read each other's buffers once) or auto (chosen per call from the size, world size and host layout)"},
+     "host read each other's buffers once), switch (the aggregation switches of the switch option sum the "
+     "vector) or auto (chosen per call from the size, world size, host layout and switches)"},
     {"cma", "auto", "choice:auto|off", 0, 0, true,
      "same-host fast path: auto probes at start-up whether every rank shares this host and can read its peers' "
      "memory (process_vm_readv); off never uses it"},
@@ -76,6 +77,24 @@ inline constexpr Knob kKnobs[] = {
      "identifies the job: rendezvous keys and the peers' hello carry it, so ranks of another job that reach the "
      "same store or ports are refused, never joined. smartcoll run sets it; empty: TORCHELASTIC_RUN_ID, else "
      "SLURM_JOB_ID.SLURM_STEP_ID, else one drawn by rank 0 and shared through the store"},
+    {"switch", "", "str", 0, 0, true,
+     "aggregation switches (smartcoll switch) as host:port[,host:port...]: allreduce can then sum in the "
+     "network (algo=switch; auto picks it above rhd_max_bytes for 3 ranks or more when the same-host path is "
+     "not usable); chunk c of a vector goes to switch c mod k. Empty: no switch"},
+    {"switch_fallback", "ring", "choice:ring|fail", 0, 0, true,
+     "when a switch stops answering (or cannot be joined at start-up): ring (every rank finishes the call, and "
+     "all later ones, with a ring over TCP; logged once) or fail (the call fails naming the switch)"},
+    {"switch_timeout", "2", "float", 0.05, 1e6, false,
+     "seconds a switch may leave this rank without any answer, while it waits for results, before it counts as "
+     "gone (a live switch answers every retransmission, even while it waits for slower ranks)"},
+    {"switch_slots", "128", "int", 1, 4096, true,
+     "slots the job asks of each switch: chunks in flight per rank and switch (the window)"},
+    {"switch_packet", "1408", "int", 64, 32768, true,
+     "payload bytes per switch datagram, a multiple of 8: 1408 fits a 1500-byte MTU; larger values are sent as "
+     "IP fragments (fine on loopback and jumbo-frame networks)"},
+    {"switch_auth", "header", "choice:header|full", 0, 0, true,
+     "what each switch datagram's MAC (SipHash-2-4 with the job's secret) covers: header (job, rank, chunk, "
+     "count, ...) or full (header and payload)"},
     {"log", "warn", "choice:error|warn|info|debug", 0, 0, false,
      "log level of messages on stderr (each line names the rank and the collective)"},
 };

@@ -20,6 +20,9 @@ class Transport;
 namespace cma {
 class Local;
 }
+namespace sw {
+struct Path;
+}
 }  // namespace smartcoll
 
 namespace smartcoll::coll {
@@ -29,6 +32,7 @@ struct Context {
   int rank, size, streams;
   Transport* transport = nullptr;  // for the same-host path, which drives its own control messages
   cma::Local* cma = nullptr;
+  sw::Path* sw = nullptr;          // the aggregation switches, when the switch knob is set
   size_t segment_bytes;          // pipeline unit of ring and chain algorithms
   bool codec_owner = false;      // compressed allreduce, reduce_scatter: encode each contribution once
   std::shared_ptr<BufferPool> pool;

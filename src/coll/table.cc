@@ -13,6 +13,11 @@ std::string needs_cma(const Query& q) {
   if (q.compressed) return "it does not support codecs; use ring";
   return q.cma_usable ? "" : "the same-host path is not usable here (see Communicator.cma_unusable_reason)";
 }
+std::string needs_switch(const Query& q) {
+  if (q.compressed) return "it does not support codecs; use ring";
+  return q.switch_set ? "" : "no aggregation switch is set: SMARTCOLL_SWITCH=host:port (start one with smartcoll switch)";
+}
+double ring_wire(int n) { return 2.0 * (n - 1) / n; }
 
 std::string needs_hosts(const Query& q) {
   if (q.compressed) return "it does not support codecs; use ring";
@@ -25,7 +30,7 @@ std::string needs_hosts(const Query& q) {
 
 constexpr AlgorithmInfo kAllreduceAlgos[] = {
     {Algorithm::ring, "pipelined segmented ring (reduce-scatter + allgather in one pipeline), any codec",
-     allreduce_ring, any, [](int n) { return 2.0 * (n - 1); }, [](int n) { return 2.0 * (n - 1) / n; }},
+     allreduce_ring, any, [](int n) { return 2.0 * (n - 1); }, ring_wire},
     {Algorithm::rhd, "recursive halving-doubling; non-power-of-two worlds fold the extra ranks in first",
      allreduce_rhd, raw_only, [](int n) { return 2 * log2n(n) + 2; }, [](int n) { return 2.0 * (n - 1) / n + 1; }},
     {Algorithm::rd, "recursive doubling: log2(n) exchanges of the whole vector; fewest steps for tiny messages",
@@ -35,6 +40,9 @@ constexpr AlgorithmInfo kAllreduceAlgos[] = {
     {Algorithm::hier,
      "hierarchical: reduce-scatter on each host, allreduce across hosts per local index, allgather on each host",
      allreduce_hier, needs_hosts, [](int n) { return 2.0 * (n - 1); }, [](int n) { return 2.0 * (n - 1) / n; }},
+    // Each rank sends its vector once and receives the sum once, whatever n; the switch adds one hop each way.
+    {Algorithm::switch_, "in-network aggregation: the switches of the switch knob sum chunks as they arrive",
+     allreduce_switch, needs_switch, [](int) { return 2.0; }, [](int) { return 1.0; }},
 };
 // Same host, the other collectives: one exchange of addresses, single-copy reads, one closing barrier.
 constexpr AlgorithmInfo kCmaGather = {Algorithm::cma, "same host: each rank reads its peers' blocks once", same_host_cma,
@@ -123,7 +131,10 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
       // Recursive doubling sends the whole vector log2(n) times: only while the latency dominates.
       if (small) return q.bytes <= 8192 ? Algorithm::rd : Algorithm::rhd;
       if (same_host) return Algorithm::cma;
-      return needs_hosts(q).empty() ? Algorithm::hier : Algorithm::ring;
+      if (needs_hosts(q).empty()) return Algorithm::hier;
+      // The switch moves S each way per rank where the ring moves 2(n-1)/n S, but on the machines measured so far
+      // (BENCHMARKS.md) its per-datagram cost loses to the ring: it runs only when asked for (algo=switch).
+      return Algorithm::ring;
     case Collective::allgather:
       if (small_total) return q.compressed ? Algorithm::ring : Algorithm::bruck;
       return same_host ? Algorithm::cma : Algorithm::ring;

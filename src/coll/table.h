@@ -18,6 +18,7 @@ struct Query {
   size_t bytes;  // of the whole vector (allreduce, broadcast, reduce) or of one rank's block
   bool compressed;
   bool cma_usable;
+  bool switch_set;  // the switch knob names aggregation switches
   int hosts = 1, per_host = 0;  // the host layout; per_host 0: hosts have different numbers of ranks
 };
 

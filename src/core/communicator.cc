@@ -13,6 +13,7 @@
 #include "core/engine.h"
 #include "core/log.h"
 #include "smartcoll/comm.h"
+#include "switch/client.h"
 #include "transport/cma.h"
 #include "transport/tcp.h"
 
@@ -26,7 +27,7 @@ std::string_view collective_name(Collective c) {
 
 std::string_view algorithm_name(Algorithm a) {
   constexpr std::string_view names[] = {"auto", "ring", "rhd",  "chain", "direct",       "local",
-                                        "cma",  "tree", "rd",   "bruck", "dissemination", "hier"};
+                                        "cma",  "tree", "rd",   "bruck", "dissemination", "hier", "switch"};
   return names[static_cast<int>(a)];
 }
 
@@ -173,6 +174,7 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
     cma_reason_ = "ranks span hosts (LOCAL_WORLD_SIZE=" + std::string(local) + " of " + std::to_string(size) + ")";
   else
     cma_reason_ = cma_->why_not();
+  if (size > 1 && !config_->switches.empty()) join_switches();
   engine_ = std::make_shared<Engine>(*transport_, *config_, rank);
   engine_->explain_failure = [this](const std::string& error) {
     return explain_disagreement(error, *store_, rank_, size_,
@@ -255,6 +257,58 @@ void Communicator::abort(const std::string& reason) {
   if (engine_) engine_->abort("rank " + std::to_string(rank_) + " aborted: " + reason);
 }
 
+void Communicator::join_switches() {
+  sw::ClientSettings settings;
+  settings.switches = sw::parse_switches(config_->switches);
+  settings.window = config_->switch_slots;
+  settings.packet = config_->switch_packet;
+  settings.full_auth = config_->switch_full_auth;
+  settings.switch_timeout = config_->switch_timeout;
+  settings.timeout = config_->timeout;
+  const auto limit = std::chrono::milliseconds(static_cast<int64_t>(config_->connect_timeout * 1000));
+  // The job's secret for the switches: fresh for every communicator, drawn by rank 0, shared through the
+  // job's store (which the store's own secret protects, where one is set).
+  std::string hex;
+  if (rank_ == 0) {
+    hex = random_token() + random_token();
+    store_->set("switch/key", hex);
+  } else {
+    hex = store_->get("switch/key", limit);
+  }
+  if (hex.size() != 32 || hex.find_first_not_of("0123456789abcdef") != std::string::npos)
+    throw CommError("the switch secret in the rendezvous store is not 32 hex digits: a corrupted store");
+  uint8_t bytes[16];
+  for (int i = 0; i < 16; ++i) bytes[i] = static_cast<uint8_t>(std::stoul(hex.substr(2 * i, 2), nullptr, 16));
+  const SipKey key = SipKey::from_bytes(bytes);
+  switch_ = std::make_unique<sw::Path>();
+  switch_->fallback_ring = config_->switch_fallback_ring;
+  switch_->client = std::make_unique<sw::Client>(rank_, size_, settings, key, sw::job_tag(key, config_->job_id));
+  std::string why;
+  try {
+    switch_->client->join();
+  } catch (const CommError& e) {
+    why = e.what();
+  }
+  // Every rank must take the same path: rank 0 gathers who could join and publishes one verdict.
+  store_->set("switch/joined/" + std::to_string(rank_), why.empty() ? "ok" : why);
+  if (rank_ == 0) {
+    std::string verdict = "ok";
+    for (int p = 0; p < size_ && verdict == "ok"; ++p) {
+      const std::string got = store_->get("switch/joined/" + std::to_string(p), limit);
+      if (got != "ok") verdict = "rank " + std::to_string(p) + ": " + got;
+    }
+    store_->set("switch/verdict", verdict);
+  }
+  const std::string verdict = store_->get("switch/verdict", limit + std::chrono::seconds(2));
+  if (verdict == "ok") return;
+  if (!switch_->fallback_ring)
+    throw CommError("cannot use the aggregation switch: " + verdict + " (switch_fallback=fail)");
+  switch_->gone = true;
+  SC_LOG(rank_ == 0 ? LogLevel::warn : LogLevel::info, rank_, "")
+      << "cannot use the aggregation switch (" << verdict << "); allreduce with algo=switch uses the ring "
+      << "(switch_fallback=ring)";
+}
+
 std::string Communicator::cma_unusable_reason() const { return cma_reason_; }
 
 void Communicator::close() {
@@ -266,12 +320,14 @@ void Communicator::close() {
     // exist here. Let go without touching any of it; the child's exit closes the sockets.
     new std::shared_ptr<Engine>(std::move(engine_));
     (void)cma_.release();
+    (void)switch_.release();
     (void)transport_.release();
     (void)history_.release();
     return;
   }
   if (engine_) engine_->stop();
   engine_.reset();
+  switch_.reset();  // leaves the switches, which free the job's slots
   cma_.reset();
   transport_.reset();
   store_.reset();
@@ -307,7 +363,7 @@ Algorithm Communicator::choose(Collective coll, size_t count, DataType dt, Algor
   if (requested == Algorithm::automatic && coll == Collective::allreduce)
     requested = parse_algorithm(config_->algo, coll);
   const auto [hosts, per_host] = coll::host_layout_shape(hosts_);
-  const coll::Query q{size_, count * dtype_size(dt), compressed, cma_usable_, hosts, per_host};
+  const coll::Query q{size_, count * dtype_size(dt), compressed, cma_usable_, switch_ != nullptr, hosts, per_host};
   return coll::choose(coll, q, requested, config_->rhd_max_bytes);
 }
 
@@ -372,8 +428,8 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
   // A barrier's messages are its descriptors: it always sends them.
   task->check = config_->check || call.coll == Collective::barrier;
   task->req = req;
-  coll::Context cx{rank_, size_, config_->streams, transport_.get(), cma_.get(), config_->segment_size,
-                   config_->codec_owner, engine_->pool(), &hosts_};
+  coll::Context cx{rank_, size_, config_->streams, transport_.get(), cma_.get(), switch_.get(),
+                   config_->segment_size, config_->codec_owner, engine_->pool(), &hosts_};
   auto spec = std::make_shared<const coll::ReduceSpec>(coll::ReduceSpec{call.dt, call.op, size_, call.codec});
   coll::Builder b(*task, cx, std::move(spec));
   coll::find(call.coll, call.algo).build(b, {static_cast<const char*>(in), static_cast<char*>(out), call.count,

@@ -132,6 +132,15 @@ Config Config::from(const Options& o) {
   c.codec_owner = o.str("codec_mode") == "owner";
   c.check = o.integer("check") != 0;
   c.one_poster = o.str("posting") == "one_thread";
+  c.switches = o.str("switch");
+  c.switch_fallback_ring = o.str("switch_fallback") == "ring";
+  c.switch_timeout = o.real("switch_timeout");
+  c.switch_slots = static_cast<uint32_t>(o.integer("switch_slots"));
+  c.switch_packet = static_cast<uint32_t>(o.integer("switch_packet"));
+  if (c.switch_packet % 8)
+    throw InvalidArgument("option 'switch_packet' (SMARTCOLL_SWITCH_PACKET) = " + o.str("switch_packet") +
+                          ": expected a multiple of 8 (whole elements of every dtype)");
+  c.switch_full_auth = o.str("switch_auth") == "full";
   constexpr std::string_view levels[] = {"error", "warn", "info", "debug"};
   for (int i = 0; i < 4; ++i)
     if (o.str("log") == levels[i]) c.log = static_cast<LogLevel>(i);

@@ -30,6 +30,11 @@ struct Config {
   bool codec_owner = false;
   bool check = true;
   bool one_poster = true;  // posting=one_thread
+  std::string switches;    // host:port list, parsed by the communicator (switch/client.h)
+  bool switch_fallback_ring = true;
+  double switch_timeout = 2;
+  uint32_t switch_slots = 128, switch_packet = 1408;
+  bool switch_full_auth = false;
   LogLevel log = LogLevel::warn;
 
   // Throws InvalidArgument naming the knob for a value that cannot be used (a bad codec, an unknown CPU).

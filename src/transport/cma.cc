@@ -61,22 +61,6 @@ std::string describe(const Addresses& a) {
          ", root=" + std::to_string(a.root) + ")";
 }
 
-// Sends the same `bytes` at `mine` to every peer and receives each peer's into all + peer * bytes (all + rank * bytes
-// gets a copy of mine), all at once over the Transport.
-void exchange(Transport& t, const void* mine, void* all, size_t bytes) {
-  const int n = t.size(), r = t.rank();
-  auto* base = static_cast<char*>(all);
-  std::memcpy(base + static_cast<size_t>(r) * bytes, mine, bytes);
-  std::vector<Transport::Op> ops;
-  ops.reserve(2 * static_cast<size_t>(n));
-  for (int p = 0; p < n; ++p) {
-    if (p == r) continue;
-    ops.push_back({p, true, const_cast<char*>(static_cast<const char*>(mine)), bytes});
-    ops.push_back({p, false, base + static_cast<size_t>(p) * bytes, bytes});
-  }
-  t.run(ops);
-}
-
 std::string first_line(const char* path) {
   std::ifstream f(path);
   std::string line;

@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstring>
 #include <thread>
+#include <vector>
 
 #include "smartcoll/types.h"
 
@@ -61,6 +62,20 @@ void Transport::run_ops(std::span<Op> ops) {
     if (::poll(fds.data(), fds.size(), unconnected ? 1 : 100) < 0 && errno != EINTR)
       throw CommError("poll failed: " + std::string(std::strerror(errno)));
   }
+}
+
+void exchange(Transport& t, const void* mine, void* all, size_t bytes) {
+  const int n = t.size(), r = t.rank();
+  auto* base = static_cast<char*>(all);
+  std::memcpy(base + static_cast<size_t>(r) * bytes, mine, bytes);
+  std::vector<Transport::Op> ops;
+  ops.reserve(2 * static_cast<size_t>(n));
+  for (int p = 0; p < n; ++p) {
+    if (p == r) continue;
+    ops.push_back({p, true, const_cast<char*>(static_cast<const char*>(mine)), bytes});
+    ops.push_back({p, false, base + static_cast<size_t>(p) * bytes, bytes});
+  }
+  t.run(ops);
 }
 
 }  // namespace smartcoll

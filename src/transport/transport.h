@@ -70,4 +70,8 @@ class Transport {
   int rank_, size_, streams_;
 };
 
+// Sends the same `bytes` at `mine` to every peer and receives each peer's into all + peer * bytes (all + rank * bytes
+// gets a copy of mine), all at once on stream 0 (Transport::run).
+void exchange(Transport& t, const void* mine, void* all, size_t bytes);
+
 }  // namespace smartcoll

@@ -40,6 +40,7 @@ constexpr Target kTargets[] = {
     {"peer_hello", peer_hello, peer_hello_seeds},
     {"call_descriptor", call_descriptor, call_descriptor_seeds},
     {"start_up_verdict", start_up_verdict, start_up_verdict_seeds},
+    {"switch_packet", switch_packet, switch_packet_seeds},
 };
 // ---- End of registry. ----
 

@@ -37,4 +37,8 @@ Seeds call_descriptor_seeds();
 void start_up_verdict(const uint8_t* data, size_t size);
 Seeds start_up_verdict_seeds();
 
+// An aggregation switch's datagram (switch/protocol.h, switch/aggregator.h): parsed and handled, forged or not.
+void switch_packet(const uint8_t* data, size_t size);
+Seeds switch_packet_seeds();
+
 }  // namespace smartcoll::fuzz

@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from . import bench, demo, info, launcher, netemu
+from . import bench, demo, info, launcher, netemu, switch
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -75,6 +75,19 @@ _SUBCOMMANDS = {
         "  smartcoll demo\n"
         "  smartcoll demo --local --iters 5\n"
         "  smartcoll demo --link 2.5gbit --png /tmp/demo.png --json /tmp/demo.json",
+    ),
+    "switch": (
+        switch.add_arguments,
+        switch.main,
+        "the aggregation switch: sums allreduce chunks from the workers of one or more jobs (UDP)",
+        "Workers use it with SMARTCOLL_SWITCH=HOST:PORT (several: comma-separated; chunk c goes to\n"
+        "switch c mod k) and algo=switch, or auto. Each job joins with a fresh secret (trust on first\n"
+        "use of its job id) and gets SMARTCOLL_SWITCH_SLOTS slots; its datagrams carry a SipHash MAC.\n"
+        "Counters are printed every --stats-interval seconds and at exit (SIGINT, SIGTERM).\n\n"
+        "examples:\n"
+        "  smartcoll switch --listen 0.0.0.0:7000 --threads 2\n"
+        "  SMARTCOLL_SWITCH=127.0.0.1:7000 smartcoll run -n 4 -- python train.py\n"
+        "  smartcoll bench allreduce -n 4 --sizes 16M:64M --algo switch --switch 127.0.0.1:7000",
     ),
     "cluster": (
         netemu.add_arguments,

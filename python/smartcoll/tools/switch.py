@@ -1,0 +1,144 @@
+"""`smartcoll switch`: the aggregation switch that sums allreduce chunks in the network.
+
+Workers reach it through the `switch` knob (SMARTCOLL_SWITCH=host:port); docs/wire-format.md describes the
+protocol. The switch runs on its own threads in C++ (smartcoll._core.Switch); this module parses the options,
+prints live counters every --stats-interval seconds (and writes them as JSON with --stats-json), and stops on
+SIGINT or SIGTERM (or after --duration seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from typing import Optional
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"--listen {text!r}: expected ADDR:PORT, e.g. 0.0.0.0:7000")
+    return host, int(port)
+
+
+def _probability(text: str) -> float:
+    p = float(text)
+    if not 0 <= p <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: expected a probability between 0 and 1")
+    return p
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--listen",
+        type=parse_listen,
+        default=("0.0.0.0", 7000),
+        metavar="ADDR:PORT",
+        help="UDP address to serve on; thread t uses PORT+t (default 0.0.0.0:7000; port 0: any free run of ports)",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="aggregation threads, each with its own port and "
+                        "the slots s with s mod threads == t (default 1)")
+    parser.add_argument("--slots", type=int, default=4096,
+                        help="slots of all jobs together; each job asks for SMARTCOLL_SWITCH_SLOTS (default 4096)")
+    parser.add_argument("--auth", choices=["header", "full"], default="header",
+                        help="header: jobs choose what their MACs cover; full: refuse jobs that do not "
+                        "authenticate payloads (SMARTCOLL_SWITCH_AUTH=full)")
+    parser.add_argument("--job-timeout", type=float, default=60.0, metavar="SEC",
+                        help="free the slots of a job that sent nothing valid for SEC seconds (default 60)")
+    parser.add_argument("--stats-interval", type=float, default=10.0, metavar="SEC",
+                        help="print counters every SEC seconds (0: only at exit; default 10)")
+    parser.add_argument("--stats-json", metavar="PATH", help="also write the counters to PATH as JSON each time")
+    parser.add_argument("--duration", type=float, default=0.0, metavar="SEC", help="stop after SEC seconds (0: "
+                        "run until SIGINT or SIGTERM)")
+    faults = parser.add_argument_group("fault injection (for tests)")
+    faults.add_argument("--drop", type=_probability, default=0.0, metavar="P",
+                        help="drop each datagram received or sent with probability P")
+    faults.add_argument("--dup", type=_probability, default=0.0, metavar="P", help="send or handle each twice with P")
+    faults.add_argument("--reorder", type=_probability, default=0.0, metavar="P",
+                        help="hold a received datagram back behind the next one with P")
+    faults.add_argument("--seed", type=int, default=1, help="seed of the fault injection (default 1)")
+
+
+def _mb_per_s(delta: float, seconds: float) -> str:
+    return f"{delta / max(seconds, 1e-9) / 1e6:.1f} MB/s"
+
+
+def format_stats(stats: dict, previous: Optional[dict], elapsed: float, interval: float) -> list[str]:
+    """Counter lines: the switch's, then one per job (throughput since `previous`, `interval` seconds ago)."""
+    malformed = sum(stats["malformed"].values())
+    lines = [
+        f"[switch {elapsed:.1f} s] jobs {len(stats['jobs'])}, slots free {stats['slots_free']}/{stats['slots_total']},"
+        f" datagrams in {stats['datagrams_in']}, dropped: malformed {malformed}, unknown job {stats['unknown_job']},"
+        f" joins refused {stats['join_refused']}; jobs joined {stats['jobs_joined']}, left {stats['jobs_left']},"
+        f" expired {stats['jobs_expired']}; ended jobs: results {stats['ended']['results']},"
+        f" retransmits {stats['ended']['retransmits']}"
+    ]
+    before = {j["job"]: j for j in (previous or {}).get("jobs", [])}
+    for j in stats["jobs"]:
+        p = before.get(j["job"], {"bytes_in": 0, "bytes_out": 0})
+        drops = ", ".join(f"{k} {v}" for k, v in j["drops"].items())
+        lines.append(
+            f"  job {j['job']}: {j['world']} ranks, slots busy {j['busy_slots']}/{j['window']},"
+            f" in {_mb_per_s(j['bytes_in'] - p['bytes_in'], interval)},"
+            f" out {_mb_per_s(j['bytes_out'] - p['bytes_out'], interval)}, results {j['results']},"
+            f" retransmits {j['retransmits']} (resent {j['resent']}, duplicates {j['duplicates']}); drops: {drops}"
+        )
+    return lines
+
+
+def _write_json(path: str, stats: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(stats, f)
+    os.replace(tmp, path)  # readers never see half a file
+
+
+def main(args: argparse.Namespace) -> int:
+    from .. import _core
+
+    host, port = args.listen
+    try:
+        sw = _core.Switch(host, port, args.threads, args.slots, args.job_timeout, args.auth == "full",
+                          args.drop, args.dup, args.reorder, args.seed)
+    except (RuntimeError, ValueError) as e:
+        print(f"smartcoll switch: {e}", file=sys.stderr)
+        return 1
+    stop = False
+
+    def on_signal(signum, frame):
+        nonlocal stop
+        stop = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    sw.start()
+    last = args.threads - 1
+    ports = f"{sw.port}" if last == 0 else f"{sw.port}-{sw.port + last}"
+    print(f"smartcoll switch: listening on {host}:{ports} (UDP), {args.threads} thread(s), {args.slots} slots, "
+          f"auth {args.auth}", flush=True)
+    start = time.monotonic()
+    previous, last_print = None, start
+    try:
+        while not stop and not (args.duration and time.monotonic() - start >= args.duration):
+            time.sleep(0.05)
+            for job in sw.take_expired():
+                print(f"smartcoll switch: job {job:016x} sent nothing for {args.job_timeout:g} s: its slots are "
+                      "freed", flush=True)
+            now = time.monotonic()
+            if args.stats_interval > 0 and now - last_print >= args.stats_interval:
+                stats = sw.stats()
+                print("\n".join(format_stats(stats, previous, now - start, now - last_print)), flush=True)
+                if args.stats_json:
+                    _write_json(args.stats_json, stats)
+                previous, last_print = stats, now
+    finally:
+        sw.stop()
+        now = time.monotonic()
+        stats = sw.stats()
+        print("\n".join(format_stats(stats, previous, now - start, now - last_print)), flush=True)
+        if args.stats_json:
+            _write_json(args.stats_json, stats)
+    return 0

@@ -1,0 +1,364 @@
+#include "switch/client.h"
+
+#include <arpa/inet.h>
+#include <poll.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+#include "smartcoll/reduce.h"
+
+namespace smartcoll::sw {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Seconds = std::chrono::duration<double>;
+
+// One chunk in a slot, waiting for its result.
+struct Flight {
+  bool busy = false;
+  uint64_t seq = 0;
+  size_t chunk = 0;
+  Clock::time_point sent;
+  int tries = 0;
+  uint64_t completed_at_send = 0;  // the switch's finished chunks when this one was (last) sent
+  bool acked = false;              // the switch said it has this contribution (`pending`)
+  uint8_t header[kHeaderBytes];
+};
+
+std::string seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g s", s);
+  return buf;
+}
+
+std::string ranks_missing(const std::vector<uint8_t>& bitmap, int world) {
+  std::string out;
+  for (int r = 0; r < world; ++r)
+    if (!(bitmap[r / 8] & (1u << (r % 8)))) out += (out.empty() ? "" : ",") + std::to_string(r);
+  return out;
+}
+
+}  // namespace
+
+struct Client::Remote {
+  net::Endpoint ep;
+  sockaddr_in addr{};
+  uint32_t threads = 1;
+  uint64_t next_seq = 0;  // the next chunk number of the job on this switch
+  double srtt = 0, rttvar = 0;  // smoothed round trip and its variation, seconds (0: no sample yet)
+  std::vector<Flight> flights;  // by slot
+  std::vector<uint8_t> waiting;  // the last `pending` bitmap of this call: who the switch has heard from
+  bool pending = false;          // a `pending` came during this call
+  uint64_t completed = 0;        // chunks of this call finished on this switch
+  Clock::time_point last_result;  // when the last of them came
+};
+
+std::vector<net::Endpoint> parse_switches(const std::string& text) {
+  std::vector<net::Endpoint> out;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) {
+    const auto colon = item.rfind(':');
+    char* end = nullptr;
+    const long port = colon == std::string::npos ? 0 : std::strtol(item.c_str() + colon + 1, &end, 10);
+    if (colon == std::string::npos || colon == 0 || *end != '\0' || port < 1 || port > 65535)
+      throw InvalidArgument("option 'switch' (SMARTCOLL_SWITCH): '" + item +
+                            "' is not host:port; expected e.g. 10.0.0.1:7000 or 10.0.0.1:7000,10.0.0.2:7000");
+    out.push_back({net::resolve_ipv4(item.substr(0, colon)), static_cast<uint16_t>(port)});
+  }
+  return out;
+}
+
+Client::Client(int rank, int world, ClientSettings settings, const SipKey& key, uint64_t job)
+    : rank_(rank), world_(world), settings_(std::move(settings)), key_(key), job_(job) {
+  if (world > static_cast<int>(kMaxWorld))
+    throw InvalidArgument("the switch takes at most " + std::to_string(kMaxWorld) + " ranks, the world has " +
+                          std::to_string(world));
+  fd_ = udp::open("0.0.0.0", 0);
+  for (const net::Endpoint& ep : settings_.switches) {
+    Remote r;
+    r.ep = ep;
+    r.addr = udp::address(ep.host, ep.port);
+    r.flights.resize(settings_.window);
+    r.waiting.assign((world + 7) / 8, 0);
+    remotes_.push_back(std::move(r));
+  }
+}
+
+Client::~Client() { leave(); }
+
+std::string Client::name(size_t j) const { return "switch " + remotes_[j].ep.str(); }
+
+int Client::switch_of(const sockaddr_in& from) const {
+  for (size_t j = 0; j < remotes_.size(); ++j) {
+    const Remote& r = remotes_[j];
+    const uint16_t port = udp::port_of(from), base = r.ep.port;
+    if (from.sin_addr.s_addr == r.addr.sin_addr.s_addr && port >= base && port < base + r.threads)
+      return static_cast<int>(j);
+  }
+  return -1;
+}
+
+void Client::join() {
+  const auto patience = std::chrono::duration_cast<Clock::duration>(Seconds(settings_.switch_timeout));
+  for (size_t j = 0; j < remotes_.size(); ++j) {
+    Remote& r = remotes_[j];
+    JoinBody body{};
+    key_.to_bytes(body.key);
+    body.window = settings_.window;
+    body.max_payload = settings_.packet;
+    body.full_auth = settings_.full_auth;
+    Header h;
+    h.type = Type::join;
+    h.flags = settings_.full_auth ? kFullAuth : 0;
+    h.job = job_;
+    h.rank = static_cast<uint16_t>(rank_);
+    h.world = static_cast<uint16_t>(world_);
+    uint8_t datagram[kHeaderBytes + sizeof body];
+    std::memcpy(datagram + kHeaderBytes, &body, sizeof body);
+    write_header(h, key_, datagram + kHeaderBytes, sizeof body, datagram);
+    const auto give_up = Clock::now() + patience;
+    bool answered = false;
+    while (!answered) {
+      const auto now = Clock::now();
+      if (now >= give_up)
+        throw SwitchGone(name(j) + " did not answer within " + seconds(settings_.switch_timeout) +
+                         " (SMARTCOLL_SWITCH_TIMEOUT): is `smartcoll switch --listen " + r.ep.str() +
+                         "` running and reachable from this host?");
+      batch_.add(r.addr, datagram, sizeof datagram);
+      batch_.flush(fd_.get());
+      pollfd p{fd_.get(), POLLIN, 0};
+      ::poll(&p, 1, 100);  // join again every 100 ms until answered
+      const size_t n = inbox_.receive(fd_.get());
+      for (size_t i = 0; i < n && !answered; ++i) {
+        if (inbox_.from(i).sin_addr.s_addr != r.addr.sin_addr.s_addr || udp::port_of(inbox_.from(i)) != r.ep.port)
+          continue;
+        const Parsed got = parse(inbox_.data(i), inbox_.len(i));
+        if (!got.ok() || got.pkt.h.type != Type::joined || got.pkt.h.job != job_ ||
+            !authentic(got.pkt, inbox_.data(i), key_, settings_.full_auth))
+          continue;
+        JoinedBody ans;
+        std::memcpy(&ans, got.pkt.payload, sizeof ans);
+        const std::string how = " (SMARTCOLL_SWITCH_SLOTS=" + std::to_string(settings_.window) +
+                                ", SMARTCOLL_SWITCH_PACKET=" + std::to_string(settings_.packet) + ")";
+        switch (static_cast<JoinStatus>(ans.status)) {
+          case JoinStatus::ok: break;
+          case JoinStatus::no_room:
+            throw CommError(name(j) + " has no room for this job: it asks " + std::to_string(settings_.window) +
+                            " slots, " + std::to_string(ans.free_slots) + " are free; ask fewer" + how +
+                            " or give the switch more (--slots)");
+          case JoinStatus::needs_full_auth:
+            throw CommError(name(j) + " requires payload authentication: set SMARTCOLL_SWITCH_AUTH=full");
+          case JoinStatus::too_large:
+            throw CommError(name(j) + " refuses a window this large" + how);
+          default:
+            throw CommError(name(j) + " already has this job with other settings: every rank must use the same "
+                            "switch settings");
+        }
+        if (ans.threads < 1 || ans.threads > 256 || ans.window != settings_.window)
+          throw CommError(name(j) + " answered the join with impossible values (threads " +
+                          std::to_string(ans.threads) + "); is it a compatible smartcoll switch?");
+        r.threads = ans.threads;
+        answered = true;
+      }
+    }
+  }
+  joined_ = true;
+}
+
+void Client::leave() {
+  if (!joined_) return;
+  joined_ = false;
+  for (Remote& r : remotes_) {
+    Header h;
+    h.type = Type::leave;
+    h.flags = settings_.full_auth ? kFullAuth : 0;
+    h.job = job_;
+    h.rank = static_cast<uint16_t>(rank_);
+    h.world = static_cast<uint16_t>(world_);
+    uint8_t datagram[kHeaderBytes];
+    write_header(h, key_, nullptr, 0, datagram);
+    batch_.add(r.addr, datagram, sizeof datagram);
+    batch_.flush(fd_.get(), 0);
+  }
+}
+
+void Client::allreduce(const char* in, char* out, size_t count, DataType dt, ReduceOp op,
+                       std::vector<uint8_t>& done) {
+  const size_t esize = dtype_size(dt), per = chunk_elems(dt), total = chunks(count, dt), k = remotes_.size();
+  const uint32_t call = call_digest(calls_++, count, dt, op);
+  const ReduceOp wire_op = op == ReduceOp::avg ? ReduceOp::sum : op;  // avg: the sum, divided here
+  const uint32_t window = settings_.window;
+  const auto now0 = Clock::now();
+  const auto silence = std::chrono::duration_cast<Clock::duration>(Seconds(settings_.switch_timeout));
+  const auto stall = std::chrono::duration_cast<Clock::duration>(Seconds(settings_.timeout));
+  // Chunk c is the i-th chunk for switch c mod k, with number next_seq + i there.
+  std::vector<size_t> next(k);  // the next chunk each switch gets
+  std::vector<uint64_t> base(k);
+  std::vector<Clock::time_point> heard(k, now0);
+  for (size_t j = 0; j < k; ++j) {
+    next[j] = j;
+    base[j] = remotes_[j].next_seq;
+    remotes_[j].pending = false;
+    remotes_[j].completed = 0;
+    remotes_[j].last_result = now0;
+  }
+  size_t left = total;
+  auto last_result = now0;
+
+  // Queues chunk f.chunk for its slot's port (thread); a retry carries the retransmit flag.
+  auto post = [&](Remote& r, Flight& f) {
+    const size_t off = f.chunk * per, len = std::min(per, count - off);
+    Header h;
+    h.type = Type::contribution;
+    h.flags = static_cast<uint8_t>((settings_.full_auth ? kFullAuth : 0) | (f.tries ? kRetransmit : 0));
+    h.dtype = dt;
+    h.job = job_;
+    h.seq = f.seq;
+    h.slot = static_cast<uint32_t>(f.seq % window);
+    h.call = call;
+    h.rank = static_cast<uint16_t>(rank_);
+    h.world = static_cast<uint16_t>(world_);
+    h.count = static_cast<uint16_t>(len);
+    h.op = wire_op;
+    write_header(h, key_, in + off * esize, len * esize, f.header);
+    sockaddr_in to = r.addr;
+    to.sin_port = htons(static_cast<uint16_t>(r.ep.port + h.slot % r.threads));
+    if (batch_.full()) batch_.flush(fd_.get());
+    batch_.add(to, f.header, kHeaderBytes, in + off * esize, len * esize);
+  };
+  const double max_rto = std::min(0.25, settings_.switch_timeout / 4);
+  auto rto = [&](const Remote& r, const Flight& f) {
+    // A chunk the switch has acknowledged waits for slower ranks: it is only asked about now and then, to be
+    // told again or to get a result that was lost. Otherwise TCP's estimate (RFC 6298: srtt + 4 rttvar),
+    // doubled per retry: at least 40 ms, so that a rank descheduled for a moment (all others then wait for
+    // it) does not make every chunk in flight go twice; at most a quarter of switch_timeout, so that a live
+    // switch answers well before it could look silent.
+    if (f.acked) return max_rto;
+    const double base_s = r.srtt > 0 ? r.srtt + 4 * r.rttvar : 0.05;
+    return std::clamp(base_s * static_cast<double>(1u << std::min(f.tries, 6)), std::min(0.04, max_rto), max_rto);
+  };
+
+  // One datagram from the network: a result, or news of a chunk still waiting.
+  auto take = [&](size_t i, Clock::time_point now) {
+    const int j = switch_of(inbox_.from(i));
+    if (j < 0) return;  // not from a switch of this job: ignored
+    const Parsed got = parse(inbox_.data(i), inbox_.len(i));
+    if (!got.ok() || got.pkt.h.job != job_ || !authentic(got.pkt, inbox_.data(i), key_, settings_.full_auth))
+      return;
+    Remote& r = remotes_[static_cast<size_t>(j)];
+    heard[static_cast<size_t>(j)] = now;
+    const Header& h = got.pkt.h;
+    if (h.slot >= window) return;
+    Flight& f = r.flights[h.slot];
+    if (!f.busy || f.seq != h.seq) return;  // an answer to a chunk already done (a duplicate)
+    if (h.type == Type::error) {
+      ErrorBody e;
+      std::memcpy(&e, got.pkt.payload, sizeof e);
+      throw CommError(name(static_cast<size_t>(j)) + " received another call from rank " +
+                      std::to_string(e.first_rank) + " for the same chunk: ranks disagree on this allreduce "
+                      "(count, dtype or op), or call collectives in different orders");
+    }
+    if (h.type == Type::pending) {
+      std::memcpy(r.waiting.data(), got.pkt.payload, r.waiting.size());
+      r.pending = true;
+      f.acked = true;
+      return;
+    }
+    if (h.type != Type::result) return;
+    const size_t off = f.chunk * per, len = std::min(per, count - off);
+    if (h.count != len || h.dtype != dt || h.call != call) return;  // cannot be ours: never used
+    char* dst = out + off * esize;
+    std::memcpy(dst, got.pkt.payload, len * esize);
+    if (op == ReduceOp::avg) scale_divide(dt, dst, len, world_);
+    if (f.tries == 0) {  // Karn: only first transmissions time the round trip
+      const double sample = Seconds(now - f.sent).count();
+      if (r.srtt == 0) {
+        r.srtt = sample;
+        r.rttvar = sample / 2;
+      } else {
+        r.rttvar = 0.75 * r.rttvar + 0.25 * std::abs(r.srtt - sample);
+        r.srtt = 0.875 * r.srtt + 0.125 * sample;
+      }
+    }
+    f.busy = false;
+    done[f.chunk] = 1;
+    --left;
+    ++r.completed;
+    r.last_result = last_result = now;
+  };
+
+  double wait_s = 0.05;
+  while (left > 0) {
+    auto now = Clock::now();
+    // New chunks, into the slots that are free, in order per switch.
+    for (size_t j = 0; j < k; ++j) {
+      Remote& r = remotes_[j];
+      while (next[j] < total) {
+        const uint64_t seq = base[j] + next[j] / k;
+        Flight& f = r.flights[seq % window];
+        if (f.busy) break;
+        f = Flight{true, seq, next[j], now, 0, r.completed, false, {}};
+        post(r, f);
+        next[j] += k;
+      }
+    }
+    batch_.flush(fd_.get());
+    // Wait for answers (at most until a retransmission is due), then take everything that is waiting, so that no
+    // chunk whose result has already arrived looks overdue.
+    pollfd p{fd_.get(), POLLIN, 0};
+    ::poll(&p, 1, std::max(1, static_cast<int>(wait_s * 1000)));
+    for (int round = 0; round < 256; ++round) {
+      const size_t n = inbox_.receive(fd_.get());
+      if (n == 0) break;
+      now = Clock::now();
+      for (size_t i = 0; i < n; ++i) take(i, now);
+    }
+    now = Clock::now();
+    // Chunks whose result is overdue go again: when the switch has sent nothing for a while (the chunk or its
+    // result may be lost), or when more chunks of this switch finished since it was sent than there are slots,
+    // so that some sent after it finished before it (it was lost while others went through).
+    wait_s = 0.05;
+    for (size_t j = 0; j < k; ++j) {
+      Remote& r = remotes_[j];
+      for (Flight& f : r.flights) {
+        if (!f.busy) continue;
+        const double timeout_s = rto(r, f);
+        const double due = timeout_s - Seconds(now - f.sent).count();
+        const bool overtaken = r.completed - f.completed_at_send > window + 8;
+        if (due <= 0 && (overtaken || Seconds(now - r.last_result).count() >= timeout_s)) {
+          ++f.tries;
+          f.sent = now;
+          f.completed_at_send = r.completed;
+          post(r, f);
+          wait_s = std::min(wait_s, rto(r, f));
+        } else {
+          wait_s = std::min(wait_s, std::max(due, 0.001));
+        }
+      }
+    }
+    batch_.flush(fd_.get());
+    for (size_t j = 0; j < k; ++j) {
+      const bool busy = std::any_of(remotes_[j].flights.begin(), remotes_[j].flights.end(),
+                                    [](const Flight& f) { return f.busy; });
+      if (busy && now - heard[j] > silence)
+        throw SwitchGone(name(j) + " stopped answering: nothing for " + seconds(settings_.switch_timeout) +
+                         " (SMARTCOLL_SWITCH_TIMEOUT) while chunks were waiting for their results");
+    }
+    if (now - last_result > stall) {
+      std::string who;
+      for (size_t j = 0; j < k; ++j) {
+        const std::string missing = ranks_missing(remotes_[j].waiting, world_);
+        if (remotes_[j].pending && !missing.empty()) who += "; " + name(j) + " still waits for rank(s) " + missing;
+      }
+      throw CommError("allreduce through the switch made no progress for " + seconds(settings_.timeout) + (who.empty() ? "" : who) +
+                      ": a rank died, stalled or did not make this call (SMARTCOLL_TIMEOUT)");
+    }
+  }
+  for (size_t j = 0; j < k; ++j) remotes_[j].next_seq = base[j] + (total > j ? (total - j + k - 1) / k : 0);
+}
+
+}  // namespace smartcoll::sw

@@ -1,0 +1,84 @@
+// The worker side of the switch protocol: joins the job to each switch, then runs allreduce calls through them.
+//
+// A call's vector is cut into chunks of at most `packet` bytes; chunk c goes to switch c mod k. Each switch has a
+// window of `window` slots for the job: chunk number seq (counted over the job's life, alike on every worker)
+// uses slot seq mod window, and is sent only once the result of the chunk that used the slot before it is in.
+// A chunk whose result does not come back within the retransmission timeout is sent again; the switch answers
+// a copy it already has with the result (if done) or with `pending` (who it still waits for), so a switch that
+// answers nothing at all for switch_timeout seconds is taken for gone.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "switch/protocol.h"
+#include "transport/socket.h"
+#include "transport/udp.h"
+
+namespace smartcoll::sw {
+
+// A switch stopped answering (or never did): the caller may fall back to another algorithm.
+class SwitchGone : public CommError {
+ public:
+  using CommError::CommError;
+};
+
+struct ClientSettings {
+  std::vector<net::Endpoint> switches;
+  uint32_t window = 128;    // slots per switch
+  uint32_t packet = 1408;   // payload bytes per datagram (a multiple of 8)
+  bool full_auth = false;   // the MAC covers payloads too
+  double switch_timeout = 2;  // seconds of silence after which a switch is gone
+  double timeout = 60;        // seconds without any result before the call fails
+};
+
+// "host:port,host:port": throws InvalidArgument naming the bad entry.
+std::vector<net::Endpoint> parse_switches(const std::string& text);
+
+class Client {
+ public:
+  Client(int rank, int world, ClientSettings settings, const SipKey& key, uint64_t job);
+  ~Client();  // leaves every switch (best effort: a switch also frees a silent job's slots on its own)
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Joins the job to every switch. Throws SwitchGone when one does not answer within switch_timeout, CommError
+  // when one refuses (saying why).
+  void join();
+  size_t chunk_elems(DataType dt) const { return settings_.packet / dtype_size(dt); }
+  size_t chunks(size_t count, DataType dt) const { return (count + chunk_elems(dt) - 1) / chunk_elems(dt); }
+  // One allreduce through the switches; done[c] becomes 1 for each chunk c whose result is in `out` (avg already
+  // divided). Throws SwitchGone when a switch stops answering, CommError when the call cannot complete (ranks
+  // disagree, or no result for `timeout` seconds, naming the ranks the switch waits for).
+  void allreduce(const char* in, char* out, size_t count, DataType dt, ReduceOp op, std::vector<uint8_t>& done);
+  std::string name(size_t j) const;  // "switch 10.0.0.1:7000"
+
+ private:
+  struct Remote;
+  void leave();
+  int switch_of(const sockaddr_in& from) const;  // -1: not one of ours
+
+  int rank_, world_;
+  ClientSettings settings_;
+  SipKey key_;
+  uint64_t job_;
+  net::Fd fd_;
+  std::vector<Remote> remotes_;
+  uint64_t calls_ = 0;
+  bool joined_ = false;
+  udp::SendBatch batch_{64};
+  udp::RecvBatch inbox_{32, kMaxDatagram};
+};
+
+// What a communicator keeps for the switch algorithm between calls (coll/allreduce_switch.cc).
+struct Path {
+  std::unique_ptr<Client> client;
+  bool fallback_ring = true;  // switch_fallback=ring
+  // Every rank agreed that a switch is gone (at start-up or during a call): calls go straight to the ring.
+  bool gone = false;
+};
+
+}  // namespace smartcoll::sw

@@ -1,0 +1,160 @@
+#include "switch/server.h"
+
+#include <poll.h>
+
+#include <cstring>
+#include <utility>
+
+#include "transport/udp.h"
+
+namespace smartcoll::sw {
+
+namespace {
+
+// A small fast generator for fault injection (xorshift64*): reproducible from the seed.
+struct Rng {
+  uint64_t s;
+  explicit Rng(uint64_t seed) : s(seed * 0x9e3779b97f4a7c15ULL + 1) {}
+  double next() {
+    s ^= s >> 12;
+    s ^= s << 25;
+    s ^= s >> 27;
+    return static_cast<double>((s * 0x2545f4914f6cdd1dULL) >> 11) * 0x1.0p-53;
+  }
+};
+
+// The thread's outgoing datagrams: results point into their slot (stable until the next flush); small replies
+// are copied into the outbox. Sent faults apply here.
+class BatchOutbox : public Outbox {
+ public:
+  BatchOutbox(int fd, const Faults& f, Rng& rng) : fd_(fd), faults_(f), rng_(rng), copies_(kCapacity) {}
+  void send(const sockaddr_in& to, const uint8_t* data, size_t len, bool stable) override {
+    if (faults_.drop > 0 && rng_.next() < faults_.drop) return;
+    const int times = faults_.dup > 0 && rng_.next() < faults_.dup ? 2 : 1;
+    for (int i = 0; i < times; ++i) {
+      if (batch_.full()) flush();
+      const uint8_t* p = data;
+      if (!stable) {
+        auto& copy = copies_[batch_.size()];
+        copy.assign(data, data + len);
+        p = copy.data();
+      }
+      batch_.add(to, p, len);
+    }
+  }
+  void flush() { batch_.flush(fd_); }
+
+ private:
+  static constexpr size_t kCapacity = 64;
+  int fd_;
+  const Faults& faults_;
+  Rng& rng_;
+  udp::SendBatch batch_{kCapacity};
+  std::vector<std::vector<uint8_t>> copies_;
+};
+
+}  // namespace
+
+Switch::Switch(const SwitchOptions& options)
+    : options_(options), agg_(options.threads, options.slots, options.full_auth) {
+  if (options.threads < 1 || options.threads > 256)
+    throw InvalidArgument("switch threads must be between 1 and 256, got " + std::to_string(options.threads));
+  if (options.slots < 1) throw InvalidArgument("switch slots must be at least 1");
+  // Thread t serves port base + t: workers find a slot's port from the base and the thread count.
+  for (int attempt = 0; sockets_.empty(); ++attempt) {
+    try {
+      net::Fd first = udp::open(options.host, options.port);
+      sockaddr_in bound{};
+      socklen_t len = sizeof bound;
+      getsockname(first.get(), reinterpret_cast<sockaddr*>(&bound), &len);
+      const uint16_t base = udp::port_of(bound);
+      std::vector<net::Fd> socks;
+      socks.push_back(std::move(first));
+      for (int t = 1; t < options.threads; ++t) {
+        if (base + t > 65535) throw CommError("no room for " + std::to_string(options.threads) + " ports above " +
+                                              std::to_string(base));
+        socks.push_back(udp::open(options.host, static_cast<uint16_t>(base + t)));
+      }
+      sockets_ = std::move(socks);
+      port_ = base;
+    } catch (const CommError& e) {
+      // With port 0 another process may hold one of the ports above the free one: draw again.
+      if (options.port != 0 || attempt >= 20)
+        throw CommError(std::string(e.what()) + " (the switch needs ports " + std::to_string(options.port) + ".." +
+                        std::to_string(options.port + options.threads - 1) + "; choose another --listen port)");
+    }
+  }
+}
+
+Switch::~Switch() { stop(); }
+
+void Switch::start() {
+  stop_ = false;
+  for (int t = 0; t < options_.threads; ++t) threads_.emplace_back([this, t] { serve(t); });
+}
+
+void Switch::stop() {
+  stop_ = true;
+  for (auto& th : threads_) th.join();
+  threads_.clear();
+}
+
+std::vector<uint64_t> Switch::take_expired() {
+  std::lock_guard lock(expired_mu_);
+  return std::exchange(expired_, {});
+}
+
+void Switch::serve(int t) {
+  const int fd = sockets_[static_cast<size_t>(t)].get();
+  const Faults& f = options_.faults;
+  Rng rng(f.seed + static_cast<uint64_t>(t));
+  udp::RecvBatch in(32, kMaxDatagram);
+  BatchOutbox out(fd, f, rng);
+  const auto idle = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.job_timeout));
+  auto next_sweep = Clock::now();
+  std::vector<uint8_t> held;  // a datagram held back for reordering
+  sockaddr_in held_from{};
+  while (!stop_.load(std::memory_order_relaxed)) {
+    pollfd p{fd, POLLIN, 0};
+    // Wake up at least every 100 ms: to stop, and for thread 0 to free silent jobs.
+    if (::poll(&p, 1, 100) < 0 && errno != EINTR) break;
+    auto now = Clock::now();
+    // Drain what is waiting, a batch at a time, flushing each batch's answers before the next.
+    for (int round = 0; round < 64; ++round) {
+      const size_t n = in.receive(fd);
+      now = Clock::now();
+      for (size_t i = 0; i < n; ++i) {
+        const uint8_t* data = in.data(i);
+        const size_t len = in.len(i);
+        if (f.drop > 0 && rng.next() < f.drop) continue;
+        if (f.reorder > 0 && held.empty() && rng.next() < f.reorder) {
+          held.assign(data, data + len);
+          held_from = in.from(i);
+          continue;
+        }
+        const int times = f.dup > 0 && rng.next() < f.dup ? 2 : 1;
+        for (int k = 0; k < times; ++k) agg_.handle(t, data, len, in.from(i), out, now);
+        if (!held.empty()) {  // the held datagram goes in after the one that overtook it
+          agg_.handle(t, held.data(), held.size(), held_from, out, now);
+          held.clear();
+        }
+      }
+      if (n == 0 && !held.empty()) {  // nothing came to overtake it: let it in
+        agg_.handle(t, held.data(), held.size(), held_from, out, now);
+        held.clear();
+      }
+      out.flush();
+      if (n == 0) break;
+    }
+    if (t == 0 && now >= next_sweep) {
+      next_sweep = now + std::chrono::milliseconds(250);
+      std::vector<uint64_t> gone = agg_.expire(now, idle);
+      if (!gone.empty()) {
+        std::lock_guard lock(expired_mu_);
+        expired_.insert(expired_.end(), gone.begin(), gone.end());
+      }
+    }
+  }
+}
+
+}  // namespace smartcoll::sw

@@ -1,0 +1,666 @@
+// The switch protocol: SipHash, the parser, the MAC, the aggregator's slots on a channel that loses, duplicates
+// and reorders datagrams, and jobs kept apart.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <deque>
+#include <map>
+#include <random>
+
+#include "core/siphash.h"
+#include "ranks.h"
+#include "smartcoll/comm.h"
+#include "smartcoll/reduce.h"
+#include "switch/aggregator.h"
+#include "switch/protocol.h"
+#include "switch/server.h"
+#include "../fuzz/switch_fuzz.h"
+
+namespace smartcoll::sw {
+namespace {
+
+// ---- SipHash-2-4: the reference vectors (key 00..0f, message 00..n-1) ----
+
+TEST(SipHash, ReferenceVectors) {
+  uint8_t kb[16], msg[64];
+  for (int i = 0; i < 16; ++i) kb[i] = static_cast<uint8_t>(i);
+  for (int i = 0; i < 64; ++i) msg[i] = static_cast<uint8_t>(i);
+  const SipKey key = SipKey::from_bytes(kb);
+  EXPECT_EQ(key.k0, 0x0706050403020100ULL);
+  const std::map<size_t, uint64_t> expect = {
+      {0, 0x726fdb47dd0e0e31ULL},  {1, 0x74f839c593dc67fdULL},  {2, 0x0d6c8009d9a94f5aULL},
+      {3, 0x85676696d7fb7e2dULL},  {4, 0xcf2794e0277187b7ULL},  {5, 0x18765564cd99a68dULL},
+      {6, 0xcbc9466e58fee3ceULL},  {7, 0xab0200f58b01d137ULL},  {8, 0x93f5f5799a932462ULL},
+      {9, 0x9e0082df0ba9e4b0ULL},  {10, 0x7a5dbbc594ddb9f3ULL}, {11, 0xf4b32f46226bada7ULL},
+      {12, 0x751e8fbc860ee5fbULL}, {13, 0x14ea5627c0843d90ULL}, {14, 0xf723ca908e7af2eeULL},
+      {15, 0xa129ca6149be45e5ULL},  // the paper's worked example (Appendix A)
+      {16, 0x3f2acc7f57c29bdbULL}, {17, 0x699ae9f52cbe4794ULL}, {32, 0x7127512f72f27cceULL},
+      {47, 0xd06c98cd5c0975ebULL},
+  };
+  for (const auto& [len, want] : expect) EXPECT_EQ(siphash24(key, msg, len), want) << "length " << len;
+}
+
+TEST(SipHash, PiecesGiveTheSameValueAsTheWhole) {
+  uint8_t msg[64];
+  for (int i = 0; i < 64; ++i) msg[i] = static_cast<uint8_t>(i * 37 + 1);
+  const SipKey key{0x1234, 0x5678};
+  for (size_t len : {0, 7, 8, 9, 40, 63, 64}) {
+    const uint64_t whole = siphash24(key, msg, len);
+    for (size_t a = 0; a <= len; ++a)
+      for (size_t b = a; b <= len; b += 3) {
+        SipHasher h(key);
+        h.update(msg, a);
+        h.update(msg + a, b - a);
+        h.update(msg + b, len - b);
+        ASSERT_EQ(h.finish(), whole) << len << " split at " << a << "," << b;
+      }
+  }
+}
+
+// ---- the parser and the MAC ----
+
+const SipKey kKey{0x0123456789abcdefULL, 0xfedcba9876543210ULL};
+
+std::vector<uint8_t> datagram(Header h, const std::vector<uint8_t>& payload, const SipKey& key = kKey) {
+  std::vector<uint8_t> d(kHeaderBytes + payload.size());
+  std::copy(payload.begin(), payload.end(), d.begin() + kHeaderBytes);
+  write_header(h, key, d.data() + kHeaderBytes, payload.size(), d.data());
+  return d;
+}
+
+Header contribution(uint16_t rank, uint16_t world, uint64_t seq, uint32_t window, uint16_t count,
+                    DataType dt = DataType::f32) {
+  Header h;
+  h.type = Type::contribution;
+  h.dtype = dt;
+  h.job = 42;
+  h.seq = seq;
+  h.slot = static_cast<uint32_t>(seq % window);
+  h.call = 7;
+  h.rank = rank;
+  h.world = world;
+  h.count = count;
+  return h;
+}
+
+TEST(SwitchProtocol, RoundTripsEveryField) {
+  Header h = contribution(3, 5, 123456789012ULL, 16, 4, DataType::i64);
+  h.flags = kRetransmit;
+  h.op = ReduceOp::max;
+  const auto d = datagram(h, std::vector<uint8_t>(32, 9));
+  const Parsed p = parse(d.data(), d.size());
+  ASSERT_TRUE(p.ok()) << reject_name(p.why);
+  EXPECT_EQ(p.pkt.h.type, Type::contribution);
+  EXPECT_EQ(p.pkt.h.flags, kRetransmit);
+  EXPECT_EQ(p.pkt.h.dtype, DataType::i64);
+  EXPECT_EQ(p.pkt.h.job, 42u);
+  EXPECT_EQ(p.pkt.h.seq, 123456789012ULL);
+  EXPECT_EQ(p.pkt.h.slot, 123456789012ULL % 16);
+  EXPECT_EQ(p.pkt.h.rank, 3);
+  EXPECT_EQ(p.pkt.h.world, 5);
+  EXPECT_EQ(p.pkt.h.count, 4);
+  EXPECT_EQ(p.pkt.h.op, ReduceOp::max);
+  EXPECT_EQ(p.pkt.payload_len, 32u);
+  EXPECT_TRUE(authentic(p.pkt, d.data(), kKey, false));
+}
+
+TEST(SwitchProtocol, RejectsEachBadFieldForItsReason) {
+  const auto good = datagram(contribution(1, 4, 9, 8, 2), std::vector<uint8_t>(8, 1));
+  auto with = [&](size_t at, uint8_t value) {
+    auto d = good;
+    d[at] = value;
+    return parse(d.data(), d.size()).why;
+  };
+  EXPECT_EQ(parse(good.data(), kHeaderBytes - 1).why, Reject::short_datagram);
+  EXPECT_EQ(parse(nullptr, 0).why, Reject::short_datagram);
+  EXPECT_EQ(with(0, 'X'), Reject::bad_magic);
+  EXPECT_EQ(with(4, 2), Reject::bad_version);
+  EXPECT_EQ(with(5, 0), Reject::bad_type);
+  EXPECT_EQ(with(5, 8), Reject::bad_type);
+  EXPECT_EQ(with(6, 0x80), Reject::bad_flags);
+  EXPECT_EQ(with(7, 8), Reject::bad_dtype);
+  EXPECT_EQ(with(38, static_cast<uint8_t>(ReduceOp::avg)), Reject::bad_op);  // avg never travels
+  EXPECT_EQ(with(39, 1), Reject::bad_codec);
+  EXPECT_EQ(with(34, 0), Reject::bad_world);  // world 0 (low byte; high byte is 0)
+  EXPECT_EQ(with(32, 4), Reject::bad_rank);   // rank 4 of 4
+  EXPECT_EQ(with(27, 0xff), Reject::bad_slot);
+  EXPECT_EQ(with(36, 0), Reject::bad_count);
+  EXPECT_EQ(with(36, 3), Reject::bad_length);  // 3 floats announced, 2 carried
+  EXPECT_EQ(parse(good.data(), good.size() - 1).why, Reject::bad_length);
+  auto longer = good;
+  longer.push_back(0);
+  EXPECT_EQ(parse(longer.data(), longer.size()).why, Reject::bad_length);
+  // A result may go to every rank; a contribution must come from one.
+  Header r = contribution(0, 4, 9, 8, 2);
+  r.type = Type::result;
+  r.rank = kAllRanks;
+  auto res = datagram(r, std::vector<uint8_t>(8));
+  EXPECT_TRUE(parse(res.data(), res.size()).ok());
+  r.type = Type::contribution;
+  res = datagram(r, std::vector<uint8_t>(8));
+  EXPECT_EQ(parse(res.data(), res.size()).why, Reject::bad_rank);
+}
+
+TEST(SwitchProtocol, EveryPrefixAndRandomBytesAreSafe) {
+  const auto good = datagram(contribution(1, 4, 9, 8, 16), std::vector<uint8_t>(64, 3));
+  for (size_t len = 0; len < good.size(); ++len) EXPECT_FALSE(parse(good.data(), len).ok()) << len;
+  std::mt19937_64 rng(5);
+  std::vector<uint8_t> buf(kMaxDatagram + 1);
+  for (int i = 0; i < 20000; ++i) {
+    const size_t len = i % 1000 == 0 ? buf.size() - rng() % 64 : rng() % (i % 2 ? 128 : 2048);
+    for (size_t k = 0; k < len; ++k) buf[k] = static_cast<uint8_t>(rng());
+    if (i % 3 == 0 && len >= kHeaderBytes) std::memcpy(buf.data(), good.data(), 8);  // get past magic/version
+    fuzz_switch_packet(buf.data(), len);
+  }
+  // Single-byte mutations of a valid datagram, fed to the fuzz target (parse + an aggregator with a job).
+  for (size_t at = 0; at < good.size(); ++at)
+    for (int v : {0, 1, 0x7f, 0xff}) {
+      auto d = good;
+      d[at] = static_cast<uint8_t>(v);
+      fuzz_switch_packet(d.data(), d.size());
+    }
+}
+
+TEST(SwitchProtocol, MacCoversTheHeaderAndWithFullAuthThePayload) {
+  Header h = contribution(0, 2, 1, 4, 2);
+  const auto header_only = datagram(h, std::vector<uint8_t>(8, 5));
+  h.flags = kFullAuth;
+  const auto full = datagram(h, std::vector<uint8_t>(8, 5));
+  auto ok = [](std::vector<uint8_t> d, const SipKey& key, bool need_full) {
+    const Parsed p = parse(d.data(), d.size());
+    return p.ok() && authentic(p.pkt, d.data(), key, need_full);
+  };
+  EXPECT_TRUE(ok(header_only, kKey, false));
+  EXPECT_FALSE(ok(header_only, kKey, true));  // a job with full authentication refuses header-only MACs
+  EXPECT_FALSE(ok(header_only, SipKey{1, 2}, false));
+  EXPECT_TRUE(ok(full, kKey, true));
+  for (size_t at : {8u, 16u, 24u, 28u, 32u, 36u}) {  // any header field changed: the MAC no longer fits
+    auto d = header_only;
+    d[at] ^= 1;
+    EXPECT_FALSE(ok(d, kKey, false)) << at;
+  }
+  auto tampered = header_only;
+  tampered.back() ^= 1;
+  EXPECT_TRUE(ok(tampered, kKey, false));  // header-only: the payload is not covered
+  tampered = full;
+  tampered.back() ^= 1;
+  EXPECT_FALSE(ok(tampered, kKey, true));
+}
+
+// ---- the aggregator on an in-process channel ----
+
+sockaddr_in addr_of(int who) {
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(1000 + who));
+  return a;
+}
+int who_of(const sockaddr_in& a) { return ntohs(a.sin_port) - 1000; }
+
+// Datagrams in flight between workers and a switch: each may be lost, doubled or overtaken.
+struct Channel : Outbox {
+  struct Datagram {
+    int peer;  // the worker it comes from or goes to
+    std::vector<uint8_t> bytes;
+  };
+  std::deque<Datagram> to_switch, to_workers;
+  std::mt19937_64 rng{11};
+  double drop = 0, dup = 0, reorder = 0;
+  bool chance(double p) { return p > 0 && std::uniform_real_distribution<double>(0, 1)(rng) < p; }
+  void put(std::deque<Datagram>& q, int peer, const uint8_t* d, size_t len) {
+    if (chance(drop)) return;
+    for (int i = chance(dup) ? 2 : 1; i > 0; --i) {
+      Datagram g{peer, std::vector<uint8_t>(d, d + len)};
+      if (!q.empty() && chance(reorder))
+        q.insert(q.begin() + static_cast<long>(rng() % q.size()), std::move(g));
+      else
+        q.push_back(std::move(g));
+    }
+  }
+  void send(const sockaddr_in& to, const uint8_t* data, size_t len, bool) override {
+    put(to_workers, who_of(to), data, len);
+  }
+};
+
+// A worker of the protocol, as simple as can be: one chunk per slot, sent again every `rto` steps until its
+// result arrives.
+struct SimWorker {
+  int rank, world;
+  uint32_t window;
+  uint64_t job;
+  SipKey key;
+  size_t per;  // floats per chunk
+  std::vector<float> in, out;
+  std::vector<uint8_t> done;
+  struct Flight {
+    bool busy = false;
+    size_t chunk = 0;
+    int age = 0;
+  };
+  std::vector<Flight> flights;
+  size_t next = 0, left = 0;
+  uint32_t call = 1;
+
+  void start(std::vector<float> data) {
+    in = std::move(data);
+    out.assign(in.size(), 0);
+    const size_t chunks = (in.size() + per - 1) / per;
+    done.assign(chunks, 0);
+    flights.assign(window, {});
+    next = 0;
+    left = chunks;
+  }
+  void post(Channel& ch, size_t chunk, bool again) {
+    const size_t off = chunk * per, len = std::min(per, in.size() - off);
+    Header h = contribution(static_cast<uint16_t>(rank), static_cast<uint16_t>(world), chunk, window,
+                           static_cast<uint16_t>(len));
+    h.job = job;
+    h.call = call;
+    h.flags = again ? kRetransmit : 0;
+    std::vector<uint8_t> payload(len * 4);
+    std::memcpy(payload.data(), in.data() + off, payload.size());
+    const auto d = datagram(h, payload, key);
+    ch.put(ch.to_switch, static_cast<int>(job) * 100 + rank, d.data(), d.size());
+  }
+  void step(Channel& ch, int rto) {
+    while (next < done.size() && !flights[next % window].busy) {
+      flights[next % window] = {true, next, 0};
+      post(ch, next++, false);
+    }
+    for (Flight& f : flights)
+      if (f.busy && ++f.age % rto == 0) post(ch, f.chunk, true);
+  }
+  void receive(const std::vector<uint8_t>& d) {
+    const Parsed p = parse(d.data(), d.size());
+    ASSERT_TRUE(p.ok());
+    ASSERT_TRUE(authentic(p.pkt, d.data(), key, false));
+    if (p.pkt.h.type != Type::result) return;
+    Flight& f = flights[p.pkt.h.slot];
+    if (!f.busy || f.chunk != p.pkt.h.seq) return;
+    std::memcpy(out.data() + f.chunk * per, p.pkt.payload, p.pkt.payload_len);
+    f.busy = false;
+    done[f.chunk] = 1;
+    --left;
+  }
+};
+
+std::vector<uint8_t> join_datagram(uint64_t job, const SipKey& key, uint16_t rank, uint16_t world, uint32_t window,
+                                   uint32_t max_payload) {
+  JoinBody body{};
+  key.to_bytes(body.key);
+  body.window = window;
+  body.max_payload = max_payload;
+  Header h;
+  h.type = Type::join;
+  h.job = job;
+  h.rank = rank;
+  h.world = world;
+  std::vector<uint8_t> payload(sizeof body);
+  std::memcpy(payload.data(), &body, sizeof body);
+  return datagram(h, payload, key);
+}
+
+JoinStatus joined_status(const std::deque<Channel::Datagram>& q, const SipKey& key) {
+  for (const auto& g : q) {
+    const Parsed p = parse(g.bytes.data(), g.bytes.size());
+    if (p.ok() && p.pkt.h.type == Type::joined && authentic(p.pkt, g.bytes.data(), key, false)) {
+      JoinedBody b;
+      std::memcpy(&b, p.pkt.payload, sizeof b);
+      return static_cast<JoinStatus>(b.status);
+    }
+  }
+  return static_cast<JoinStatus>(99);
+}
+
+// Runs one allreduce of `count` floats for every worker to the end (bounded steps); returns the stats.
+SwitchStats run_jobs(Aggregator& agg, Channel& ch, std::vector<SimWorker*> workers, int rto = 3) {
+  const auto now = Clock::now();
+  for (int step = 0; step < 200000; ++step) {
+    bool all_done = true;
+    for (SimWorker* w : workers) {
+      all_done &= w->left == 0;
+      w->step(ch, rto);
+    }
+    if (all_done) break;
+    // Deliver a few datagrams each way per step, as a network with some capacity would.
+    for (int k = 0; k < 8 && !ch.to_switch.empty(); ++k) {
+      auto g = std::move(ch.to_switch.front());
+      ch.to_switch.pop_front();
+      const Parsed p = parse(g.bytes.data(), g.bytes.size());
+      const int t = p.ok() ? static_cast<int>(p.pkt.h.slot % agg.threads()) : 0;
+      agg.handle(t, g.bytes.data(), g.bytes.size(), addr_of(g.peer), ch, now);
+    }
+    for (int k = 0; k < 16 && !ch.to_workers.empty(); ++k) {
+      auto g = std::move(ch.to_workers.front());
+      ch.to_workers.pop_front();
+      for (SimWorker* w : workers)
+        if (w->rank == g.peer % 100 && w->job == static_cast<uint64_t>(g.peer / 100)) w->receive(g.bytes);
+    }
+  }
+  for (SimWorker* w : workers) EXPECT_EQ(w->left, 0u) << "worker " << w->rank << " of job " << w->job;
+  return agg.stats(now);
+}
+
+// Workers of one job, joined. Worker r of job j talks from address 100 * j + r.
+std::vector<SimWorker> make_job(Aggregator& agg, Channel& ch, uint64_t job, const SipKey& key, int world,
+                                uint32_t window, size_t per) {
+  std::vector<SimWorker> ws;
+  for (int r = 0; r < world; ++r) {
+    ws.push_back(SimWorker{r, world, window, job, key, per, {}, {}, {}, {}});
+    const auto d = join_datagram(job, key, static_cast<uint16_t>(r), static_cast<uint16_t>(world), window,
+                                 static_cast<uint32_t>(per * 4));
+    agg.handle(0, d.data(), d.size(), addr_of(static_cast<int>(job) * 100 + r), ch, Clock::now());
+  }
+  EXPECT_EQ(joined_status(ch.to_workers, key), JoinStatus::ok);
+  ch.to_workers.clear();
+  return ws;
+}
+
+std::vector<float> inputs(int rank, size_t count) {
+  std::vector<float> v(count);
+  for (size_t i = 0; i < count; ++i) v[i] = std::ldexp(static_cast<float>((rank * 131 + i * 7) % 1000) - 500.f, -7);
+  return v;
+}
+
+// The rank-order sum: x0 + x1 + ... + x(n-1), element by element, with the library's kernel.
+std::vector<float> rank_order_sum(int world, size_t count) {
+  std::vector<float> acc = inputs(0, count);
+  for (int r = 1; r < world; ++r) {
+    const auto x = inputs(r, count);
+    reduce(DataType::f32, ReduceOp::sum, acc.data(), acc.data(), x.data(), count);
+  }
+  return acc;
+}
+
+void expect_rank_order_sums(const std::vector<SimWorker>& ws, size_t count) {
+  const auto expect = rank_order_sum(static_cast<int>(ws.size()), count);
+  for (const SimWorker& w : ws)
+    ASSERT_EQ(std::memcmp(w.out.data(), expect.data(), count * 4), 0) << "worker " << w.rank;
+}
+
+TEST(SwitchAggregator, SumsInRankOrderOnAPerfectChannel) {
+  for (int threads : {1, 3}) {
+    Aggregator agg(threads, 256, false);
+    Channel ch;
+    auto ws = make_job(agg, ch, 1, kKey, 4, 8, 16);
+    for (SimWorker& w : ws) w.start(inputs(w.rank, 1000));
+    std::vector<SimWorker*> ptrs;
+    for (SimWorker& w : ws) ptrs.push_back(&w);
+    const SwitchStats s = run_jobs(agg, ch, ptrs, 1000000);
+    expect_rank_order_sums(ws, 1000);
+    ASSERT_EQ(s.jobs.size(), 1u);
+    EXPECT_EQ(s.jobs[0].results, (1000 + 15) / 16u);
+    EXPECT_EQ(s.jobs[0].busy_slots, 0u);
+    EXPECT_EQ(s.jobs[0].resent + s.jobs[0].duplicates, 0u);
+  }
+}
+
+TEST(SwitchAggregator, LossDuplicationAndReorderingChangeNothing) {
+  Aggregator agg(2, 256, false);
+  Channel ch;
+  ch.drop = 0.05;
+  ch.dup = 0.05;
+  ch.reorder = 0.2;
+  auto ws = make_job(agg, ch, 1, kKey, 3, 4, 8);
+  for (SimWorker& w : ws) w.start(inputs(w.rank, 2001));
+  std::vector<SimWorker*> ptrs;
+  for (SimWorker& w : ws) ptrs.push_back(&w);
+  const SwitchStats s = run_jobs(agg, ch, ptrs, 4);
+  expect_rank_order_sums(ws, 2001);
+  ASSERT_EQ(s.jobs.size(), 1u);
+  EXPECT_GT(s.jobs[0].resent, 0u);      // lost results came again from the shadow copies
+  EXPECT_GT(s.jobs[0].duplicates, 0u);  // copies of contributions were not summed twice
+  EXPECT_EQ(s.jobs[0].results, (2001 + 7) / 8u);  // every chunk summed exactly once
+}
+
+TEST(SwitchAggregator, TwoJobsStayApartAndForgeriesAreCounted) {
+  Aggregator agg(1, 64, false);
+  Channel ch;
+  const SipKey other_key{77, 88};
+  auto a = make_job(agg, ch, 1, kKey, 2, 4, 8);
+  auto b = make_job(agg, ch, 2, other_key, 3, 4, 8);
+  for (SimWorker& w : a) w.start(inputs(w.rank, 100));
+  for (SimWorker& w : b) w.start(inputs(w.rank, 100));
+  // A stranger who knows job 1's id but not its secret, and one who sends job 2's chunk with job 1's key.
+  Header h = contribution(0, 2, 0, 4, 8);
+  h.job = 1;
+  const auto forged = datagram(h, std::vector<uint8_t>(32, 0xff), SipKey{1, 1});
+  agg.handle(0, forged.data(), forged.size(), addr_of(999), ch, Clock::now());
+  h.job = 2;
+  h.world = 3;
+  auto cross = datagram(h, std::vector<uint8_t>(32, 0xff), kKey);
+  agg.handle(0, cross.data(), cross.size(), addr_of(998), ch, Clock::now());
+  h.job = 3;  // no such job
+  auto unknown = datagram(h, std::vector<uint8_t>(32, 0xff), kKey);
+  agg.handle(0, unknown.data(), unknown.size(), addr_of(997), ch, Clock::now());
+  // The same job id with another secret (trust on first use): refused, not answered.
+  const auto hijack = join_datagram(1, SipKey{5, 5}, 0, 2, 4, 32);
+  agg.handle(0, hijack.data(), hijack.size(), addr_of(996), ch, Clock::now());
+  EXPECT_TRUE(ch.to_workers.empty());
+
+  std::vector<SimWorker*> ptrs;
+  for (SimWorker& w : a) ptrs.push_back(&w);
+  for (SimWorker& w : b) ptrs.push_back(&w);
+  const SwitchStats s = run_jobs(agg, ch, ptrs);
+  expect_rank_order_sums(a, 100);
+  expect_rank_order_sums(b, 100);
+  ASSERT_EQ(s.jobs.size(), 2u);
+  EXPECT_EQ(s.jobs[0].drops[static_cast<size_t>(Drop::bad_mac)], 1u);  // job 1: the forgery
+  EXPECT_EQ(s.jobs[1].drops[static_cast<size_t>(Drop::bad_mac)], 1u);  // job 2: the cross-job datagram
+  EXPECT_EQ(s.unknown_job, 1u);
+  EXPECT_EQ(s.join_refused, 1u);
+  EXPECT_EQ(s.slots_free, 64u - 8u);
+}
+
+TEST(SwitchAggregator, MismatchedCallsAreNeverSummed) {
+  Aggregator agg(1, 64, false);
+  Channel ch;
+  auto ws = make_job(agg, ch, 1, kKey, 2, 4, 8);
+  Header h = contribution(0, 2, 0, 4, 8);
+  h.job = 1;
+  auto d = datagram(h, std::vector<uint8_t>(32, 1));
+  agg.handle(0, d.data(), d.size(), addr_of(100), ch, Clock::now());
+  h.rank = 1;
+  h.count = 4;  // another count: another call
+  d = datagram(h, std::vector<uint8_t>(16, 1));
+  agg.handle(0, d.data(), d.size(), addr_of(101), ch, Clock::now());
+  ASSERT_EQ(ch.to_workers.size(), 1u);
+  const auto& g = ch.to_workers.front().bytes;
+  const Parsed p = parse(g.data(), g.size());
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p.pkt.h.type, Type::error);
+  EXPECT_EQ(agg.stats(Clock::now()).jobs[0].results, 0u);
+  EXPECT_EQ(agg.stats(Clock::now()).jobs[0].drops[static_cast<size_t>(Drop::mismatch)], 1u);
+}
+
+TEST(SwitchAggregator, SlotsComeBackWhenAJobLeavesOrGoesSilent) {
+  Aggregator agg(1, 16, false);
+  Channel ch;
+  make_job(agg, ch, 1, kKey, 2, 8, 8);
+  make_job(agg, ch, 2, kKey, 2, 8, 8);
+  // No room for a third job of 8 slots: refused with the reason.
+  auto d = join_datagram(3, kKey, 0, 2, 8, 32);
+  agg.handle(0, d.data(), d.size(), addr_of(300), ch, Clock::now());
+  EXPECT_EQ(joined_status(ch.to_workers, kKey), JoinStatus::no_room);
+  ch.to_workers.clear();
+  // Job 1's ranks leave: its slots go back at once.
+  for (uint16_t r = 0; r < 2; ++r) {
+    Header h;
+    h.type = Type::leave;
+    h.job = 1;
+    h.rank = r;
+    h.world = 2;
+    const auto leave = datagram(h, {});
+    agg.handle(0, leave.data(), leave.size(), addr_of(100 + r), ch, Clock::now());
+  }
+  EXPECT_EQ(agg.stats(Clock::now()).slots_free, 8u);
+  // Job 2 goes silent: expiry frees it.
+  EXPECT_TRUE(agg.expire(Clock::now(), std::chrono::hours(1)).empty());
+  const auto gone = agg.expire(Clock::now() + std::chrono::seconds(2), std::chrono::seconds(1));
+  ASSERT_EQ(gone.size(), 1u);
+  EXPECT_EQ(gone[0], 2u);
+  const SwitchStats s = agg.stats(Clock::now());
+  EXPECT_EQ(s.slots_free, 16u);
+  EXPECT_EQ(s.jobs_left, 1u);
+  EXPECT_EQ(s.jobs_expired, 1u);
+}
+
+TEST(SwitchAggregator, RefusesJobsWithoutPayloadAuthenticationWhenAskedTo) {
+  Aggregator agg(1, 16, true);
+  Channel ch;
+  auto d = join_datagram(1, kKey, 0, 2, 4, 32);
+  agg.handle(0, d.data(), d.size(), addr_of(100), ch, Clock::now());
+  EXPECT_EQ(joined_status(ch.to_workers, kKey), JoinStatus::needs_full_auth);
+}
+
+
+// ---- allreduce through a switch on loopback: ranks as threads, a switch in this process ----
+
+namespace e2e {
+
+struct Running {
+  std::unique_ptr<Switch> sw;
+  explicit Running(SwitchOptions o = {}) {
+    o.host = "127.0.0.1";
+    sw = std::make_unique<Switch>(o);
+    sw->start();
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(sw->port()); }
+  // Leaves are datagrams: the switch handles them a moment after the communicators close.
+  SwitchStats stats_after_leaves(uint64_t left) const {
+    SwitchStats s = sw->stats();
+    for (int i = 0; i < 200 && s.jobs_left < left; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      s = sw->stats();
+    }
+    return s;
+  }
+};
+
+Options switch_options(const std::string& address, std::map<std::string, std::string> extra = {}) {
+  extra.emplace("switch", address);
+  extra.emplace("switch_timeout", "0.5");
+  extra.emplace("cma", "off");
+  return harness::test_options(extra);
+}
+
+// Small integers: every sum is exact in every dtype, so results can be compared with the ring's exactly.
+template <class T>
+std::vector<T> values(int rank, size_t count) {
+  std::vector<T> v(count);
+  for (size_t i = 0; i < count; ++i) v[i] = static_cast<T>(static_cast<int>((rank * 31 + i * 17) % 41) - 20);
+  return v;
+}
+
+template <class T>
+void compare_with_ring(Communicator& comm, DataType dt, ReduceOp op, size_t count) {
+  const auto in = values<T>(comm.rank(), count);
+  std::vector<T> via_switch(count), via_ring(count);
+  comm.allreduce(in.data(), via_switch.data(), count, dt, op, Algorithm::switch_)->wait();
+  comm.allreduce(in.data(), via_ring.data(), count, dt, op, Algorithm::ring)->wait();
+  ASSERT_EQ(std::memcmp(via_switch.data(), via_ring.data(), count * sizeof(T)), 0)
+      << dtype_name(dt) << " " << op_name(op) << " rank " << comm.rank();
+}
+
+}  // namespace e2e
+
+TEST(SwitchAllreduce, EveryDtypeAndOpMatchesTheRing) {
+  e2e::Running sw;
+  harness::run_ranks(3, [&](Communicator& comm) {
+    for (size_t count : {1, 1000, 100003}) {
+      for (ReduceOp op : {ReduceOp::sum, ReduceOp::min, ReduceOp::max}) {
+        e2e::compare_with_ring<float>(comm, DataType::f32, op, count);
+        e2e::compare_with_ring<double>(comm, DataType::f64, op, count);
+        e2e::compare_with_ring<int32_t>(comm, DataType::i32, op, count);
+        e2e::compare_with_ring<int64_t>(comm, DataType::i64, op, count);
+      }
+      e2e::compare_with_ring<float>(comm, DataType::f32, ReduceOp::avg, count);
+      e2e::compare_with_ring<double>(comm, DataType::f64, ReduceOp::avg, count);
+    }
+    // In place, large; auto leaves the switch to an explicit algo (it has not won where measured).
+    auto x = e2e::values<float>(comm.rank(), 200000);
+    auto expect = x;
+    comm.allreduce(expect.data(), expect.data(), x.size(), DataType::f32, ReduceOp::sum, Algorithm::ring)->wait();
+    ASSERT_EQ(comm.choose(Collective::allreduce, x.size(), DataType::f32), Algorithm::ring);
+    comm.allreduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum, Algorithm::switch_)->wait();
+    ASSERT_EQ(x, expect);
+  }, e2e::switch_options(sw.address()));
+  const SwitchStats s = sw.stats_after_leaves(1);
+  EXPECT_EQ(s.jobs.size(), 0u);  // every rank left when its communicator closed
+  EXPECT_EQ(s.jobs_left, 1u);
+}
+
+TEST(SwitchAllreduce, SurvivesLossDuplicationAndReordering) {
+  SwitchOptions o;
+  o.threads = 2;
+  o.faults = {0.01, 0.01, 0.05, 3};
+  e2e::Running sw(o);
+  harness::run_ranks(4, [&](Communicator& comm) {
+    for (int i = 0; i < 3; ++i) e2e::compare_with_ring<float>(comm, DataType::f32, ReduceOp::sum, 300000);
+    e2e::compare_with_ring<int64_t>(comm, DataType::i64, ReduceOp::sum, 100000);
+    comm.barrier()->wait();
+    if (comm.rank() == 0) {  // before anyone leaves: the faults made work for the protocol
+      const SwitchStats s = sw.sw->stats();
+      ASSERT_EQ(s.jobs.size(), 1u);
+      EXPECT_GT(s.jobs[0].retransmits, 0u);
+    }
+    comm.barrier()->wait();
+  }, e2e::switch_options(sw.address(), {{"switch_packet", "4096"}, {"switch_slots", "32"}}));
+  EXPECT_EQ(sw.stats_after_leaves(1).jobs_left, 1u);
+}
+
+TEST(SwitchAllreduce, FallsBackToTheRingWhenTheSwitchGoes) {
+  e2e::Running sw;
+  harness::run_ranks(3, [&](Communicator& comm) {
+    e2e::compare_with_ring<float>(comm, DataType::f32, ReduceOp::sum, 50000);
+    comm.barrier()->wait();
+    if (comm.rank() == 0) sw.sw->stop();
+    comm.barrier()->wait();
+    for (int i = 0; i < 2; ++i) {  // the first call notices, the second goes straight to the ring
+      auto x = e2e::values<int32_t>(comm.rank(), 70001);
+      std::vector<int32_t> expect(x.size());
+      comm.allreduce(x.data(), expect.data(), x.size(), DataType::i32, ReduceOp::sum, Algorithm::ring)->wait();
+      comm.allreduce(x.data(), x.data(), x.size(), DataType::i32, ReduceOp::sum, Algorithm::switch_)->wait();
+      ASSERT_EQ(x, expect) << "call " << i;
+    }
+  }, e2e::switch_options(sw.address()));
+}
+
+TEST(SwitchAllreduce, FailModeNamesTheSwitchWithinItsTimeout) {
+  e2e::Running sw;
+  const std::string address = sw.address();
+  harness::run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 2, std::move(store), e2e::switch_options(address, {{"switch_fallback", "fail"}}));
+    comm.barrier()->wait();
+    if (r == 0) sw.sw->stop();
+    comm.barrier()->wait();
+    std::vector<float> x(10000, 1.0f);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      comm.allreduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum, Algorithm::switch_)->wait();
+      ADD_FAILURE() << "rank " << r << ": the call succeeded without a switch";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find("switch " + address), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("switch_fallback=fail"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  });
+}
+
+TEST(SwitchAllreduce, NoSwitchAtStartUpFallsBackOrFails) {
+  // A port nobody serves: joining times out.
+  const std::string nobody = "127.0.0.1:9";
+  harness::run_ranks(2, [&](Communicator& comm) {
+    std::vector<double> x(5000, comm.rank() + 1.0);
+    comm.allreduce(x.data(), x.data(), x.size(), DataType::f64, ReduceOp::sum, Algorithm::switch_)->wait();
+    ASSERT_EQ(x[4999], 3.0);
+  }, e2e::switch_options(nobody, {{"switch_timeout", "0.2"}}));
+  harness::run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    EXPECT_THROW(Communicator(r, 2, std::move(store),
+                              e2e::switch_options(nobody, {{"switch_timeout", "0.2"}, {"switch_fallback", "fail"}})),
+                 CommError);
+  });
+}
+
+}  // namespace
+}  // namespace smartcoll::sw

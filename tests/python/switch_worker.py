@@ -1,0 +1,108 @@
+"""One rank of the switch tests (tests/python/test_switch.py); conftest.run_ranks() starts N of these.
+
+    python switch_worker.py SCENARIO OUTDIR
+
+The switch comes from SMARTCOLL_SWITCH like any knob. Each scenario writes rank<R>.json into OUTDIR: what it
+checked, or the error it got. `gate NAME` pauses a rank until the test creates OUTDIR/NAME (at most 30 s), after
+creating OUTDIR/NAME.rank<R>, so that a test can act (forge datagrams, kill the switch) between two calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+import smartcoll
+
+DTYPES = ["float32", "float64", "int32", "int64"]
+OPS = ["sum", "avg", "min", "max"]
+
+
+def values(rank: int, count: int, dtype: str) -> np.ndarray:
+    """Small integers: every sum is exact in every dtype, so the switch and the ring must agree bit for bit."""
+    i = np.arange(count, dtype=np.int64)
+    return (((rank * 31 + i * 17) % 41) - 20).astype(dtype)
+
+
+def gate(outdir: Path, name: str, rank: int) -> None:
+    (outdir / f"{name}.rank{rank}").touch()
+    deadline = time.monotonic() + 30
+    while not (outdir / name).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the test did not open gate {name}")
+        time.sleep(0.02)
+
+
+def against_ring(comm, count: int, dtype: str, op: str) -> None:
+    x = values(comm.rank, count, dtype)
+    via_switch = comm.allreduce(x.copy(), op=op, algo="switch")
+    via_ring = comm.allreduce(x.copy(), op=op, algo="ring")
+    assert via_switch.tobytes() == via_ring.tobytes(), f"{dtype} {op} {count}: switch and ring differ"
+
+
+def scenario_matrix(comm, outdir: Path) -> dict:
+    checked = 0
+    for dtype in DTYPES:
+        for op in OPS:
+            if op == "avg" and dtype.startswith("int"):
+                continue
+            for count in (1, 1003, 70001):
+                against_ring(comm, count, dtype, op)
+                checked += 1
+    return {"checked": checked}
+
+
+def scenario_repeat(comm, outdir: Path) -> dict:
+    for _ in range(3):
+        against_ring(comm, 300001, "float32", "sum")
+        against_ring(comm, 100003, "int64", "sum")
+    return {"checked": 6}
+
+
+def scenario_gated(comm, outdir: Path) -> dict:
+    """A call, a pause for the test, then calls again (float32 in place and int32 out of place)."""
+    against_ring(comm, 50000, "float32", "sum")
+    comm.barrier()
+    gate(outdir, "go", comm.rank)
+    for _ in range(2):
+        against_ring(comm, 70001, "int32", "sum")
+        against_ring(comm, 30000, "float32", "max")
+    return {"checked": 5}
+
+
+def scenario_one_dies(comm, outdir: Path) -> dict:
+    """The last rank exits after the first call; the others' next call must fail naming it."""
+    against_ring(comm, 10000, "float32", "sum")
+    comm.barrier()
+    if comm.rank == comm.size - 1:
+        os._exit(0)  # gone without a word, as a crashed process (status 0: the launcher keeps the others)
+    x = values(comm.rank, 50000, "float32")
+    comm.allreduce(x, algo="switch")
+    return {"unexpected": "the call succeeded without the last rank"}
+
+
+SCENARIOS = {n[len("scenario_"):]: f for n, f in globals().items() if n.startswith("scenario_")}
+
+
+def main() -> int:
+    scenario, outdir = sys.argv[1], Path(sys.argv[2])
+    rank = int(os.environ["RANK"])
+    started = time.monotonic()
+    try:
+        with smartcoll.init() as comm:
+            result = {"ok": True, **SCENARIOS[scenario](comm, outdir)}
+    except Exception as e:  # the test reads the error
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+    result["seconds"] = time.monotonic() - started
+    (outdir / f"rank{rank}.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""The aggregation switch end to end on loopback: `smartcoll switch` (or the same server in this process) and
+ranks started with smartcoll's launcher running allreduce with algo=switch (tests/python/switch_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import clean_env, describe, needs_core, run_ranks
+
+pytestmark = needs_core
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "switch_worker.py"
+
+
+class CliSwitch:
+    """`smartcoll switch` in a subprocess on a free port of 127.0.0.1; killed at the end."""
+
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "smartcoll.tools.cli", "switch", "--listen", "127.0.0.1:0",
+             "--stats-interval", "0", *args],
+            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        line = self.proc.stdout.readline()
+        m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+        assert m, f"the switch did not start: {line!r}"
+        self.address = f"127.0.0.1:{m.group(1)}"
+
+    def stop(self) -> str:
+        """SIGTERM; returns what the switch printed (its final counters)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=10)
+        return out
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def cli_switch():
+    switches = []
+
+    def start(*args: str) -> CliSwitch:
+        switches.append(CliSwitch(*args))
+        return switches[-1]
+
+    yield start
+    for s in switches:
+        if s.proc.poll() is None:
+            s.kill()
+
+
+@pytest.fixture
+def inproc_switch():
+    """The switch server in this process (its threads run without the GIL); stats() is a dict."""
+    from smartcoll import _core
+
+    made = []
+
+    def start(**kwargs):
+        sw = _core.Switch("127.0.0.1", 0, **kwargs)
+        sw.start()
+        made.append(sw)
+        return sw
+
+    yield start
+    for sw in made:
+        sw.stop()
+
+
+def switch_env(address: str, **knobs: str) -> dict:
+    env = {"SMARTCOLL_SWITCH": address, "SMARTCOLL_SWITCH_TIMEOUT": "0.5", "SMARTCOLL_CMA": "off",
+           "SMARTCOLL_TIMEOUT": "20"}
+    env.update({f"SMARTCOLL_{k.upper()}": v for k, v in knobs.items()})
+    return env
+
+
+def outcomes(outdir: Path, n: int, results) -> list[dict]:
+    got = []
+    for r in range(n):
+        f = outdir / f"rank{r}.json"
+        assert f.exists(), f"rank {r} wrote no result\n{describe(results)}"
+        got.append(json.loads(f.read_text()))
+    return got
+
+
+def run_scenario(tmp_path: Path, n: int, scenario: str, env: dict, timeout: float = 60, **kw):
+    outdir = tmp_path / scenario
+    outdir.mkdir(exist_ok=True)
+    results = run_ranks(n, [scenario, outdir], env=env, timeout=timeout, worker=WORKER, **kw)
+    return outdir, results
+
+
+def assert_ok(outdir: Path, n: int, results) -> list[dict]:
+    got = outcomes(outdir, n, results)
+    bad = {r: o["error"] for r, o in enumerate(got) if not o["ok"]}
+    assert not bad, f"{bad}\n{describe(results)}"
+    return got
+
+
+def open_gate(outdir: Path, n: int, name: str = "go", timeout: float = 30) -> None:
+    """Waits until every rank waits at gate `name`."""
+    deadline = time.monotonic() + timeout
+    while not all((outdir / f"{name}.rank{r}").exists() for r in range(n)):
+        assert time.monotonic() < deadline, f"ranks did not reach gate {name}"
+        time.sleep(0.02)
+
+
+def test_every_dtype_and_op_matches_the_ring(tmp_path, cli_switch):
+    sw = cli_switch("--threads", "2")
+    outdir, results = run_scenario(tmp_path, 3, "matrix", switch_env(sw.address))
+    got = assert_ok(outdir, 3, results)
+    assert got[0]["checked"] == 3 * (4 * 3 + 2 * 1), got[0]
+    final = sw.stop()
+    assert "jobs joined 1, left 1" in final, final
+
+
+def test_loss_duplication_and_reordering_change_nothing(tmp_path, cli_switch):
+    stats = tmp_path / "stats.json"
+    sw = cli_switch("--drop", "0.01", "--dup", "0.01", "--reorder", "0.05", "--stats-json", str(stats),
+                    "--stats-interval", "0.2", "--job-timeout", "30")
+    outdir, results = run_scenario(tmp_path, 4, "repeat", switch_env(sw.address, switch_packet="8192"))
+    assert_ok(outdir, 4, results)
+    sw.stop()
+    s = json.loads(stats.read_text())
+    assert s["jobs_left"] == 1, s
+    ended = s["ended"]  # the faults made work for the protocol, and nothing was summed twice
+    assert ended["retransmits"] > 0 and ended["duplicates"] + ended["resent"] > 0, ended
+
+
+def test_two_jobs_share_a_switch(tmp_path, inproc_switch):
+    import threading
+
+    sw = inproc_switch(threads=2)
+    address = f"127.0.0.1:{sw.port}"
+    runs = {}
+
+    def job(name: str, n: int) -> None:
+        sub = tmp_path / name
+        sub.mkdir()
+        runs[name] = (n, *run_scenario(sub, n, "matrix", switch_env(address)))
+
+    threads = [threading.Thread(target=job, args=(name, n)) for name, n in (("a", 2), ("b", 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for name, (n, outdir, results) in runs.items():
+        assert_ok(outdir, n, results)
+    s = sw.stats()
+    assert s["jobs_joined"] == 2 and s["join_refused"] == 0, s
+
+
+def forged_contribution(job: int, mac: int, rank: int = 0, world: int = 2) -> bytes:
+    """A well-formed contribution datagram (docs/wire-format.md) whose MAC is whatever the sender says."""
+    header = struct.pack("<4sBBBBQQIIHHHBBQ", b"SCSW", 1, 3, 0, 0, job, 0, 0, 0, rank, world, 4, 0, 0, mac)
+    return header + struct.pack("<4f", 1e9, 1e9, 1e9, 1e9)
+
+
+def test_forged_and_wrong_secret_senders_are_ignored_and_counted(tmp_path, inproc_switch):
+    sw = inproc_switch()
+    outdir = tmp_path / "gated"
+    outdir.mkdir()
+    import threading
+
+    box = {}
+    t = threading.Thread(target=lambda: box.update(
+        results=run_ranks(2, ["gated", outdir], env=switch_env(f"127.0.0.1:{sw.port}"), timeout=60,
+                          worker=WORKER)))
+    t.start()
+    open_gate(outdir, 2)
+    (job,) = [int(j["job"], 16) for j in sw.stats()["jobs"]]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        to = ("127.0.0.1", sw.port)
+        s.sendto(b"not a datagram of the protocol", to)             # malformed
+        s.sendto(forged_contribution(job ^ 1, 0), to)                # another (unknown) job
+        for seq_mac in range(3):                                     # the job's id, without its secret
+            s.sendto(forged_contribution(job, 0x1234 + seq_mac), to)
+    deadline = time.monotonic() + 5
+    while sw.stats()["jobs"][0]["drops"]["bad_mac"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (outdir / "go").touch()
+    t.join(timeout=60)
+    assert_ok(outdir, 2, box["results"])  # the forged chunk (1e9s) was never summed: results match the ring
+    s = sw.stats()
+    assert s["malformed"]["short"] + s["malformed"]["bad_magic"] == 1, s
+    assert s["unknown_job"] == 1, s
+
+
+def test_switch_killed_mid_job_falls_back_to_the_ring(tmp_path, cli_switch):
+    sw = cli_switch()
+    outdir = tmp_path / "gated"
+    outdir.mkdir()
+    import threading
+
+    box = {}
+    t = threading.Thread(target=lambda: box.update(
+        results=run_ranks(3, ["gated", outdir], env=switch_env(sw.address), timeout=60, worker=WORKER)))
+    t.start()
+    open_gate(outdir, 3)
+    sw.kill()
+    (outdir / "go").touch()
+    t.join(timeout=60)
+    results = box["results"]
+    assert_ok(outdir, 3, results)
+    warned = [r for r in results if "falls back" in r.stderr or "with the ring" in r.stderr]
+    assert warned, describe(results)
+    for r in results:  # logged once per rank, not once per call
+        assert r.stderr.count("switch_fallback=ring") <= 1, r.stderr
+
+
+def test_switch_killed_mid_job_fails_clearly_when_told_to(tmp_path, cli_switch):
+    sw = cli_switch()
+    outdir = tmp_path / "gated"
+    outdir.mkdir()
+    import threading
+
+    box = {}
+    env = switch_env(sw.address, switch_fallback="fail", switch_timeout="1")
+    t = threading.Thread(target=lambda: box.update(
+        results=run_ranks(2, ["gated", outdir], env=env, timeout=60, worker=WORKER)))
+    t.start()
+    open_gate(outdir, 2)
+    sw.kill()
+    gate_opened = time.monotonic()
+    (outdir / "go").touch()
+    t.join(timeout=60)
+    got = outcomes(outdir, 2, box["results"])
+    for o in got:
+        assert not o["ok"], o
+        assert f"switch {sw.address} stopped answering" in o["error"], o["error"]
+        assert "switch_fallback=fail" in o["error"], o["error"]
+    assert time.monotonic() - gate_opened < 15
+
+
+def test_a_dead_rank_fails_the_others_and_its_slots_are_freed(tmp_path, inproc_switch):
+    sw = inproc_switch(job_timeout=1.0)
+    env = switch_env(f"127.0.0.1:{sw.port}", timeout="2")
+    outdir, results = run_scenario(tmp_path, 3, "one_dies", env)
+    got = [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(2)]
+    for o in got:
+        assert not o["ok"], o
+        assert "still waits for rank(s) 2" in o["error"], o["error"]
+        assert o["seconds"] < 20, o
+    deadline = time.monotonic() + 10
+    while sw.stats()["jobs"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    s = sw.stats()
+    assert s["jobs"] == [] and s["slots_free"] == s["slots_total"], s
+    assert s["jobs_expired"] + s["jobs_left"] == 1, s
+
+
+def test_cli_rejects_a_port_in_use():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "smartcoll.tools.cli", "switch", "--listen", f"127.0.0.1:{port}"],
+            env=clean_env(), capture_output=True, text=True, timeout=30,
+        )
+    assert proc.returncode == 1 and "choose another --listen port" in proc.stderr, proc.stderr
