@@ -181,7 +181,9 @@ void Client::leave() {
     h.world = static_cast<uint16_t>(world_);
     uint8_t datagram[kHeaderBytes];
     write_header(h, key_, nullptr, 0, datagram);
-    batch_.add(r.addr, datagram, sizeof datagram);
+    // Nothing acknowledges a leave: three copies make a lost one unlikely to keep the job's slots until the
+    // switch's job timeout (a second copy of a leave changes nothing there).
+    for (int copy = 0; copy < 3; ++copy) batch_.add(r.addr, datagram, sizeof datagram);
     batch_.flush(fd_.get(), 0);
   }
 }
