@@ -115,7 +115,10 @@ for p in "${pythons[@]}"; do
   check_isa "$cmake_dir"
 
   raw=$(ls build/dist/raw/smartcoll-*-"$tag"-*.whl)
-  auditwheel repair -w dist "$raw" 2>&1 | grep '^Fixed-up' || true
+  if ! repaired=$(auditwheel repair -w dist "$raw" 2>&1); then
+    echo "$repaired"; log "auditwheel repair failed"; exit 1
+  fi
+  grep '^Fixed-up' <<<"$repaired" || true
   wheel=$(ls dist/smartcoll-"$version"-"$tag"-*manylinux*.whl)
   log "$(basename "$wheel"): $(du -h "$wheel" | cut -f1)"
   auditwheel show "$wheel" | sed '/^$/d'
