@@ -49,7 +49,8 @@ version=${version#smartcoll-}
 listing=$(tar tzf "$sdist" | sed 's|^[^/]*/||')
 for need in pyproject.toml CMakeLists.txt README.md LICENSE CHANGELOG.md include/smartcoll/ src/core/ src/kernels/ \
   python/bindings.cc python/smartcoll/__init__.py python/smartcoll/tools/cli.py; do
-  grep -qx -- "$need" <<<"$listing" || grep -q -- "^$need" <<<"$listing" || { log "sdist lacks $need"; exit 1; }
+  pattern=$([[ $need == */ ]] && echo "^$need" || echo "^$need\$")  # a folder with files in it, or the file
+  grep -q -- "$pattern" <<<"$listing" || { log "sdist lacks $need"; exit 1; }
 done
 if bad=$(grep -E '^(build|build-[^/]*|dist|\.venv[^/]*|\.git|\.ci|benchmarks/results)/|\.so$|__pycache__|\.egg-info' \
   <<<"$listing"); then
