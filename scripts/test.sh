@@ -25,3 +25,6 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:ha
 
 echo "[test] Python tests"
 ${PYTHON:-python3} -m pytest tests/python -q -p no:cacheprovider
+
+echo "[test] release artifacts: sdist, manylinux wheel, smoke test without a compiler (scripts/build-dist.sh)"
+bash scripts/build-dist.sh
