@@ -15,7 +15,7 @@
 namespace smartcoll {
 
 // The first bytes a connecting rank sends, in host byte order (one job runs one build).
-inline constexpr uint32_t kHelloMagic = 0x53434c33;  // "SCL3"
+inline constexpr uint32_t kHelloMagic = 0x53434c34;  // "SCL4"
 struct Hello {
   uint32_t magic, rank, stream, size;
   uint64_t job;  // job_fingerprint(job id)

@@ -128,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--algo",
         default="auto",
-        help="allreduce algorithm, passed to each call: auto, ring or rhd (recursive halving-doubling) "
+        help="allreduce algorithm, passed to each call (the algo knob's choices; smartcoll info describes them) "
         "(default: %(default)s)",
         **(_knob_option(algo_knob) if algo_knob else {}),
     )
