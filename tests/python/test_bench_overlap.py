@@ -23,8 +23,9 @@ def test_overlap_formula(t_pure, t_compute, t_total, expected):
 
 
 def test_overlap_run_reports_every_size(tmp_path):
+    """`smartcoll bench overlap allgather ...` (the same as `bench allgather --overlap`)."""
     out = tmp_path / "overlap.json"
-    cmd = [sys.executable, "-m", "smartcoll.tools.cli", "bench", "allgather", "-n", "2", "--overlap",
+    cmd = [sys.executable, "-m", "smartcoll.tools.cli", "bench", "overlap", "allgather", "-n", "2",
            "--sizes", "64K,256K", "--iters", "3", "--warmup", "1", "--json", str(out)]
     proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

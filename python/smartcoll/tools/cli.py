@@ -56,7 +56,8 @@ _SUBCOMMANDS = {
         "(iperf3, every host sending to the next at once) and reports busbw as a % of that.\n\n"
         "`smartcoll bench codec --help`: encode/decode throughput per core of the wire codecs instead.\n"
         "`smartcoll bench train --help`: the FPGA smart-NIC paper's training experiment (an MLP trained with\n"
-        "DDP on gloo and on smartcoll, with and without BFP16; time per iteration by phase, loss curves).\n\n"
+        "DDP on gloo and on smartcoll, with and without BFP16; time per iteration by phase, loss curves).\n"
+        "`smartcoll bench overlap COLLECTIVE ...` is `smartcoll bench COLLECTIVE --overlap ...` (OSU overlap%).\n\n"
         "examples:\n"
         "  smartcoll bench allreduce -n 4 --sizes 1K:64M --vs gloo --vs mpi\n"
         "  smartcoll bench allgather -n 2 --sizes 1M,16M --dtype int32 --json allgather.json\n"
@@ -132,6 +133,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .bench import codec, train
 
         return {"codec": codec.main, "train": train.main}[argv[1]](argv[2:])
+    if argv[:2] == ["bench", "overlap"]:  # OSU's name for it: the --overlap mode of the collective that follows
+        argv = ["bench", *argv[2:], "--overlap"]
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
