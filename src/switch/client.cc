@@ -81,7 +81,7 @@ Client::Client(int rank, int world, ClientSettings settings, const SipKey& key, 
   for (const net::Endpoint& ep : settings_.switches) {
     Remote r;
     r.ep = ep;
-    r.addr = udp::address(ep.host, ep.port);
+    r.addr = net::ipv4_address(ep.host, ep.port);
     r.flights.resize(settings_.window);
     r.waiting.assign((world + 7) / 8, 0);
     remotes_.push_back(std::move(r));
@@ -102,6 +102,16 @@ int Client::switch_of(const sockaddr_in& from) const {
   return -1;
 }
 
+Header Client::header(Type type) const {
+  Header h;
+  h.type = type;
+  h.flags = settings_.full_auth ? kFullAuth : 0;
+  h.job = job_;
+  h.rank = static_cast<uint16_t>(rank_);
+  h.world = static_cast<uint16_t>(world_);
+  return h;
+}
+
 void Client::join() {
   const auto patience = std::chrono::duration_cast<Clock::duration>(Seconds(settings_.switch_timeout));
   for (size_t j = 0; j < remotes_.size(); ++j) {
@@ -111,12 +121,7 @@ void Client::join() {
     body.window = settings_.window;
     body.max_payload = settings_.packet;
     body.full_auth = settings_.full_auth;
-    Header h;
-    h.type = Type::join;
-    h.flags = settings_.full_auth ? kFullAuth : 0;
-    h.job = job_;
-    h.rank = static_cast<uint16_t>(rank_);
-    h.world = static_cast<uint16_t>(world_);
+    const Header h = header(Type::join);
     uint8_t datagram[kHeaderBytes + sizeof body];
     std::memcpy(datagram + kHeaderBytes, &body, sizeof body);
     write_header(h, key_, datagram + kHeaderBytes, sizeof body, datagram);
@@ -173,12 +178,7 @@ void Client::leave() {
   if (!joined_) return;
   joined_ = false;
   for (Remote& r : remotes_) {
-    Header h;
-    h.type = Type::leave;
-    h.flags = settings_.full_auth ? kFullAuth : 0;
-    h.job = job_;
-    h.rank = static_cast<uint16_t>(rank_);
-    h.world = static_cast<uint16_t>(world_);
+    const Header h = header(Type::leave);
     uint8_t datagram[kHeaderBytes];
     write_header(h, key_, nullptr, 0, datagram);
     // Nothing acknowledges a leave: three copies make a lost one unlikely to keep the job's slots until the
@@ -214,16 +214,12 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
   // Queues chunk f.chunk for its slot's port (thread); a retry carries the retransmit flag.
   auto post = [&](Remote& r, Flight& f) {
     const size_t off = f.chunk * per, len = std::min(per, count - off);
-    Header h;
-    h.type = Type::contribution;
-    h.flags = static_cast<uint8_t>((settings_.full_auth ? kFullAuth : 0) | (f.tries ? kRetransmit : 0));
+    Header h = header(Type::contribution);
+    if (f.tries) h.flags |= kRetransmit;
     h.dtype = dt;
-    h.job = job_;
     h.seq = f.seq;
     h.slot = static_cast<uint32_t>(f.seq % window);
     h.call = call;
-    h.rank = static_cast<uint16_t>(rank_);
-    h.world = static_cast<uint16_t>(world_);
     h.count = static_cast<uint16_t>(len);
     h.op = wire_op;
     write_header(h, key_, in + off * esize, len * esize, f.header);

@@ -58,6 +58,7 @@ class Client {
 
  private:
   struct Remote;
+  Header header(Type type) const;  // this rank's fields of every datagram it sends
   void leave();
   int switch_of(const sockaddr_in& from) const;  // -1: not one of ours
 

@@ -23,15 +23,6 @@ namespace {
 
 std::string errno_text(int err) { return std::string(std::strerror(err)); }
 
-sockaddr_in make_addr(const std::string& host, uint16_t port) {
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons(port);
-  if (inet_pton(AF_INET, host.c_str(), &sa.sin_addr) != 1)
-    throw InvalidArgument("'" + host + "' is not an IPv4 address");
-  return sa;
-}
-
 int remaining_ms(Clock::time_point deadline) {
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
   return left < 0 ? 0 : static_cast<int>(left > 1000000 ? 1000000 : left);
@@ -49,6 +40,15 @@ bool wait_fd(int fd, short events, Clock::time_point deadline) {
 }
 
 }  // namespace
+
+sockaddr_in ipv4_address(const std::string& host, uint16_t port) {
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(port);
+  if (inet_pton(AF_INET, host.c_str(), &sa.sin_addr) != 1)
+    throw InvalidArgument("'" + host + "' is not an IPv4 address");
+  return sa;
+}
 
 Fd& Fd::operator=(Fd&& o) noexcept {
   if (this != &o) {
@@ -98,7 +98,7 @@ std::string resolve_ipv4(const std::string& host) {
 std::string local_address_towards(const std::string& remote_host) {
   Fd s(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
   if (!s) throw CommError("socket failed: " + errno_text(errno));
-  sockaddr_in sa = make_addr(resolve_ipv4(remote_host), 9);
+  sockaddr_in sa = ipv4_address(resolve_ipv4(remote_host), 9);
   // connect() on a datagram socket only picks the route and source address; nothing is sent.
   if (::connect(s.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0)
     throw CommError("no route to " + remote_host + ": " + errno_text(errno) +
@@ -116,7 +116,7 @@ Fd listen_on(const std::string& host, uint16_t port, int backlog) {
   if (!s) throw CommError("socket failed: " + errno_text(errno));
   int one = 1;
   setsockopt(s.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  sockaddr_in sa = make_addr(host, port);
+  sockaddr_in sa = ipv4_address(host, port);
   if (::bind(s.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0)
     throw CommError("cannot listen on " + host + ":" + std::to_string(port) + ": " + errno_text(errno));
   if (::listen(s.get(), backlog) != 0) throw CommError("listen failed: " + errno_text(errno));
@@ -131,7 +131,7 @@ uint16_t bound_port(int fd) {
 }
 
 Fd connect_to(const Endpoint& ep, Clock::time_point deadline) {
-  sockaddr_in sa = make_addr(ep.host, ep.port);
+  sockaddr_in sa = ipv4_address(ep.host, ep.port);
   std::string last_error = "deadline passed before the first attempt";
   auto pause = std::chrono::milliseconds(5);
   do {

@@ -1,6 +1,8 @@
 // Thin POSIX TCP helpers shared by the rendezvous store and the data transport.
 #pragma once
 
+#include <netinet/in.h>
+
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -41,6 +43,8 @@ std::string interface_address(const std::string& ifname);
 std::string local_address_towards(const std::string& remote_host);
 // Resolves a host name or dotted address to dotted IPv4.
 std::string resolve_ipv4(const std::string& host);
+// host (dotted IPv4) and port as a socket address; throws InvalidArgument for a bad address.
+sockaddr_in ipv4_address(const std::string& host, uint16_t port);
 
 Fd listen_on(const std::string& host, uint16_t port, int backlog);  // port 0: any free port
 uint16_t bound_port(int fd);

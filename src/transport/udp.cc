@@ -11,15 +11,6 @@
 
 namespace smartcoll::udp {
 
-sockaddr_in address(const std::string& host, uint16_t port) {
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons(port);
-  if (inet_pton(AF_INET, host.c_str(), &sa.sin_addr) != 1)
-    throw InvalidArgument("'" + host + "' is not an IPv4 address");
-  return sa;
-}
-
 std::string to_string(const sockaddr_in& a) {
   char buf[INET_ADDRSTRLEN] = "?";
   inet_ntop(AF_INET, &a.sin_addr, buf, sizeof buf);
@@ -35,7 +26,7 @@ net::Fd open(const std::string& host, uint16_t port, int buffer) {
   for (auto [force, plain] : {std::pair{SO_SNDBUFFORCE, SO_SNDBUF}, std::pair{SO_RCVBUFFORCE, SO_RCVBUF}})
     if (setsockopt(s.get(), SOL_SOCKET, force, &buffer, sizeof buffer) != 0)
       setsockopt(s.get(), SOL_SOCKET, plain, &buffer, sizeof buffer);
-  sockaddr_in sa = address(host, port);
+  sockaddr_in sa = net::ipv4_address(host, port);
   if (::bind(s.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0)
     throw CommError("cannot bind UDP " + host + ":" + std::to_string(port) + ": " + std::strerror(errno));
   return s;

@@ -18,7 +18,6 @@ namespace smartcoll::udp {
 // host: dotted IPv4 ("0.0.0.0": every interface); port 0: any free one. Non-blocking, with buffers of `buffer`
 // bytes each way where the system allows. Throws CommError saying what failed.
 net::Fd open(const std::string& host, uint16_t port, int buffer = 8 << 20);
-sockaddr_in address(const std::string& host, uint16_t port);  // throws InvalidArgument for a bad address
 std::string to_string(const sockaddr_in& a);
 uint16_t port_of(const sockaddr_in& a);
 
