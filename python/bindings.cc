@@ -174,7 +174,7 @@ NB_MODULE(_core, m) {
   nb::class_<sw::Switch>(m, "Switch")
       .def("__init__", [](sw::Switch* self, const std::string& host, int port, int threads, int64_t slots,
                           double job_timeout, bool full_auth, double drop, double dup, double reorder,
-                          uint64_t seed) {
+                          uint64_t seed, bool offload) {
         if (port < 0 || port > 65535) throw nb::value_error("port must be between 0 and 65535");
         if (slots < 1 || slots > (int64_t{1} << 30)) throw nb::value_error("slots must be between 1 and 2^30");
         for (double p : {drop, dup, reorder})
@@ -187,9 +187,10 @@ NB_MODULE(_core, m) {
         o.job_timeout = job_timeout;
         o.full_auth = full_auth;
         o.faults = {drop, dup, reorder, seed};
+        o.offload = offload;
         new (self) sw::Switch(o);
       }, "host"_a, "port"_a, "threads"_a = 1, "slots"_a = 4096, "job_timeout"_a = 60.0, "full_auth"_a = false,
-         "drop"_a = 0.0, "dup"_a = 0.0, "reorder"_a = 0.0, "seed"_a = 1)
+         "drop"_a = 0.0, "dup"_a = 0.0, "reorder"_a = 0.0, "seed"_a = 1, "offload"_a = true)
       .def_prop_ro("port", &sw::Switch::port)
       .def("start", &sw::Switch::start)
       .def("stop", [](sw::Switch& s) {
@@ -209,6 +210,11 @@ NB_MODULE(_core, m) {
         out["jobs_joined"] = st.jobs_joined;
         out["jobs_left"] = st.jobs_left;
         out["jobs_expired"] = st.jobs_expired;
+        out["send_calls"] = st.send_calls;
+        out["messages_out"] = st.messages_out;
+        out["datagrams_out"] = st.datagrams_out;
+        out["offload_refused"] = st.offload_refused;
+        out["joined_in"] = st.joined_in;
         nb::dict malformed;
         for (int r = 1; r < sw::kRejectReasons; ++r)
           malformed[nb::str(std::string(sw::reject_name(static_cast<sw::Reject>(r))).c_str())] = st.malformed[r];

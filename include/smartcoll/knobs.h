@@ -96,6 +96,10 @@ inline constexpr Knob kKnobs[] = {
     {"switch_auth", "header", "choice:header|full", 0, 0, true,
      "what each switch datagram's MAC (SipHash-2-4 with the job's secret) covers: header (job, rank, chunk, "
      "count, ...) or full (header and payload)"},
+    {"switch_offload", "on", "choice:on|off", 0, 0, false,
+     "UDP segmentation offload for switch datagrams: on (equal datagrams to one switch port leave in one "
+     "message with UDP_SEGMENT, and the kernel may join received ones, UDP_GRO; either falls back to one "
+     "datagram at a time where the kernel refuses) or off (one datagram per message). The wire is the same"},
     {"log", "warn", "choice:error|warn|info|debug", 0, 0, false,
      "log level of messages on stderr (each line names the rank and the collective)"},
 };

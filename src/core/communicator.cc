@@ -263,6 +263,7 @@ void Communicator::join_switches() {
   settings.window = config_->switch_slots;
   settings.packet = config_->switch_packet;
   settings.full_auth = config_->switch_full_auth;
+  settings.offload = config_->switch_offload;
   settings.switch_timeout = config_->switch_timeout;
   settings.timeout = config_->timeout;
   const auto limit = std::chrono::milliseconds(static_cast<int64_t>(config_->connect_timeout * 1000));

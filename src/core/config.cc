@@ -141,6 +141,7 @@ Config Config::from(const Options& o) {
     throw InvalidArgument("option 'switch_packet' (SMARTCOLL_SWITCH_PACKET) = " + o.str("switch_packet") +
                           ": expected a multiple of 8 (whole elements of every dtype)");
   c.switch_full_auth = o.str("switch_auth") == "full";
+  c.switch_offload = o.str("switch_offload") == "on";
   constexpr std::string_view levels[] = {"error", "warn", "info", "debug"};
   for (int i = 0; i < 4; ++i)
     if (o.str("log") == levels[i]) c.log = static_cast<LogLevel>(i);

@@ -66,6 +66,9 @@ struct SwitchStats {
   uint64_t jobs_joined = 0, jobs_left = 0, jobs_expired = 0;
   uint32_t slots_total = 0, slots_free = 0;
   int threads = 0;
+  // The sockets' side (server.h): send system calls, kernel messages and datagrams out, segmented sends the
+  // kernel refused, received messages that held several datagrams (UDP_GRO).
+  uint64_t send_calls = 0, messages_out = 0, datagrams_out = 0, offload_refused = 0, joined_in = 0;
 };
 
 class Aggregator {

@@ -73,11 +73,13 @@ std::vector<net::Endpoint> parse_switches(const std::string& text) {
 }
 
 Client::Client(int rank, int world, ClientSettings settings, const SipKey& key, uint64_t job)
-    : rank_(rank), world_(world), settings_(std::move(settings)), key_(key), job_(job) {
+    : rank_(rank), world_(world), settings_(std::move(settings)), key_(key), job_(job),
+      batch_(settings_.offload ? 256 : 64, settings_.offload), inbox_(32, kMaxDatagram, settings_.offload) {
   if (world > static_cast<int>(kMaxWorld))
     throw InvalidArgument("the switch takes at most " + std::to_string(kMaxWorld) + " ranks, the world has " +
                           std::to_string(world));
   fd_ = udp::open("0.0.0.0", 0);
+  if (settings_.offload) udp::enable_gro(fd_.get());  // refused: datagrams simply come one by one
   for (const net::Endpoint& ep : settings_.switches) {
     Remote r;
     r.ep = ep;

@@ -31,6 +31,7 @@ struct ClientSettings {
   uint32_t window = 128;    // slots per switch
   uint32_t packet = 1408;   // payload bytes per datagram (a multiple of 8)
   bool full_auth = false;   // the MAC covers payloads too
+  bool offload = true;      // UDP segmentation offload (GSO on send, GRO on receive; udp.h)
   double switch_timeout = 2;  // seconds of silence after which a switch is gone
   double timeout = 60;        // seconds without any result before the call fails
 };
@@ -70,8 +71,8 @@ class Client {
   std::vector<Remote> remotes_;
   uint64_t calls_ = 0;
   bool joined_ = false;
-  udp::SendBatch batch_{64};
-  udp::RecvBatch inbox_{32, kMaxDatagram};
+  udp::SendBatch batch_;
+  udp::RecvBatch inbox_;
 };
 
 // What a communicator keeps for the switch algorithm between calls (coll/allreduce_switch.cc).

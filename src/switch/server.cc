@@ -2,6 +2,7 @@
 
 #include <poll.h>
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -27,7 +28,8 @@ struct Rng {
 // are copied into the outbox. Sent faults apply here.
 class BatchOutbox : public Outbox {
  public:
-  BatchOutbox(int fd, const Faults& f, Rng& rng) : fd_(fd), faults_(f), rng_(rng), copies_(kCapacity) {}
+  BatchOutbox(int fd, const Faults& f, Rng& rng, bool offload)
+      : fd_(fd), faults_(f), rng_(rng), batch_(kCapacity, offload), copies_(kCapacity) {}
   void send(const sockaddr_in& to, const uint8_t* data, size_t len, bool stable) override {
     if (faults_.drop > 0 && rng_.next() < faults_.drop) return;
     const int times = faults_.dup > 0 && rng_.next() < faults_.dup ? 2 : 1;
@@ -43,20 +45,27 @@ class BatchOutbox : public Outbox {
     }
   }
   void flush() { batch_.flush(fd_); }
+  const udp::SendBatch::Counts& counts() const { return batch_.counts(); }
 
  private:
-  static constexpr size_t kCapacity = 64;
+  // Room for a receive batch's results to several workers: with offload, those to one worker leave together.
+  static constexpr size_t kCapacity = 256;
   int fd_;
   const Faults& faults_;
   Rng& rng_;
-  udp::SendBatch batch_{kCapacity};
+  udp::SendBatch batch_;
   std::vector<std::vector<uint8_t>> copies_;
 };
 
 }  // namespace
 
+struct alignas(64) Switch::IoCounters {
+  std::atomic<uint64_t> send_calls{0}, messages_out{0}, datagrams_out{0}, offload_refused{0}, joined_in{0};
+};
+
 Switch::Switch(const SwitchOptions& options)
-    : options_(options), agg_(options.threads, options.slots, options.full_auth) {
+    : options_(options), agg_(options.threads, options.slots, options.full_auth),
+      io_(std::make_unique<IoCounters[]>(static_cast<size_t>(std::max(options.threads, 1)))) {
   if (options.threads < 1 || options.threads > 256)
     throw InvalidArgument("switch threads must be between 1 and 256, got " + std::to_string(options.threads));
   if (options.slots < 1) throw InvalidArgument("switch slots must be at least 1");
@@ -99,6 +108,19 @@ void Switch::stop() {
   threads_.clear();
 }
 
+SwitchStats Switch::stats() const {
+  SwitchStats s = agg_.stats(Clock::now());
+  for (int t = 0; t < options_.threads; ++t) {
+    const IoCounters& c = io_[static_cast<size_t>(t)];
+    s.send_calls += c.send_calls.load(std::memory_order_relaxed);
+    s.messages_out += c.messages_out.load(std::memory_order_relaxed);
+    s.datagrams_out += c.datagrams_out.load(std::memory_order_relaxed);
+    s.offload_refused += c.offload_refused.load(std::memory_order_relaxed);
+    s.joined_in += c.joined_in.load(std::memory_order_relaxed);
+  }
+  return s;
+}
+
 std::vector<uint64_t> Switch::take_expired() {
   std::lock_guard lock(expired_mu_);
   return std::exchange(expired_, {});
@@ -108,8 +130,10 @@ void Switch::serve(int t) {
   const int fd = sockets_[static_cast<size_t>(t)].get();
   const Faults& f = options_.faults;
   Rng rng(f.seed + static_cast<uint64_t>(t));
-  udp::RecvBatch in(32, kMaxDatagram);
-  BatchOutbox out(fd, f, rng);
+  if (options_.offload) udp::enable_gro(fd);  // refused: datagrams simply come one by one
+  udp::RecvBatch in(32, kMaxDatagram, options_.offload);
+  BatchOutbox out(fd, f, rng, options_.offload);
+  IoCounters& io = io_[static_cast<size_t>(t)];
   const auto idle = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.job_timeout));
   auto next_sweep = Clock::now();
   std::vector<uint8_t> held;  // a datagram held back for reordering
@@ -146,6 +170,12 @@ void Switch::serve(int t) {
       out.flush();
       if (n == 0) break;
     }
+    const udp::SendBatch::Counts& sent = out.counts();
+    io.send_calls.store(sent.calls, std::memory_order_relaxed);
+    io.messages_out.store(sent.messages, std::memory_order_relaxed);
+    io.datagrams_out.store(sent.datagrams, std::memory_order_relaxed);
+    io.offload_refused.store(sent.refused, std::memory_order_relaxed);
+    io.joined_in.store(in.joined(), std::memory_order_relaxed);
     if (t == 0 && now >= next_sweep) {
       next_sweep = now + std::chrono::milliseconds(250);
       std::vector<uint64_t> gone = agg_.expire(now, idle);

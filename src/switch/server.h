@@ -29,6 +29,7 @@ struct SwitchOptions {
   uint32_t slots = 4096;     // slots of all jobs together
   double job_timeout = 60;   // seconds without a valid datagram after which a job's slots are freed
   bool full_auth = false;    // refuse jobs that do not authenticate payloads
+  bool offload = true;       // UDP segmentation offload (GSO, GRO; transport/udp.h)
   Faults faults;
 };
 
@@ -44,13 +45,15 @@ class Switch {
   void stop();  // idempotent; returns once every thread has ended (within about 100 ms)
   uint16_t port() const { return port_; }
   const SwitchOptions& options() const { return options_; }
-  SwitchStats stats() const { return agg_.stats(Clock::now()); }
+  SwitchStats stats() const;
   // Ids of jobs freed for silence since the last call (for the log).
   std::vector<uint64_t> take_expired();
 
  private:
+  struct IoCounters;
   void serve(int t);
   SwitchOptions options_;
+  std::unique_ptr<IoCounters[]> io_;  // one per thread
   Aggregator agg_;
   std::vector<net::Fd> sockets_;
   uint16_t port_ = 0;

@@ -14,6 +14,7 @@
 #include "switch/aggregator.h"
 #include "switch/protocol.h"
 #include "switch/server.h"
+#include "transport/udp.h"
 #include "../fuzz/switch_fuzz.h"
 
 namespace smartcoll::sw {
@@ -514,6 +515,99 @@ TEST(SwitchAggregator, RefusesJobsWithoutPayloadAuthenticationWhenAskedTo) {
 }
 
 
+// ---- UDP batches: segmentation offload (GSO/GRO) and its fallback deliver the same datagrams ----
+
+namespace offload {
+
+struct Sent {
+  uint16_t to;  // which receiver
+  std::vector<uint8_t> bytes;
+};
+
+// Runs of equal lengths (each ending with a shorter one) to two receivers, interleaved as the switch's results are.
+std::vector<Sent> traffic() {
+  std::vector<Sent> out;
+  uint8_t next = 0;
+  for (size_t len : {1456u, 1456u, 1456u, 1000u, 9000u, 9000u, 48u, 1456u, 30000u, 30000u, 30000u, 17u}) {
+    for (uint16_t to : {0, 1}) {
+      Sent s{to, std::vector<uint8_t>(len)};
+      for (auto& b : s.bytes) b = next++;
+      out.push_back(std::move(s));
+    }
+  }
+  for (int i = 0; i < 100; ++i) out.push_back({0, std::vector<uint8_t>(1456, static_cast<uint8_t>(i))});
+  return out;
+}
+
+// Sends traffic() in one flush and returns, per receiver, the datagrams in the order they came.
+std::vector<std::vector<std::vector<uint8_t>>> deliver(bool offload, bool refuse, udp::SendBatch::Counts& counts,
+                                                       uint64_t& joined) {
+  net::Fd tx = udp::open("127.0.0.1", 0);
+  if (refuse) {  // a socket without UDP checksums: the kernel refuses every segmented send (EINVAL)
+    const int on = 1;
+    setsockopt(tx.get(), SOL_SOCKET, SO_NO_CHECK, &on, sizeof on);
+  }
+  std::vector<net::Fd> rx;
+  std::vector<sockaddr_in> addr;
+  for (int i = 0; i < 2; ++i) {
+    rx.push_back(udp::open("127.0.0.1", 0));
+    if (offload) udp::enable_gro(rx.back().get());
+    sockaddr_in a{};
+    socklen_t len = sizeof a;
+    getsockname(rx.back().get(), reinterpret_cast<sockaddr*>(&a), &len);
+    addr.push_back(a);
+  }
+  const std::vector<Sent> sent = traffic();
+  udp::SendBatch batch(sent.size(), offload);
+  for (const Sent& s : sent) {
+    // Two pieces, as a worker's header and payload: the kernel joins them into one datagram.
+    const size_t head = std::min<size_t>(s.bytes.size(), 48);
+    batch.add(addr[s.to], s.bytes.data(), head, s.bytes.data() + head, s.bytes.size() - head);
+  }
+  EXPECT_EQ(batch.flush(tx.get()), 0u);
+  counts = batch.counts();
+  std::vector<std::vector<std::vector<uint8_t>>> got(2);
+  joined = 0;
+  for (int i = 0; i < 2; ++i) {
+    udp::RecvBatch in(8, kMaxDatagram, offload);
+    for (int idle = 0; idle < 20;) {
+      const size_t n = in.receive(rx[i].get());
+      if (n == 0) {
+        ++idle;
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        continue;
+      }
+      for (size_t k = 0; k < n; ++k) got[i].emplace_back(in.data(k), in.data(k) + in.len(k));
+    }
+    joined += in.joined();
+  }
+  return got;
+}
+
+}  // namespace offload
+
+TEST(SwitchUdp, OffloadAndItsFallbackDeliverTheSameDatagrams) {
+  std::vector<std::vector<std::vector<uint8_t>>> expect(2);
+  for (const offload::Sent& s : offload::traffic()) expect[s.to].push_back(s.bytes);
+  udp::SendBatch::Counts plain, gso, refused;
+  uint64_t joined_plain = 0, joined_gso = 0, joined_refused = 0;
+  EXPECT_EQ(offload::deliver(false, false, plain, joined_plain), expect);
+  EXPECT_EQ(offload::deliver(true, false, gso, joined_gso), expect);
+  EXPECT_EQ(offload::deliver(true, true, refused, joined_refused), expect);
+  const uint64_t n = expect[0].size() + expect[1].size();
+  EXPECT_EQ(plain.messages, n);
+  EXPECT_EQ(plain.datagrams, n);
+  EXPECT_EQ(joined_plain, 0u);
+  // Offload: runs to one address leave as one message each, and the receiver gets them joined.
+  EXPECT_EQ(gso.datagrams, n);
+  EXPECT_LT(gso.messages, n / 3) << "runs of equal datagrams should leave in few messages";
+  EXPECT_EQ(gso.refused, 0u);
+  EXPECT_GT(joined_gso, 0u);
+  // The kernel refuses segmented sends here: the batch notices and sends the same datagrams one by one.
+  EXPECT_GT(refused.refused, 0u);
+  EXPECT_EQ(refused.datagrams, n);
+}
+
 // ---- allreduce through a switch on loopback: ranks as threads, a switch in this process ----
 
 namespace e2e {
@@ -588,6 +682,31 @@ TEST(SwitchAllreduce, EveryDtypeAndOpMatchesTheRing) {
   const SwitchStats s = sw.stats_after_leaves(1);
   EXPECT_EQ(s.jobs.size(), 0u);  // every rank left when its communicator closed
   EXPECT_EQ(s.jobs_left, 1u);
+}
+
+TEST(SwitchAllreduce, WithoutOffloadGivesTheSameBits) {
+  SwitchOptions o;
+  o.offload = false;
+  e2e::Running sw(o);
+  harness::run_ranks(3, [&](Communicator& comm) {
+    e2e::compare_with_ring<float>(comm, DataType::f32, ReduceOp::sum, 100003);
+    e2e::compare_with_ring<double>(comm, DataType::f64, ReduceOp::max, 30001);
+  }, e2e::switch_options(sw.address(), {{"switch_offload", "off"}}));
+  const SwitchStats s = sw.sw->stats();
+  EXPECT_GT(s.datagrams_out, 0u);
+  EXPECT_EQ(s.messages_out, s.datagrams_out);  // one datagram per message
+  EXPECT_EQ(s.joined_in, 0u);
+}
+
+TEST(SwitchAllreduce, OffloadJoinsDatagramsBothWays) {
+  e2e::Running sw;
+  harness::run_ranks(3, [&](Communicator& comm) {
+    e2e::compare_with_ring<float>(comm, DataType::f32, ReduceOp::sum, 300000);
+  }, e2e::switch_options(sw.address()));
+  const SwitchStats s = sw.sw->stats();
+  EXPECT_LT(s.messages_out * 2, s.datagrams_out) << "results to one worker should leave together";
+  EXPECT_GT(s.joined_in, 0u) << "the kernel should join a worker's contributions (UDP_GRO)";
+  EXPECT_EQ(s.offload_refused, 0u);
 }
 
 TEST(SwitchAllreduce, SurvivesLossDuplicationAndReordering) {

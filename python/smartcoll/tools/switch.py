@@ -48,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "authenticate payloads (SMARTCOLL_SWITCH_AUTH=full)")
     parser.add_argument("--job-timeout", type=float, default=60.0, metavar="SEC",
                         help="free the slots of a job that sent nothing valid for SEC seconds (default 60)")
+    parser.add_argument("--offload", choices=["on", "off"], default="on",
+                        help="UDP segmentation offload: results to one worker leave in one message (UDP_SEGMENT) "
+                        "and the kernel may join received datagrams (UDP_GRO); off: one datagram per system "
+                        "message (default on; the wire is the same)")
     parser.add_argument("--stats-interval", type=float, default=10.0, metavar="SEC",
                         help="print counters every SEC seconds (0: only at exit; default 10)")
     parser.add_argument("--stats-json", metavar="PATH", help="also write the counters to PATH as JSON each time")
@@ -102,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
     host, port = args.listen
     try:
         sw = _core.Switch(host, port, args.threads, args.slots, args.job_timeout, args.auth == "full",
-                          args.drop, args.dup, args.reorder, args.seed)
+                          args.drop, args.dup, args.reorder, args.seed, args.offload == "on")
     except (RuntimeError, ValueError) as e:
         print(f"smartcoll switch: {e}", file=sys.stderr)
         return 1
