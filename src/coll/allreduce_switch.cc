@@ -1,5 +1,5 @@
 // In-network aggregation: every rank sends its vector to the aggregation switches in chunks and receives the
-// sums (switch/client.h). It drives its own UDP protocol, so it runs alone (a task with `exclusive`).
+// sums (switch/client.h). With a codec, float32 chunks travel encoded and the switch sums them in float32. It drives its own UDP protocol, so it runs alone (a task with `exclusive`).
 //
 // With switch_fallback=ring, a switch that stops answering does not fail the call: after its switch part, every
 // rank tells every other (one byte over TCP) whether it finished. If one did not, the ranks share which chunks
@@ -47,9 +47,9 @@ void ring_in_place(Transport& t, char* x, size_t m, DataType dt, ReduceOp op) {
 
 // Finishes a call the switches did not: done[c] says which chunks this rank has.
 void finish_with_ring(Transport& t, const sw::Client& client, const Args& a, DataType dt, ReduceOp op,
-                      const std::vector<uint8_t>& done) {
+                      const Codec* codec, const std::vector<uint8_t>& done) {
   const int n = t.size(), r = t.rank();
-  const size_t chunks = done.size(), per = client.chunk_elems(dt), esize = dtype_size(dt);
+  const size_t chunks = done.size(), per = client.chunk_elems(dt, codec), esize = dtype_size(dt);
   auto bytes_of = [&](size_t c) { return (std::min(per, a.count - c * per)) * esize; };
   std::vector<uint8_t> all(chunks * static_cast<size_t>(n));
   exchange(t, done.data(), all.data(), chunks);
@@ -101,16 +101,16 @@ void finish_with_ring(Transport& t, const sw::Client& client, const Args& a, Dat
   }
 }
 
-void run(sw::Path& path, Transport& t, const Args& a, DataType dt, ReduceOp op) {
+void run(sw::Path& path, Transport& t, const Args& a, DataType dt, ReduceOp op, const Codec* codec) {
   const size_t bytes = a.count * dtype_size(dt);
   if (path.gone) {
     if (a.out != a.in) std::memcpy(a.out, a.in, bytes);
     return ring_in_place(t, a.out, a.count, dt, op);
   }
-  std::vector<uint8_t> done(path.client->chunks(a.count, dt), 0);
+  std::vector<uint8_t> done(path.client->chunks(a.count, dt, codec), 0);
   std::string failure;
   try {
-    path.client->allreduce(a.in, a.out, a.count, dt, op, done);
+    path.client->allreduce(a.in, a.out, a.count, dt, op, codec, done);
   } catch (const sw::SwitchGone& e) {
     if (!path.fallback_ring) throw CommError(std::string(e.what()) + " (switch_fallback=fail)");
     failure = e.what();
@@ -127,7 +127,7 @@ void run(sw::Path& path, Transport& t, const Args& a, DataType dt, ReduceOp op) 
       << (failure.empty() ? "rank(s) " + who + " lost the switch" : failure)
       << "; every rank finishes this call, and makes every later one, with the ring (switch_fallback=ring)";
   path.gone = true;
-  finish_with_ring(t, *path.client, a, dt, op, done);
+  finish_with_ring(t, *path.client, a, dt, op, codec, done);
 }
 
 }  // namespace
@@ -137,7 +137,10 @@ void allreduce_switch(Builder& b, const Args& a) {
   Transport* t = b.cx.transport;
   const DataType dt = b.spec.dtype;
   const ReduceOp op = b.spec.op;
-  b.exclusive([path, t, a, dt, op] { run(*path, *t, a, dt, op); });
+  const Codec codec = b.spec.codec;  // identity: raw elements
+  b.exclusive([path, t, a, dt, op, codec] {
+    run(*path, *t, a, dt, op, codec.kind() == CodecKind::identity ? nullptr : &codec);
+  });
 }
 
 }  // namespace smartcoll::coll

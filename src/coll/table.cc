@@ -14,7 +14,7 @@ std::string needs_cma(const Query& q) {
   return q.cma_usable ? "" : "the same-host path is not usable here (see Communicator.cma_unusable_reason)";
 }
 std::string needs_switch(const Query& q) {
-  if (q.compressed) return "it does not support codecs; use ring";
+  // Codecs too: the switch decodes, sums in float32 and encodes the result once.
   return q.switch_set ? "" : "no aggregation switch is set: SMARTCOLL_SWITCH=host:port (start one with smartcoll switch)";
 }
 double ring_wire(int n) { return 2.0 * (n - 1) / n; }

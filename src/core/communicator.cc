@@ -264,6 +264,7 @@ void Communicator::join_switches() {
   settings.packet = config_->switch_packet;
   settings.full_auth = config_->switch_full_auth;
   settings.offload = config_->switch_offload;
+  settings.codec = config_->codec;
   settings.switch_timeout = config_->switch_timeout;
   settings.timeout = config_->timeout;
   const auto limit = std::chrono::milliseconds(static_cast<int64_t>(config_->connect_timeout * 1000));

@@ -50,6 +50,7 @@ struct Aggregator::Slot {
   uint64_t result_seq = kIdle;  // the chunk whose result `result` holds: the shadow copy
   uint32_t call = 0;
   uint16_t count = 0, arrived = 0, first_rank = 0;
+  uint8_t codec = 0;  // the header's codec byte: kEncoded when the contributions are encoded
   DataType dtype = DataType::f32;
   ReduceOp op = ReduceOp::sum;
   bool poisoned = false;  // workers sent different calls to this chunk: it never completes
@@ -66,6 +67,7 @@ struct Aggregator::Job {
   uint16_t world = 0;
   uint32_t window = 0, max_payload = 0;
   bool full_auth = false;
+  Codec codec;  // of its encoded chunks
   std::vector<Slot> slots;
   std::unique_ptr<uint8_t[]> memory;
   std::unique_ptr<JobCounters[]> counters;  // one per thread
@@ -80,11 +82,15 @@ struct alignas(64) Aggregator::Thread {
   std::array<Counter, kRejectReasons> malformed{};
   Counter datagrams{0}, unknown{0};
   uint8_t reply[kHeaderBytes + 256];
+  std::vector<float> sum;  // an encoded chunk's float32 sum (at most 65535 elements)
 };
 
 Aggregator::Aggregator(int threads, uint32_t slot_budget, bool require_full_auth)
     : threads_(threads), budget_(slot_budget), require_full_(require_full_auth) {
-  for (int t = 0; t < threads; ++t) per_thread_.push_back(std::make_unique<Thread>());
+  for (int t = 0; t < threads; ++t) {
+    per_thread_.push_back(std::make_unique<Thread>());
+    per_thread_.back()->sum.resize(UINT16_MAX);
+  }
 }
 
 Aggregator::~Aggregator() = default;
@@ -137,6 +143,8 @@ void Aggregator::join(int t, const Packet& p, const uint8_t* raw, const sockaddr
   std::memcpy(&body, p.payload, sizeof body);
   const SipKey key = SipKey::from_bytes(body.key);
   const bool full = body.full_auth != 0;
+  Codec codec;
+  const bool known_codec = get_codec(body, codec);
   // The secret is in the datagram, so its MAC only proves integrity; what binds the job is the first join.
   if (!authentic(p, raw, key, full)) {
     join_refused_.fetch_add(1, std::memory_order_relaxed);
@@ -159,7 +167,7 @@ void Aggregator::join(int t, const Packet& p, const uint8_t* raw, const sockaddr
         return;
       }
       if (job->world != p.h.world || job->window != body.window || job->max_payload != body.max_payload ||
-          job->full_auth != full) {
+          job->full_auth != full || !known_codec || !(job->codec == codec)) {
         ans.status = static_cast<uint32_t>(JoinStatus::conflict);
       } else if (job->left[p.h.rank]) {
         job->left[p.h.rank] = 0;
@@ -168,7 +176,7 @@ void Aggregator::join(int t, const Packet& p, const uint8_t* raw, const sockaddr
     } else {
       const size_t bytes = size_t{body.window} * (p.h.world + 1u) * body.max_payload;
       if (body.window == 0 || body.window > kMaxWindow || body.max_payload < 8 || body.max_payload > kMaxPayload ||
-          body.max_payload % 8 || bytes > kMaxJobBytes)
+          body.max_payload % 8 || bytes > kMaxJobBytes || !known_codec)
         ans.status = static_cast<uint32_t>(JoinStatus::too_large);
       else if (require_full_ && !full)
         ans.status = static_cast<uint32_t>(JoinStatus::needs_full_auth);
@@ -182,6 +190,7 @@ void Aggregator::join(int t, const Packet& p, const uint8_t* raw, const sockaddr
         job->window = body.window;
         job->max_payload = body.max_payload;
         job->full_auth = full;
+        job->codec = codec;
         job->left.assign(job->world, 0);
         job->counters = std::make_unique<JobCounters[]>(static_cast<size_t>(threads_));
         const size_t per_slot = size_t{job->world} * job->max_payload + kHeaderBytes + job->max_payload;
@@ -240,8 +249,11 @@ void Aggregator::contribute(int t, const Packet& p, const uint8_t* raw, const so
   JobCounters& c = job->counters[t];
   auto drop = [&](Drop why) { bump(c.drops[static_cast<size_t>(why)]); };
   if (!authentic(p, raw, job->key, job->full_auth)) return drop(Drop::bad_mac);
+  // An encoded chunk must be one the job's codec makes (identity: the job sends none).
+  const bool bad_codec = h.codec == kEncoded && job->codec.kind() == CodecKind::identity;
   if (h.world != job->world || h.slot >= job->window || h.slot % threads_ != static_cast<uint32_t>(t) ||
-      h.seq % job->window != h.slot || p.payload_len > job->max_payload)
+      h.seq % job->window != h.slot || p.payload_len > job->max_payload || bad_codec ||
+      p.payload_len != payload_bytes(h, job->codec))
     return drop(Drop::bad_field);
   job->last_active.store(ticks(now), std::memory_order_relaxed);
   if (h.flags & kRetransmit) bump(c.retransmits);
@@ -260,6 +272,7 @@ void Aggregator::contribute(int t, const Packet& p, const uint8_t* raw, const so
     s.count = h.count;
     s.dtype = h.dtype;
     s.op = h.op;
+    s.codec = h.codec;
     s.arrived = 0;
     s.first_rank = h.rank;
     s.poisoned = false;
@@ -268,7 +281,8 @@ void Aggregator::contribute(int t, const Packet& p, const uint8_t* raw, const so
   } else if (h.seq != s.seq) {
     return drop(h.seq < s.seq ? Drop::stale : Drop::early);
   }
-  if (s.poisoned || h.call != s.call || h.count != s.count || h.dtype != s.dtype || h.op != s.op) {
+  if (s.poisoned || h.call != s.call || h.count != s.count || h.dtype != s.dtype || h.op != s.op ||
+      h.codec != s.codec) {
     // Workers disagree on the call. Nothing of this chunk is ever summed; each of them is told.
     s.poisoned = true;
     drop(Drop::mismatch);
@@ -293,9 +307,18 @@ void Aggregator::contribute(int t, const Packet& p, const uint8_t* raw, const so
   // Everyone is in: sum in rank order into the result datagram, which stays as the shadow copy. Overwriting the
   // previous shadow is safe: every worker has sent this chunk, so every worker had the previous result.
   uint8_t* res = s.result + kHeaderBytes;
-  std::memcpy(res, s.contrib, p.payload_len);
-  for (int r = 1; r < job->world; ++r)
-    reduce(s.dtype, s.op, res, res, s.contrib + size_t{static_cast<unsigned>(r)} * job->max_payload, s.count);
+  auto contribution = [&](int r) { return s.contrib + size_t{static_cast<unsigned>(r)} * job->max_payload; };
+  if (s.codec == kEncoded) {
+    // Decoded and summed in float32, encoded once: every worker decodes the same bits, and the rounding of the
+    // result happens once whatever the number of workers.
+    float* sum = per_thread_[static_cast<size_t>(t)]->sum.data();
+    job->codec.decode(contribution(0), s.count, sum);
+    for (int r = 1; r < job->world; ++r) job->codec.decode_add(contribution(r), s.count, sum, sum);
+    job->codec.encode(sum, s.count, res);
+  } else {
+    std::memcpy(res, contribution(0), p.payload_len);
+    for (int r = 1; r < job->world; ++r) reduce(s.dtype, s.op, res, res, contribution(r), s.count);
+  }
   Header rh = h;
   rh.type = Type::result;
   rh.flags = job->full_auth ? kFullAuth : 0;

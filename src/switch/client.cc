@@ -123,6 +123,7 @@ void Client::join() {
     body.window = settings_.window;
     body.max_payload = settings_.packet;
     body.full_auth = settings_.full_auth;
+    put_codec(body, settings_.codec);
     const Header h = header(Type::join);
     uint8_t datagram[kHeaderBytes + sizeof body];
     std::memcpy(datagram + kHeaderBytes, &body, sizeof body);
@@ -190,9 +191,26 @@ void Client::leave() {
   }
 }
 
-void Client::allreduce(const char* in, char* out, size_t count, DataType dt, ReduceOp op,
+size_t Client::chunk_elems(DataType dt, const Codec* codec) const {
+  if (!codec) return settings_.packet / dtype_size(dt);
+  // Whole blocks, as many as fit the packet and the header's 16-bit count.
+  const size_t block = codec->block_elems(), block_bytes = codec->encoded_size(block);
+  return std::max<size_t>(1, std::min(settings_.packet / block_bytes, UINT16_MAX / block)) * block;
+}
+
+void Client::allreduce(const char* in, char* out, size_t count, DataType dt, ReduceOp op, const Codec* codec,
                        std::vector<uint8_t>& done) {
-  const size_t esize = dtype_size(dt), per = chunk_elems(dt), total = chunks(count, dt), k = remotes_.size();
+  if (codec && !(*codec == settings_.codec))
+    throw InvalidArgument("codec '" + codec->name() + "' with algo=switch: the job joined its switches with codec '" +
+                          settings_.codec.name() + "' (SMARTCOLL_CODEC); a call may use that one or none");
+  const size_t esize = dtype_size(dt), per = chunk_elems(dt, codec), total = chunks(count, dt, codec),
+               k = remotes_.size();
+  // Encoded once: chunk c is bytes [c, c + 1) x encoded_size(per) (whole blocks encode alike in pieces).
+  const size_t enc_per = codec ? codec->encoded_size(per) : 0;
+  if (codec) {
+    encoded_.resize(codec->encoded_size(count));
+    codec->encode(reinterpret_cast<const float*>(in), count, encoded_.data());
+  }
   const uint32_t call = call_digest(calls_++, count, dt, op);
   const ReduceOp wire_op = op == ReduceOp::avg ? ReduceOp::sum : op;  // avg: the sum, divided here
   const uint32_t window = settings_.window;
@@ -224,11 +242,14 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
     h.call = call;
     h.count = static_cast<uint16_t>(len);
     h.op = wire_op;
-    write_header(h, key_, in + off * esize, len * esize, f.header);
+    h.codec = codec ? kEncoded : 0;
+    const void* payload = codec ? static_cast<const void*>(encoded_.data() + f.chunk * enc_per) : in + off * esize;
+    const size_t bytes = codec ? codec->encoded_size(len) : len * esize;
+    write_header(h, key_, payload, bytes, f.header);
     sockaddr_in to = r.addr;
     to.sin_port = htons(static_cast<uint16_t>(r.ep.port + h.slot % r.threads));
     if (batch_.full()) batch_.flush(fd_.get());
-    batch_.add(to, f.header, kHeaderBytes, in + off * esize, len * esize);
+    batch_.add(to, f.header, kHeaderBytes, payload, bytes);
   };
   const double max_rto = std::min(0.25, settings_.switch_timeout / 4);
   auto rto = [&](const Remote& r, const Flight& f) {
@@ -270,9 +291,14 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
     }
     if (h.type != Type::result) return;
     const size_t off = f.chunk * per, len = std::min(per, count - off);
-    if (h.count != len || h.dtype != dt || h.call != call) return;  // cannot be ours: never used
+    if (h.count != len || h.dtype != dt || h.call != call || h.codec != (codec ? kEncoded : 0) ||
+        got.pkt.payload_len != payload_bytes(h, settings_.codec))
+      return;  // cannot be ours: never used
     char* dst = out + off * esize;
-    std::memcpy(dst, got.pkt.payload, len * esize);
+    if (codec)
+      codec->decode(got.pkt.payload, len, reinterpret_cast<float*>(dst));
+    else
+      std::memcpy(dst, got.pkt.payload, len * esize);
     if (op == ReduceOp::avg) scale_divide(dt, dst, len, world_);
     if (f.tries == 0) {  // Karn: only first transmissions time the round trip
       const double sample = Seconds(now - f.sent).count();

@@ -32,6 +32,7 @@ struct ClientSettings {
   uint32_t packet = 1408;   // payload bytes per datagram (a multiple of 8)
   bool full_auth = false;   // the MAC covers payloads too
   bool offload = true;      // UDP segmentation offload (GSO on send, GRO on receive; udp.h)
+  Codec codec;              // the job's codec for float32 sums (identity: none); calls may also go raw
   double switch_timeout = 2;  // seconds of silence after which a switch is gone
   double timeout = 60;        // seconds without any result before the call fails
 };
@@ -49,12 +50,17 @@ class Client {
   // Joins the job to every switch. Throws SwitchGone when one does not answer within switch_timeout, CommError
   // when one refuses (saying why).
   void join();
-  size_t chunk_elems(DataType dt) const { return settings_.packet / dtype_size(dt); }
-  size_t chunks(size_t count, DataType dt) const { return (count + chunk_elems(dt) - 1) / chunk_elems(dt); }
+  // Elements per chunk: a packet's worth, raw or encoded with `codec` (null: raw; a whole number of blocks).
+  size_t chunk_elems(DataType dt, const Codec* codec) const;
+  size_t chunks(size_t count, DataType dt, const Codec* codec) const {
+    return (count + chunk_elems(dt, codec) - 1) / chunk_elems(dt, codec);
+  }
   // One allreduce through the switches; done[c] becomes 1 for each chunk c whose result is in `out` (avg already
-  // divided). Throws SwitchGone when a switch stops answering, CommError when the call cannot complete (ranks
-  // disagree, or no result for `timeout` seconds, naming the ranks the switch waits for).
-  void allreduce(const char* in, char* out, size_t count, DataType dt, ReduceOp op, std::vector<uint8_t>& done);
+  // divided). With `codec` (float32 sum or avg; it must be the job's), chunks travel encoded and the switch sums
+  // them in float32. Throws SwitchGone when a switch stops answering, CommError when the call cannot complete
+  // (ranks disagree, or no result for `timeout` seconds, naming the ranks the switch waits for).
+  void allreduce(const char* in, char* out, size_t count, DataType dt, ReduceOp op, const Codec* codec,
+                 std::vector<uint8_t>& done);
   std::string name(size_t j) const;  // "switch 10.0.0.1:7000"
 
  private:
@@ -73,6 +79,7 @@ class Client {
   bool joined_ = false;
   udp::SendBatch batch_;
   udp::RecvBatch inbox_;
+  std::vector<uint8_t> encoded_;  // the call's input, encoded
 };
 
 // What a communicator keeps for the switch algorithm between calls (coll/allreduce_switch.cc).

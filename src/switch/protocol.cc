@@ -1,5 +1,6 @@
 #include "switch/protocol.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 
@@ -60,7 +61,7 @@ Parsed parse(const uint8_t* data, size_t len) {
   if (data[7] >= std::size(kAllDataTypes)) return reject(Reject::bad_dtype);
   // avg never travels: workers send sums and divide the result themselves.
   if (data[38] > static_cast<uint8_t>(ReduceOp::max)) return reject(Reject::bad_op);
-  if (data[39] != 0) return reject(Reject::bad_codec);
+  if (data[39] > kEncoded) return reject(Reject::bad_codec);
   Header& h = out.pkt.h;
   h.type = static_cast<Type>(data[5]);
   h.flags = data[6];
@@ -82,10 +83,12 @@ Parsed parse(const uint8_t* data, size_t len) {
   size_t expect = expected_payload(h);
   if (expect == SIZE_MAX) {
     const size_t esize = dtype_size(h.dtype);
-    if (h.count == 0 || h.count * esize > kMaxPayload) return reject(Reject::bad_count);
-    expect = h.count * esize;
-  } else if (h.count != 0) {
-    return reject(Reject::bad_count);
+    if (h.count == 0 || (h.codec == 0 && h.count * esize > kMaxPayload)) return reject(Reject::bad_count);
+    // Encoded: only float32 sums; the length depends on the job's codec, which the receiver checks.
+    if (h.codec == kEncoded && (h.dtype != DataType::f32 || h.op != ReduceOp::sum)) return reject(Reject::bad_codec);
+    expect = h.codec == kEncoded ? std::clamp<size_t>(payload, 1, kMaxPayload) : h.count * esize;
+  } else if (h.count != 0 || h.codec != 0) {
+    return reject(h.count != 0 ? Reject::bad_count : Reject::bad_codec);
   }
   if (payload != expect) return reject(Reject::bad_length);
   out.pkt.payload = data + kHeaderBytes;
@@ -123,6 +126,41 @@ bool authentic(const Packet& p, const uint8_t* raw, const SipKey& key, bool need
   if (need_full && !full) return false;
   // One 64-bit comparison: its time does not depend on where the values differ.
   return compute_mac(key, raw, p.payload, p.payload_len, full) == p.h.mac;
+}
+
+void put_codec(JoinBody& body, const Codec& codec) {
+  body.codec = static_cast<uint8_t>(codec.kind());
+  body.codec_mant = static_cast<uint8_t>(codec.mant_bits());
+  body.codec_exp = static_cast<uint8_t>(codec.exp_bits());
+  body.codec_block = static_cast<uint16_t>(codec.block());
+}
+
+bool get_codec(const JoinBody& body, Codec& codec) {
+  const auto kind = static_cast<CodecKind>(body.codec);
+  try {
+    if (kind == CodecKind::bfp) {
+      codec = Codec::parse("bfp:block=" + std::to_string(body.codec_block) + ",mant=" +
+                           std::to_string(body.codec_mant) + ",exp=" + std::to_string(body.codec_exp));
+      return true;
+    }
+    if (kind == CodecKind::identity) {
+      codec = Codec();
+      return true;
+    }
+    for (const std::string& name : Codec::names()) {
+      const Codec c = Codec::parse(name);
+      if (c.kind() == kind && c.kind() != CodecKind::bfp) {
+        codec = c;
+        return true;
+      }
+    }
+  } catch (const InvalidArgument&) {
+  }
+  return false;
+}
+
+size_t payload_bytes(const Header& h, const Codec& codec) {
+  return h.codec == kEncoded ? codec.encoded_size(h.count) : h.count * dtype_size(h.dtype);
 }
 
 uint64_t job_tag(const SipKey& key, std::string_view job_id) { return siphash24(key, job_id.data(), job_id.size()); }

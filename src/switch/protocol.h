@@ -12,12 +12,13 @@
 #include <string_view>
 
 #include "core/siphash.h"
+#include "smartcoll/codec.h"
 #include "smartcoll/types.h"
 
 namespace smartcoll::sw {
 
 inline constexpr uint32_t kMagic = 0x57534353;  // the bytes "SCSW"
-inline constexpr uint8_t kVersion = 1;
+inline constexpr uint8_t kVersion = 2;  // 2: encoded payloads (codec byte 1) and the codec in join
 inline constexpr size_t kHeaderBytes = 48;
 inline constexpr size_t kMacOffset = 40;  // the MAC covers bytes [0, 40) of the header
 inline constexpr size_t kMaxPayload = 32768;
@@ -55,20 +56,32 @@ struct Header {
   uint16_t world = 0;  // workers in the job
   uint16_t count = 0;  // elements in the payload (contribution, result)
   ReduceOp op = ReduceOp::sum;
-  uint8_t codec = 0;  // 0: raw elements (the only one so far)
+  uint8_t codec = 0;  // 0: raw elements; kEncoded: float32 sums encoded with the job's codec (JoinBody)
   uint64_t mac = 0;
 };
 
+// The header's codec byte: a contribution or result whose payload is `count` float32 elements encoded with the
+// job's codec (sum only), which the switch decodes, sums in float32 and encodes once for every worker.
+inline constexpr uint8_t kEncoded = 1;
+
 // join's payload: the job's secret (trust on first use: the first join of a job id binds it), its window, the
-// largest payload it sends and whether every datagram is fully authenticated.
+// largest payload it sends, whether every datagram is fully authenticated, and the codec of its encoded chunks.
 struct JoinBody {
   uint8_t key[16];
   uint32_t window;
   uint32_t max_payload;
   uint8_t full_auth;
-  uint8_t pad[7];
+  uint8_t codec;  // CodecKind (0: identity: the job sends no encoded chunks)
+  uint8_t codec_mant, codec_exp;
+  uint16_t codec_block;
+  uint8_t pad[2];
 };
 static_assert(sizeof(JoinBody) == 32);
+void put_codec(JoinBody& body, const Codec& codec);
+// The codec a join asks for; false when its fields name none (the join is refused as too_large).
+bool get_codec(const JoinBody& body, Codec& codec);
+// Payload bytes of `count` elements of a contribution or result: raw, or encoded with `codec`.
+size_t payload_bytes(const Header& h, const Codec& codec);
 
 enum class JoinStatus : uint32_t { ok = 0, no_room = 1, needs_full_auth = 2, too_large = 3, conflict = 4 };
 struct JoinedBody {

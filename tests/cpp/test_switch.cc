@@ -5,10 +5,12 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <cmath>
 #include <random>
 
 #include "core/siphash.h"
 #include "ranks.h"
+#include "smartcoll/codec.h"
 #include "smartcoll/comm.h"
 #include "smartcoll/reduce.h"
 #include "switch/aggregator.h"
@@ -115,13 +117,24 @@ TEST(SwitchProtocol, RejectsEachBadFieldForItsReason) {
   EXPECT_EQ(parse(good.data(), kHeaderBytes - 1).why, Reject::short_datagram);
   EXPECT_EQ(parse(nullptr, 0).why, Reject::short_datagram);
   EXPECT_EQ(with(0, 'X'), Reject::bad_magic);
-  EXPECT_EQ(with(4, 2), Reject::bad_version);
+  EXPECT_EQ(with(4, 1), Reject::bad_version);  // version 1 had no encoded payloads
+  EXPECT_EQ(with(4, 3), Reject::bad_version);
   EXPECT_EQ(with(5, 0), Reject::bad_type);
   EXPECT_EQ(with(5, 8), Reject::bad_type);
   EXPECT_EQ(with(6, 0x80), Reject::bad_flags);
   EXPECT_EQ(with(7, 8), Reject::bad_dtype);
   EXPECT_EQ(with(38, static_cast<uint8_t>(ReduceOp::avg)), Reject::bad_op);  // avg never travels
-  EXPECT_EQ(with(39, 1), Reject::bad_codec);
+  EXPECT_EQ(with(39, 2), Reject::bad_codec);
+  EXPECT_EQ(with(39, kEncoded), Reject::none);  // float32 sum: its length is the job's codec's to check
+  {
+    auto enc = good;
+    enc[39] = kEncoded;
+    enc[7] = static_cast<uint8_t>(DataType::i32);
+    EXPECT_EQ(parse(enc.data(), enc.size()).why, Reject::bad_codec);  // only float32 sums travel encoded
+    enc[7] = static_cast<uint8_t>(DataType::f32);
+    enc[38] = static_cast<uint8_t>(ReduceOp::max);
+    EXPECT_EQ(parse(enc.data(), enc.size()).why, Reject::bad_codec);
+  }
   EXPECT_EQ(with(34, 0), Reject::bad_world);  // world 0 (low byte; high byte is 0)
   EXPECT_EQ(with(32, 4), Reject::bad_rank);   // rank 4 of 4
   EXPECT_EQ(with(27, 0xff), Reject::bad_slot);
@@ -707,6 +720,96 @@ TEST(SwitchAllreduce, OffloadJoinsDatagramsBothWays) {
   EXPECT_LT(s.messages_out * 2, s.datagrams_out) << "results to one worker should leave together";
   EXPECT_GT(s.joined_in, 0u) << "the kernel should join a worker's contributions (UDP_GRO)";
   EXPECT_EQ(s.offload_refused, 0u);
+}
+
+namespace e2e {
+
+// Values spread over several orders of magnitude, different on every rank.
+std::vector<float> spread(int rank, size_t count) {
+  std::mt19937 gen(1234 + rank);
+  std::uniform_real_distribution<float> u(-1, 1);
+  std::vector<float> v(count);
+  for (size_t i = 0; i < count; ++i) v[i] = u(gen) * std::ldexp(1.0f, static_cast<int>(i / 64 % 12) - 6);
+  return v;
+}
+
+// Every rank's result of one allreduce (float32 sum) through a switch with `codec`.
+std::vector<std::vector<float>> codec_run(const SwitchOptions& o, int world, size_t count,
+                                          std::map<std::string, std::string> extra) {
+  Running sw(o);
+  std::vector<std::vector<float>> got(static_cast<size_t>(world));
+  harness::run_ranks(world, [&](Communicator& comm) {
+    const auto x = spread(comm.rank(), count);
+    std::vector<float> y(count);
+    comm.allreduce(x.data(), y.data(), count, DataType::f32, ReduceOp::sum, Algorithm::switch_)->wait();
+    got[static_cast<size_t>(comm.rank())] = y;
+  }, switch_options(sw.address(), extra));
+  return got;
+}
+
+}  // namespace e2e
+
+TEST(SwitchAllreduce, CodecChunksAreSummedInFloat32AtTheSwitch) {
+  constexpr int kWorld = 4;
+  constexpr size_t kCount = 50003;  // a partial last block and a partial last chunk
+  const std::map<std::string, std::string> knobs{{"codec", "bfp16"}, {"switch_packet", "4096"},
+                                                 {"switch_slots", "32"}};
+  const auto got = e2e::codec_run({}, kWorld, kCount, knobs);
+  // One encoded result for everyone: the same bits on every rank.
+  for (int r = 1; r < kWorld; ++r) ASSERT_EQ(std::memcmp(got[r].data(), got[0].data(), kCount * 4), 0) << r;
+  // Against the float64 sum: each input rounded once (bound relative to its block's largest magnitude), the
+  // float32 sum, and the result rounded once (relative to the sum's block), whatever the number of ranks.
+  const Codec codec = Codec::parse("bfp16");
+  const ErrorBound eb = codec.error_bound();
+  const size_t block = codec.block_elems();
+  std::vector<std::vector<float>> x;
+  for (int r = 0; r < kWorld; ++r) x.push_back(e2e::spread(r, kCount));
+  std::vector<double> exact(kCount, 0.0);
+  for (size_t i = 0; i < kCount; ++i)
+    for (int r = 0; r < kWorld; ++r) exact[i] += x[r][i];
+  double worst = 0;
+  for (size_t b0 = 0; b0 < kCount; b0 += block) {
+    const size_t b1 = std::min(kCount, b0 + block);
+    double inputs = 0, abs_sum = 0, sum_max = 0;
+    for (int r = 0; r < kWorld; ++r) {
+      double m = 0;
+      for (size_t i = b0; i < b1; ++i) m = std::max(m, std::abs(double{x[r][i]}));
+      inputs += eb.rel * m + eb.abs;
+      abs_sum += m;
+    }
+    for (size_t i = b0; i < b1; ++i) sum_max = std::max(sum_max, std::abs(exact[i]));
+    const double bound = inputs + kWorld * 0x1p-24 * (abs_sum + inputs) + eb.rel * (sum_max + inputs) + eb.abs;
+    for (size_t i = b0; i < b1; ++i) {
+      const double err = std::abs(double{got[0][i]} - exact[i]);
+      ASSERT_LE(err, bound) << "element " << i;
+      worst = std::max(worst, err / bound);
+    }
+  }
+  EXPECT_GT(worst, 0.01);  // the codec did round: the bound is not vacuous
+  // Loss, duplication and reordering change no bit.
+  SwitchOptions faulty;
+  faulty.threads = 2;
+  faulty.faults = {0.02, 0.02, 0.05, 5};
+  const auto again = e2e::codec_run(faulty, kWorld, kCount, knobs);
+  for (int r = 0; r < kWorld; ++r) ASSERT_EQ(std::memcmp(again[r].data(), got[0].data(), kCount * 4), 0) << r;
+}
+
+TEST(SwitchAllreduce, ACallWithAnotherCodecThanTheJobsIsRefused) {
+  e2e::Running sw;
+  harness::run_ranks(2, [&](Communicator& comm) {
+    // Without a codec (identity) a job joined with bfp16 sums raw floats.
+    std::vector<float> x(1000, 1.0f);
+    comm.allreduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum, Algorithm::switch_,
+                   Codec())->wait();
+    EXPECT_EQ(x[999], 2.0f);
+    try {
+      comm.allreduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum, Algorithm::switch_,
+                     Codec::parse("fp16"))->wait();
+      ADD_FAILURE() << "a call with codec fp16 went through a job joined with bfp16";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("joined its switches with codec 'bfp16'"), std::string::npos) << e.what();
+    }
+  }, e2e::switch_options(sw.address(), {{"codec", "bfp16"}}));
 }
 
 TEST(SwitchAllreduce, SurvivesLossDuplicationAndReordering) {
