@@ -19,6 +19,7 @@
 #include "smartcoll/knobs.h"
 #include "smartcoll/reduce.h"
 #include "smartcoll/store.h"
+#include "switch/query.h"
 #include "switch/server.h"
 
 namespace nb = nanobind;
@@ -210,6 +211,8 @@ NB_MODULE(_core, m) {
         out["jobs_joined"] = st.jobs_joined;
         out["jobs_left"] = st.jobs_left;
         out["jobs_expired"] = st.jobs_expired;
+        out["queries"] = st.queries;
+        out["queries_refused"] = st.queries_refused;
         out["send_calls"] = st.send_calls;
         out["messages_out"] = st.messages_out;
         out["datagrams_out"] = st.datagrams_out;
@@ -249,6 +252,13 @@ NB_MODULE(_core, m) {
         return out;
       }, "Counters: per switch (datagrams, malformed ones by reason, unknown jobs, joins refused, slots) and per "
          "job (contributions, results, bytes, retransmissions, shadow resends, duplicates, drops by cause).");
+
+  m.def("switch_query", [](const std::string& host, int port, double timeout) {
+    if (port < 1 || port > 65535) throw nb::value_error("port must be between 1 and 65535");
+    nb::gil_scoped_release release;
+    return sw::query_stats(host, static_cast<uint16_t>(port), timeout);
+  }, "host"_a, "port"_a, "timeout"_a = 2.0,
+     "The open counters of the aggregation switch at host:port (a stats query over UDP), as JSON text.");
 
   nb::class_<Request>(m, "Request")
       .def("test", &Request::test)

@@ -1,5 +1,7 @@
 #include "switch/aggregator.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "smartcoll/reduce.h"
@@ -83,6 +85,7 @@ struct alignas(64) Aggregator::Thread {
   Counter datagrams{0}, unknown{0};
   uint8_t reply[kHeaderBytes + 256];
   std::vector<float> sum;  // an encoded chunk's float32 sum (at most 65535 elements)
+  std::vector<uint8_t> answer;  // a stats answer
 };
 
 Aggregator::Aggregator(int threads, uint32_t slot_budget, bool require_full_auth)
@@ -121,6 +124,7 @@ void Aggregator::handle(int t, const uint8_t* data, size_t len, const sockaddr_i
     case Type::join: return join(t, p.pkt, data, from, out, now);
     case Type::leave: return leave(t, p.pkt, data);
     case Type::contribution: return contribute(t, p.pkt, data, from, out, now);
+    case Type::query: return answer_query(t, p.pkt, data, from, out, now);
     default: bump(th.malformed[static_cast<size_t>(Reject::bad_type)]);  // a switch's own kind of datagram
   }
 }
@@ -135,6 +139,80 @@ void Aggregator::reply(int t, const Job& job, Type type, const Header& about, co
   std::memcpy(buf + kHeaderBytes, body, len);
   write_header(h, job.key, buf + kHeaderBytes, len, buf);
   out.send(to, buf, kHeaderBytes + len, false);
+}
+
+namespace {
+
+void append(std::string& out, const char* fmt, auto... values) {
+  char buf[160];
+  const int n = std::snprintf(buf, sizeof buf, fmt, values...);
+  out.append(buf, static_cast<size_t>(std::clamp(n, 0, static_cast<int>(sizeof buf) - 1)));
+}
+
+std::string job_json(const JobStats& j) {
+  std::string out;
+  append(out, "{\"job\":\"%016llx\",\"world\":%d,\"window\":%u,\"busy_slots\":%u,\"full_auth\":%s,",
+         static_cast<unsigned long long>(j.job), j.world, j.window, j.busy_slots, j.full_auth ? "true" : "false");
+  append(out, "\"contributions\":%llu,\"bytes_in\":%llu,\"results\":%llu,\"bytes_out\":%llu,",
+         static_cast<unsigned long long>(j.contributions), static_cast<unsigned long long>(j.bytes_in),
+         static_cast<unsigned long long>(j.results), static_cast<unsigned long long>(j.bytes_out));
+  append(out, "\"resent\":%llu,\"duplicates\":%llu,\"retransmits\":%llu,\"idle_s\":%.3f,\"drops\":{",
+         static_cast<unsigned long long>(j.resent), static_cast<unsigned long long>(j.duplicates),
+         static_cast<unsigned long long>(j.retransmits), j.idle_s);
+  for (size_t d = 0; d < j.drops.size(); ++d)
+    append(out, "%s\"%s\":%llu", d ? "," : "", std::string(drop_name(static_cast<Drop>(d))).c_str(),
+           static_cast<unsigned long long>(j.drops[d]));
+  out += "}}";
+  return out;
+}
+
+}  // namespace
+
+std::string stats_json(const SwitchStats& s, size_t room) {
+  uint64_t malformed = 0;
+  for (uint64_t m : s.malformed) malformed += m;
+  std::string out;
+  append(out, "{\"version\":%d,\"threads\":%d,\"slots_total\":%u,\"slots_free\":%u,\"datagrams_in\":%llu,",
+         kVersion, s.threads, s.slots_total, s.slots_free, static_cast<unsigned long long>(s.datagrams_in));
+  append(out, "\"malformed\":%llu,\"unknown_job\":%llu,\"join_refused\":%llu,\"jobs_joined\":%llu,",
+         static_cast<unsigned long long>(malformed), static_cast<unsigned long long>(s.unknown_job),
+         static_cast<unsigned long long>(s.join_refused), static_cast<unsigned long long>(s.jobs_joined));
+  append(out, "\"jobs_left\":%llu,\"jobs_expired\":%llu,\"queries\":%llu,\"ended\":",
+         static_cast<unsigned long long>(s.jobs_left), static_cast<unsigned long long>(s.jobs_expired),
+         static_cast<unsigned long long>(s.queries));
+  out += job_json(s.ended);
+  out += ",\"jobs\":[";
+  const std::string tail_ok = "],\"truncated\":false}", tail_cut = "],\"truncated\":true}";
+  bool cut = false;
+  for (size_t i = 0; i < s.jobs.size() && !cut; ++i) {
+    const std::string j = (i ? "," : "") + job_json(s.jobs[i]);
+    if (out.size() + j.size() + tail_ok.size() > room)
+      cut = true;
+    else
+      out += j;
+  }
+  out += cut ? tail_cut : tail_ok;
+  return out.size() <= room ? out : std::string();
+}
+
+void Aggregator::answer_query(int t, const Packet& p, const uint8_t* raw, const sockaddr_in& from, Outbox& out,
+                              Clock::time_point now) {
+  // The answer is never longer than the query, so that a forged source address gains no amplification.
+  const std::string body = authentic(p, raw, kOpenKey, false) ? stats_json(stats(now), p.payload_len) : "";
+  if (body.empty()) {
+    queries_refused_.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  queries_.fetch_add(1, std::memory_order_relaxed);
+  std::vector<uint8_t>& buf = per_thread_[static_cast<size_t>(t)]->answer;
+  buf.resize(kHeaderBytes + body.size());
+  std::memcpy(buf.data() + kHeaderBytes, body.data(), body.size());
+  Header h = p.h;
+  h.type = Type::stats;
+  h.flags = kFullAuth;
+  h.rank = kAllRanks;
+  write_header(h, kOpenKey, buf.data() + kHeaderBytes, body.size(), buf.data());
+  out.send(from, buf.data(), buf.size(), false);
 }
 
 void Aggregator::join(int t, const Packet& p, const uint8_t* raw, const sockaddr_in& from, Outbox& out,
@@ -392,6 +470,8 @@ SwitchStats Aggregator::stats(Clock::time_point now) const {
   s.jobs_joined = jobs_joined_.load();
   s.jobs_left = jobs_left_.load();
   s.jobs_expired = jobs_expired_.load();
+  s.queries = queries_.load();
+  s.queries_refused = queries_refused_.load();
   std::lock_guard lock(mu_);
   s.slots_total = budget_;
   s.slots_free = budget_ - used_slots_;

@@ -64,12 +64,17 @@ struct SwitchStats {
   uint64_t unknown_job = 0;    // well-formed, but of no job this switch knows
   uint64_t join_refused = 0;   // joins refused (no room, too large, auth) or conflicting (another secret)
   uint64_t jobs_joined = 0, jobs_left = 0, jobs_expired = 0;
+  uint64_t queries = 0, queries_refused = 0;  // stats queries answered; refused (bad MAC, too little room)
   uint32_t slots_total = 0, slots_free = 0;
   int threads = 0;
   // The sockets' side (server.h): send system calls, kernel messages and datagrams out, segmented sends the
   // kernel refused, received messages that held several datagrams (UDP_GRO).
   uint64_t send_calls = 0, messages_out = 0, datagrams_out = 0, offload_refused = 0, joined_in = 0;
 };
+
+// The open counters of a query's answer (docs/wire-format.md): JSON of at most `room` bytes, jobs left out
+// (and "truncated": true) where they do not fit; empty when not even the switch's own counters fit.
+std::string stats_json(const SwitchStats& s, size_t room);
 
 class Aggregator {
  public:
@@ -96,6 +101,8 @@ class Aggregator {
   std::shared_ptr<Job> lookup(int t, uint64_t id);
   void join(int t, const Packet& p, const uint8_t* raw, const sockaddr_in& from, Outbox& out, Clock::time_point now);
   void leave(int t, const Packet& p, const uint8_t* raw);
+  void answer_query(int t, const Packet& p, const uint8_t* raw, const sockaddr_in& from, Outbox& out,
+                    Clock::time_point now);
   void contribute(int t, const Packet& p, const uint8_t* raw, const sockaddr_in& from, Outbox& out,
                   Clock::time_point now);
   JobStats snapshot(const Job& job, Clock::time_point now) const;
@@ -113,7 +120,8 @@ class Aggregator {
   uint32_t used_slots_ = 0;
   JobStats ended_;
   std::atomic<uint64_t> generation_{1};  // bumped whenever jobs_ changes: threads refresh their cached view
-  std::atomic<uint64_t> join_refused_{0}, jobs_joined_{0}, jobs_left_{0}, jobs_expired_{0};
+  std::atomic<uint64_t> join_refused_{0}, jobs_joined_{0}, jobs_left_{0}, jobs_expired_{0}, queries_{0},
+      queries_refused_{0};
 };
 
 }  // namespace smartcoll::sw

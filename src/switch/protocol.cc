@@ -22,7 +22,9 @@ void put(uint8_t* p, T v) {
   std::memcpy(p, &v, sizeof v);
 }
 
-bool worker_to_switch(Type t) { return t == Type::join || t == Type::contribution || t == Type::leave; }
+bool worker_to_switch(Type t) {
+  return t == Type::join || t == Type::contribution || t == Type::leave || t == Type::query;
+}
 
 // Payload bytes a type must carry (SIZE_MAX: count * element size).
 size_t expected_payload(const Header& h) {
@@ -32,6 +34,8 @@ size_t expected_payload(const Header& h) {
     case Type::pending: return (h.world + 7u) / 8u;
     case Type::error: return sizeof(ErrorBody);
     case Type::leave: return 0;
+    case Type::query:
+    case Type::stats: return SIZE_MAX - 1;  // any length up to kMaxPayload
     case Type::contribution:
     case Type::result: return SIZE_MAX;
   }
@@ -81,7 +85,10 @@ Parsed parse(const uint8_t* data, size_t len) {
   if (h.slot >= kMaxWindow) return reject(Reject::bad_slot);
   const size_t payload = len - kHeaderBytes;
   size_t expect = expected_payload(h);
-  if (expect == SIZE_MAX) {
+  if (expect == SIZE_MAX - 1) {
+    if (h.count != 0 || h.codec != 0) return reject(h.count != 0 ? Reject::bad_count : Reject::bad_codec);
+    expect = std::min(payload, kMaxPayload);
+  } else if (expect == SIZE_MAX) {
     const size_t esize = dtype_size(h.dtype);
     if (h.count == 0 || (h.codec == 0 && h.count * esize > kMaxPayload)) return reject(Reject::bad_count);
     // Encoded: only float32 sums; the length depends on the job's codec, which the receiver checks.

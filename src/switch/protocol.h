@@ -35,8 +35,12 @@ enum class Type : uint8_t {
   pending = 5,       // switch -> worker: a retransmitted chunk is still waiting; payload: bitmap of ranks in
   error = 6,         // switch -> worker: the chunk cannot complete; payload ErrorBody
   leave = 7,         // worker -> switch: this rank is done with the job
+  query = 8,         // anyone -> switch: asks for the open counters; payload: padding, the room for the answer
+  stats = 9,         // switch -> asker: the open counters as JSON, never longer than the query
 };
-inline constexpr uint8_t kLastType = 7;
+inline constexpr uint8_t kLastType = 9;
+// query and stats are open (docs/wire-format.md): their MAC uses this public key, so it only checks integrity.
+inline constexpr SipKey kOpenKey{0, 0};
 
 enum Flags : uint8_t {
   kFullAuth = 1,    // the MAC covers the payload too

@@ -15,6 +15,7 @@
 #include "smartcoll/reduce.h"
 #include "switch/aggregator.h"
 #include "switch/protocol.h"
+#include "switch/query.h"
 #include "switch/server.h"
 #include "transport/udp.h"
 #include "../fuzz/switch_fuzz.h"
@@ -120,7 +121,7 @@ TEST(SwitchProtocol, RejectsEachBadFieldForItsReason) {
   EXPECT_EQ(with(4, 1), Reject::bad_version);  // version 1 had no encoded payloads
   EXPECT_EQ(with(4, 3), Reject::bad_version);
   EXPECT_EQ(with(5, 0), Reject::bad_type);
-  EXPECT_EQ(with(5, 8), Reject::bad_type);
+  EXPECT_EQ(with(5, 10), Reject::bad_type);
   EXPECT_EQ(with(6, 0x80), Reject::bad_flags);
   EXPECT_EQ(with(7, 8), Reject::bad_dtype);
   EXPECT_EQ(with(38, static_cast<uint8_t>(ReduceOp::avg)), Reject::bad_op);  // avg never travels
@@ -810,6 +811,60 @@ TEST(SwitchAllreduce, ACallWithAnotherCodecThanTheJobsIsRefused) {
       EXPECT_NE(std::string(e.what()).find("joined its switches with codec 'bfp16'"), std::string::npos) << e.what();
     }
   }, e2e::switch_options(sw.address(), {{"codec", "bfp16"}}));
+}
+
+TEST(SwitchStatsQuery, AnswersWithTheJobsCountersWithoutTheSecret) {
+  e2e::Running sw;
+  const uint16_t port = sw.sw->port();
+  harness::run_ranks(3, [&](Communicator& comm) {
+    e2e::compare_with_ring<float>(comm, DataType::f32, ReduceOp::sum, 100000);
+    comm.barrier()->wait();
+    if (comm.rank() == 0) {  // while the job is there: its counters, by anyone who can reach the switch
+      const std::string json = query_stats("127.0.0.1", port, 2.0);
+      const SwitchStats s = sw.sw->stats();
+      ASSERT_EQ(s.jobs.size(), 1u);
+      char id[17];
+      std::snprintf(id, sizeof id, "%016llx", static_cast<unsigned long long>(s.jobs[0].job));
+      EXPECT_NE(json.find("\"job\":\"" + std::string(id) + "\",\"world\":3"), std::string::npos) << json;
+      EXPECT_NE(json.find("\"results\":" + std::to_string(s.jobs[0].results)), std::string::npos) << json;
+      EXPECT_GT(s.jobs[0].results, 0u);
+      EXPECT_NE(json.find("\"truncated\":false}"), std::string::npos) << json;
+      EXPECT_EQ(json.find("key"), std::string::npos);
+    }
+    comm.barrier()->wait();
+  }, e2e::switch_options(sw.address()));
+  // A query with less room than the answer needs is not answered (no amplification); a forged MAC neither.
+  net::Fd fd = udp::open("127.0.0.1", 0);
+  const sockaddr_in to = net::ipv4_address("127.0.0.1", port);
+  Header h;
+  h.type = Type::query;
+  h.world = 1;
+  std::vector<uint8_t> small(kHeaderBytes + 64, 0), forged(kHeaderBytes + 4096, 0);
+  write_header(h, kOpenKey, small.data() + kHeaderBytes, 64, small.data());
+  write_header(h, SipKey{1, 2}, forged.data() + kHeaderBytes, 4096, forged.data());
+  for (const auto* d : {&small, &forged})
+    ASSERT_EQ(::sendto(fd.get(), d->data(), d->size(), 0, reinterpret_cast<const sockaddr*>(&to), sizeof to),
+              static_cast<ssize_t>(d->size()));
+  SwitchStats s = sw.sw->stats();
+  for (int i = 0; i < 200 && s.queries_refused < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    s = sw.sw->stats();
+  }
+  EXPECT_EQ(s.queries_refused, 2u);
+  EXPECT_EQ(s.queries, 1u);
+  EXPECT_THROW(query_stats("127.0.0.1", 9, 0.3), CommError);  // nobody there: a clear error in time
+}
+
+TEST(SwitchStatsQuery, AnAnswerNeverExceedsItsRoom) {
+  SwitchStats s;
+  s.jobs.resize(50);
+  for (size_t i = 0; i < s.jobs.size(); ++i) s.jobs[i].job = i + 1;
+  const std::string all = stats_json(s, kMaxPayload);
+  EXPECT_NE(all.find("\"truncated\":false"), std::string::npos);
+  const std::string some = stats_json(s, all.size() / 2);
+  EXPECT_LE(some.size(), all.size() / 2);
+  EXPECT_NE(some.find("\"truncated\":true"), std::string::npos);
+  EXPECT_EQ(stats_json(s, 100), "");  // not even the switch's own counters fit
 }
 
 TEST(SwitchAllreduce, SurvivesLossDuplicationAndReordering) {

@@ -167,7 +167,7 @@ def test_two_jobs_share_a_switch(tmp_path, inproc_switch):
 
 def forged_contribution(job: int, mac: int, rank: int = 0, world: int = 2) -> bytes:
     """A well-formed contribution datagram (docs/wire-format.md) whose MAC is whatever the sender says."""
-    header = struct.pack("<4sBBBBQQIIHHHBBQ", b"SCSW", 1, 3, 0, 0, job, 0, 0, 0, rank, world, 4, 0, 0, mac)
+    header = struct.pack("<4sBBBBQQIIHHHBBQ", b"SCSW", 2, 3, 0, 0, job, 0, 0, 0, rank, world, 4, 0, 0, mac)
     return header + struct.pack("<4f", 1e9, 1e9, 1e9, 1e9)
 
 
@@ -273,3 +273,43 @@ def test_cli_rejects_a_port_in_use():
             env=clean_env(), capture_output=True, text=True, timeout=30,
         )
     assert proc.returncode == 1 and "choose another --listen port" in proc.stderr, proc.stderr
+
+
+def test_query_reads_a_running_jobs_counters(tmp_path, inproc_switch):
+    import threading
+
+    sw = inproc_switch()
+    outdir = tmp_path / "gated"
+    outdir.mkdir()
+    box = {}
+    t = threading.Thread(target=lambda: box.update(
+        results=run_ranks(2, ["gated", outdir], env=switch_env(f"127.0.0.1:{sw.port}"), timeout=60,
+                          worker=WORKER)))
+    t.start()
+    try:
+        open_gate(outdir, 2)
+        cli = [sys.executable, "-m", "smartcoll.tools.cli", "switch", "--query", f"127.0.0.1:{sw.port}"]
+        out = subprocess.run(cli + ["--query-interval", "0", "--json"], env=clean_env(), capture_output=True,
+                             text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        answer = json.loads(out.stdout)
+        (job,) = sw.stats()["jobs"]
+        (seen,) = answer["jobs"]
+        assert seen["job"] == job["job"] and seen["world"] == 2 and seen["window"] == job["window"], answer
+        assert seen["results"] > 0 and answer["jobs_joined"] == 1 and answer["truncated"] is False, answer
+        text = subprocess.run(cli + ["--query-interval", "0.2"], env=clean_env(), capture_output=True, text=True,
+                              timeout=30)
+        assert text.returncode == 0 and f"job {job['job']}: 2 ranks" in text.stdout, text
+    finally:
+        (outdir / "go").touch()
+        t.join(timeout=60)
+    assert_ok(outdir, 2, box["results"])
+    assert sw.stats()["queries"] == 3
+
+
+def test_query_of_nobody_fails_in_time():
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "smartcoll.tools.cli", "switch", "--query", "127.0.0.1:9",
+                          "--query-interval", "0"], env=clean_env(), capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "did not answer a stats query" in out.stderr, out
+    assert time.monotonic() - start < 15

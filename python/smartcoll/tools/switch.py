@@ -55,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stats-interval", type=float, default=10.0, metavar="SEC",
                         help="print counters every SEC seconds (0: only at exit; default 10)")
     parser.add_argument("--stats-json", metavar="PATH", help="also write the counters to PATH as JSON each time")
+    parser.add_argument("--query", type=parse_listen, metavar="ADDR:PORT",
+                        help="do not serve: ask the switch at ADDR:PORT for its open counters (twice, "
+                        "--query-interval apart, for throughput) and print them")
+    parser.add_argument("--query-interval", type=float, default=1.0, metavar="SEC",
+                        help="seconds between the two queries of --query (0: one query; default 1)")
+    parser.add_argument("--json", action="store_true", help="with --query: print the last answer as JSON")
     parser.add_argument("--duration", type=float, default=0.0, metavar="SEC", help="stop after SEC seconds (0: "
                         "run until SIGINT or SIGTERM)")
     faults = parser.add_argument_group("fault injection (for tests)")
@@ -72,7 +78,9 @@ def _mb_per_s(delta: float, seconds: float) -> str:
 
 def format_stats(stats: dict, previous: Optional[dict], elapsed: float, interval: float) -> list[str]:
     """Counter lines: the switch's, then one per job (throughput since `previous`, `interval` seconds ago)."""
-    malformed = sum(stats["malformed"].values())
+    malformed = stats["malformed"]
+    if isinstance(malformed, dict):  # by reason in process; a total in a query's answer
+        malformed = sum(malformed.values())
     lines = [
         f"[switch {elapsed:.1f} s] jobs {len(stats['jobs'])}, slots free {stats['slots_free']}/{stats['slots_total']},"
         f" datagrams in {stats['datagrams_in']}, dropped: malformed {malformed}, unknown job {stats['unknown_job']},"
@@ -100,9 +108,37 @@ def _write_json(path: str, stats: dict) -> None:
     os.replace(tmp, path)  # readers never see half a file
 
 
+def query(address: tuple[str, int], timeout: float = 2.0) -> dict:
+    """The open counters of the switch at `address` (docs/wire-format.md, "Stats query")."""
+    from .. import _core
+
+    return json.loads(_core.switch_query(address[0], address[1], timeout))
+
+
+def _main_query(args: argparse.Namespace) -> int:
+    try:
+        first = query(args.query)
+        start = time.monotonic()
+        stats, previous = first, None
+        if args.query_interval > 0:
+            time.sleep(args.query_interval)
+            stats, previous = query(args.query), first
+    except (RuntimeError, ValueError) as e:
+        print(f"smartcoll switch --query: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(stats))
+    else:
+        elapsed = time.monotonic() - start if previous else 0.0
+        print("\n".join(format_stats(stats, previous, elapsed, elapsed or 1.0)))
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     from .. import _core
 
+    if args.query:
+        return _main_query(args)
     host, port = args.listen
     try:
         sw = _core.Switch(host, port, args.threads, args.slots, args.job_timeout, args.auth == "full",
