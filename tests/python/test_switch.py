@@ -313,3 +313,43 @@ def test_query_of_nobody_fails_in_time():
                           "--query-interval", "0"], env=clean_env(), capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and "did not answer a stats query" in out.stderr, out
     assert time.monotonic() - start < 15
+
+
+_CLUSTER_CHECK = r"""
+import os, numpy as np, smartcoll
+assert os.environ["SMARTCOLL_SWITCH"].endswith(":7000"), os.environ.get("SMARTCOLL_SWITCH")
+with smartcoll.init(timeout=30) as comm:
+    x = ((np.arange(300000) + 7 * comm.rank) % 13 - 6).astype(np.float32)
+    ring = comm.allreduce(x, out=np.empty_like(x), algo="ring")
+    via_switch = comm.allreduce(x, out=np.empty_like(x), algo="switch")
+    assert np.array_equal(via_switch, ring), int(np.count_nonzero(via_switch != ring))
+    print(f"switch exact rank {comm.rank}")
+"""
+
+
+def test_cluster_starts_and_stops_its_aggregation_switch(tmp_path):
+    from cluster_fixture import cl, new_cluster
+    from conftest import run_cli
+
+    c = new_cluster(3, "1gbit", "switch", aggregator="switch", aggregator_threads=1)
+    try:
+        assert c.aggregator == f"{c.switch_addr}:7000" and cl.get(c.name).aggregator == c.aggregator
+        (server,) = cl._netns_pids(c.switch_ns)
+        script = tmp_path / "check.py"
+        script.write_text(_CLUSTER_CHECK)
+        result = run_cli("run", "--cluster", c.name, "-n", "3", "--timeout", "60", "--", sys.executable,
+                         str(script))
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert all(f"switch exact rank {r}" in result.stdout for r in range(3)), result.stdout
+        # The counters over the network, from a host: the job ran through this switch.
+        q = subprocess.run(c.exec_prefix(0) + [sys.executable, "-m", "smartcoll.tools.cli", "switch", "--query",
+                                              c.aggregator, "--query-interval", "0", "--json"],
+                           env=clean_env(), capture_output=True, text=True, timeout=30)
+        assert q.returncode == 0, q.stderr
+        answer = json.loads(q.stdout)
+        assert answer["jobs_joined"] == 1 and answer["ended"]["results"] + sum(
+            j["results"] for j in answer["jobs"]) > 0, answer
+    finally:
+        cl.down(c.name)
+    with pytest.raises(ProcessLookupError):
+        os.kill(server, 0)

@@ -33,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="one-way delay added to each link direction, e.g. 1ms (needs netem)")
     p.add_argument("--topology", choices=TOPOLOGIES, default="bridge",
                    help="bridge: one L2 segment; switch: a routed port per host (default: %(default)s)")
+    p.add_argument("--aggregator", nargs="?", const="switch", metavar="WHERE",
+                   help="start the aggregation switch (smartcoll switch, port 7000) in the switch namespace "
+                        "(the default WHERE, needs --topology switch) or on host WHERE (an index: the "
+                        "host-aggregator baseline); ranks started on the cluster get SMARTCOLL_SWITCH")
+    p.add_argument("--aggregator-threads", type=int, default=2, metavar="T",
+                   help="its aggregation threads (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the layout as JSON")
 
     p = named(actions.add_parser("down", help="remove a cluster (idempotent)"))
@@ -94,12 +100,14 @@ def run_cli(args: argparse.Namespace) -> int:
         action = args.cluster_action
         if action == "up":
             c = up(hosts=args.hosts, link=args.link, latency=args.latency, topology=args.topology,
-                   name=args.name)
+                   name=args.name, aggregator=args.aggregator, aggregator_threads=args.aggregator_threads)
             if args.json:
                 print(json.dumps(c.to_json(), indent=1))
             else:
                 print(f"cluster {c.name} up: {c.size} hosts on {c.rate} links ({c.topology}); master_addr "
                       f"{c.master_addr}, switch {c.switch_addr}")
+                if c.aggregator:
+                    print(f"  aggregation switch {c.aggregator} (SMARTCOLL_SWITCH for ranks on the cluster)")
                 for h in c.hosts:
                     print(f"  h{h.index}: ip netns exec {h.ns} ...   addr {h.addr}  "
                           f"SMARTCOLL_IFNAME={h.ifname}")

@@ -49,6 +49,7 @@ class Cluster:
     limit: int
     created: float = 0.0
     faults: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    aggregator: Optional[str] = None  # ADDR:PORT of the aggregation switch started with the cluster
 
     # -- layout ------------------------------------------------------------------------------------------
 
@@ -88,15 +89,19 @@ class Cluster:
 
     def env(self, rank: int) -> dict[str, str]:
         """Environment for a rank on host `rank`: SMARTCOLL_IFNAME, MASTER_ADDR (host 0's address), the
-        cluster's name, the host's index and the switch's address."""
+        cluster's name, the host's index and the switch's address; SMARTCOLL_SWITCH, the cluster's aggregation
+        switch, unless the caller's environment names one."""
         h = self.host(rank)
-        return {
+        env = {
             "SMARTCOLL_IFNAME": h.ifname,
             "MASTER_ADDR": self.master_addr,
             "SMARTCOLL_CLUSTER": self.name,
             "SMARTCOLL_CLUSTER_HOST": str(h.index),
             "SMARTCOLL_CLUSTER_SWITCH_ADDR": self.switch_addr,
         }
+        if self.aggregator and "SMARTCOLL_SWITCH" not in os.environ:
+            env["SMARTCOLL_SWITCH"] = self.aggregator
+        return env
 
     def popen(self, rank: int, cmd: Sequence[str], env: Optional[dict[str, str]] = None, **kwargs: Any
               ) -> subprocess.Popen:
@@ -231,12 +236,15 @@ def _sysctls(ns: str, settings: dict[str, str]) -> None:
 
 
 def up(hosts: int = 4, link: Union[str, int] = "1gbit", latency: Union[str, int, float, None] = None,
-       topology: str = "bridge", name: Optional[str] = None) -> Cluster:
+       topology: str = "bridge", name: Optional[str] = None, aggregator: Optional[str] = None,
+       aggregator_threads: int = 2) -> Cluster:
     """Creates a cluster of `hosts` namespaces on shaped links and returns it.
 
     link: tc rate, e.g. "1gbit". latency: one-way delay added to each direction of each link, e.g. "1ms"
     (needs netem). topology: "bridge" or "switch". name: defaults to a unique one (`unique_name()`; the
-    CLI's default is "default"); a cluster of the same name is removed first.
+    CLI's default is "default"); a cluster of the same name is removed first. aggregator: start `smartcoll
+    switch` there ("switch": the switch namespace; a host index: that host) with `aggregator_threads`
+    threads; the ranks' environment then names it (SMARTCOLL_SWITCH).
     """
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology must be one of {TOPOLOGIES}, not {topology!r}")
@@ -272,6 +280,11 @@ def up(hosts: int = 4, link: Union[str, int] = "1gbit", latency: Union[str, int,
         c.save()  # first, so that down() finds whatever part gets built
     try:
         _build(c)
+        if aggregator is not None:
+            from .aggregator import start
+
+            c.aggregator = start(c, aggregator, aggregator_threads)
+            c.save()
     except BaseException:
         down(name)
         raise
@@ -331,6 +344,8 @@ def down(name: Union[str, Cluster], grace: float = 1.0) -> list[str]:
             errors.append(f"{ns}: {proc.stderr.strip()}")
     with contextlib.suppress(FileNotFoundError, ClusterError):
         os.unlink(_state_path(name))
+    with contextlib.suppress(FileNotFoundError, ClusterError):
+        os.unlink(os.path.join(state_dir(), f"{name}.aggregator.log"))
     if errors:
         raise ClusterError(f"could not remove namespaces of cluster {name!r}: {'; '.join(errors)}")
     return namespaces
