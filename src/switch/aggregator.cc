@@ -86,6 +86,7 @@ struct alignas(64) Aggregator::Thread {
   uint8_t reply[kHeaderBytes + 256];
   std::vector<float> sum;  // an encoded chunk's float32 sum (at most 65535 elements)
   std::vector<uint8_t> answer;  // a stats answer
+  Clock::time_point next_query{};  // answers are rationed: a flood of queries cannot keep the thread busy
 };
 
 Aggregator::Aggregator(int threads, uint32_t slot_budget, bool require_full_auth)
@@ -197,14 +198,18 @@ std::string stats_json(const SwitchStats& s, size_t room) {
 
 void Aggregator::answer_query(int t, const Packet& p, const uint8_t* raw, const sockaddr_in& from, Outbox& out,
                               Clock::time_point now) {
-  // The answer is never longer than the query, so that a forged source address gains no amplification.
-  const std::string body = authentic(p, raw, kOpenKey, false) ? stats_json(stats(now), p.payload_len) : "";
+  // The answer is never longer than the query, so that a forged source address gains no amplification; at
+  // most one answer per thread every 10 ms.
+  Thread& th = *per_thread_[static_cast<size_t>(t)];
+  const bool due = now >= th.next_query;
+  const std::string body = due && authentic(p, raw, kOpenKey, false) ? stats_json(stats(now), p.payload_len) : "";
   if (body.empty()) {
     queries_refused_.fetch_add(1, std::memory_order_relaxed);
     return;
   }
+  th.next_query = now + std::chrono::milliseconds(10);
   queries_.fetch_add(1, std::memory_order_relaxed);
-  std::vector<uint8_t>& buf = per_thread_[static_cast<size_t>(t)]->answer;
+  std::vector<uint8_t>& buf = th.answer;
   buf.resize(kHeaderBytes + body.size());
   std::memcpy(buf.data() + kHeaderBytes, body.data(), body.size());
   Header h = p.h;

@@ -171,18 +171,25 @@ def forged_contribution(job: int, mac: int, rank: int = 0, world: int = 2) -> by
     return header + struct.pack("<4f", 1e9, 1e9, 1e9, 1e9)
 
 
-def test_forged_and_wrong_secret_senders_are_ignored_and_counted(tmp_path, inproc_switch):
-    sw = inproc_switch()
-    outdir = tmp_path / "gated"
-    outdir.mkdir()
+def start_gated(tmp_path: Path, port: int):
+    """Two ranks of the "gated" scenario on the switch at `port`, in a thread; returns (outdir, thread, box) once
+    both wait at the gate (touch outdir / "go" to let them on; box["results"] holds their outcome)."""
     import threading
 
+    outdir = tmp_path / "gated"
+    outdir.mkdir()
     box = {}
     t = threading.Thread(target=lambda: box.update(
-        results=run_ranks(2, ["gated", outdir], env=switch_env(f"127.0.0.1:{sw.port}"), timeout=60,
+        results=run_ranks(2, ["gated", outdir], env=switch_env(f"127.0.0.1:{port}"), timeout=60,
                           worker=WORKER)))
     t.start()
     open_gate(outdir, 2)
+    return outdir, t, box
+
+
+def test_forged_and_wrong_secret_senders_are_ignored_and_counted(tmp_path, inproc_switch):
+    sw = inproc_switch()
+    outdir, t, box = start_gated(tmp_path, sw.port)
     (job,) = [int(j["job"], 16) for j in sw.stats()["jobs"]]
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         to = ("127.0.0.1", sw.port)
@@ -276,18 +283,9 @@ def test_cli_rejects_a_port_in_use():
 
 
 def test_query_reads_a_running_jobs_counters(tmp_path, inproc_switch):
-    import threading
-
     sw = inproc_switch()
-    outdir = tmp_path / "gated"
-    outdir.mkdir()
-    box = {}
-    t = threading.Thread(target=lambda: box.update(
-        results=run_ranks(2, ["gated", outdir], env=switch_env(f"127.0.0.1:{sw.port}"), timeout=60,
-                          worker=WORKER)))
-    t.start()
+    outdir, t, box = start_gated(tmp_path, sw.port)
     try:
-        open_gate(outdir, 2)
         cli = [sys.executable, "-m", "smartcoll.tools.cli", "switch", "--query", f"127.0.0.1:{sw.port}"]
         out = subprocess.run(cli + ["--query-interval", "0", "--json"], env=clean_env(), capture_output=True,
                              text=True, timeout=30)
