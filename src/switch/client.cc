@@ -26,7 +26,7 @@ struct Flight {
   int tries = 0;
   uint64_t completed_at_send = 0;  // the switch's finished chunks when this one was (last) sent
   bool acked = false;              // the switch said it has this contribution (`pending`)
-  uint64_t sent_no = 0;            // its place in the order of sends to its switch (last send)
+  uint64_t sent_no = 0;            // its place in the order of sends to its switch thread (last send)
   uint8_t header[kHeaderBytes];
 };
 
@@ -56,8 +56,10 @@ struct Client::Remote {
   bool pending = false;          // a `pending` came during this call
   uint64_t completed = 0;        // chunks of this call finished on this switch
   Clock::time_point last_result;  // when the last of them came
-  uint64_t sends = 0;             // datagrams of chunks sent to this switch, ever
-  uint64_t newest_done = 0;       // the latest sent_no whose result came
+  // Per switch thread: datagrams of chunks sent to it, ever, and the latest sent_no whose result came. A thread
+  // handles its datagrams in order, and every rank sends in the same order, so its results come back in order
+  // unless something was lost.
+  std::vector<uint64_t> sends, newest_done;
 };
 
 std::vector<net::Endpoint> parse_switches(const std::string& text) {
@@ -173,6 +175,8 @@ void Client::join() {
           throw CommError(name(j) + " answered the join with impossible values (threads " +
                           std::to_string(ans.threads) + "); is it a compatible smartcoll switch?");
         r.threads = ans.threads;
+        r.sends.assign(r.threads, 0);
+        r.newest_done.assign(r.threads, 0);
         answered = true;
       }
     }
@@ -239,7 +243,7 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
     const size_t off = f.chunk * per, len = std::min(per, count - off);
     Header h = header(Type::contribution);
     if (f.tries) h.flags |= kRetransmit;
-    f.sent_no = ++r.sends;
+    f.sent_no = ++r.sends[h.slot % r.threads];
     h.dtype = dt;
     h.seq = f.seq;
     h.slot = static_cast<uint32_t>(f.seq % window);
@@ -314,7 +318,8 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
         r.srtt = 0.875 * r.srtt + 0.125 * sample;
       }
     }
-    r.newest_done = std::max(r.newest_done, f.sent_no);
+    uint64_t& newest = r.newest_done[h.slot % r.threads];
+    newest = std::max(newest, f.sent_no);
     f.busy = false;
     done[f.chunk] = 1;
     --left;
@@ -352,9 +357,9 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
     // Chunks whose result is overdue go again: when the switch has sent nothing for a while (the chunk or its
     // result may be lost), or when more chunks of this switch finished since it was sent than there are slots,
     // so that some sent after it finished before it (it was lost while others went through). Without waiting
-    // for the timeout (fast retransmit, as TCP's on duplicate acks): when the result of a chunk sent `slack`
-    // sends after it came back first, more than the switch's threads reorder, it was lost.
-    const uint64_t slack = std::max<uint64_t>(16, window / 4);
+    // for the timeout (fast retransmit, as TCP's on duplicate acks): when the results of `slack` chunks sent
+    // after it to the same switch thread came back first, it or its result was lost.
+    constexpr uint64_t slack = 8;
     wait_s = 0.05;
     for (size_t j = 0; j < k; ++j) {
       Remote& r = remotes_[j];
@@ -363,7 +368,7 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
         const double timeout_s = rto(r, f);
         const double due = timeout_s - Seconds(now - f.sent).count();
         const bool overtaken = r.completed - f.completed_at_send > window + 8;
-        const bool passed = !f.acked && r.newest_done > f.sent_no + slack;
+        const bool passed = !f.acked && r.newest_done[f.seq % window % r.threads] > f.sent_no + slack;
         if (passed || (due <= 0 && (overtaken || Seconds(now - r.last_result).count() >= timeout_s))) {
           ++f.tries;
           f.sent = now;
