@@ -243,10 +243,10 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
     const size_t off = f.chunk * per, len = std::min(per, count - off);
     Header h = header(Type::contribution);
     if (f.tries) h.flags |= kRetransmit;
-    f.sent_no = ++r.sends[h.slot % r.threads];
     h.dtype = dt;
     h.seq = f.seq;
     h.slot = static_cast<uint32_t>(f.seq % window);
+    f.sent_no = ++r.sends[h.slot % r.threads];
     h.call = call;
     h.count = static_cast<uint16_t>(len);
     h.op = wire_op;
