@@ -1,6 +1,7 @@
 // The switch's packet path as a fuzz target: fuzz_switch_packet(data, size) runs a datagram through parse() and
 // an aggregation switch that has a job registered. A datagram that parses is also fed again with its MAC made
-// right for that job, so that the slot logic sees arbitrary well-formed fields, not only forgeries.
+// right for that job (the open key for a query), so that the slot logic sees arbitrary well-formed fields, not
+// only forgeries. The job has a codec (bfp16), so that encoded chunks are decoded, summed and encoded too.
 #pragma once
 
 #include <cstring>
@@ -24,11 +25,12 @@ class Target {
  public:
   Target() : agg_(2, 64, false) {
     key_ = {0x0706050403020100ULL, 0x0f0e0d0c0b0a0908ULL};
-    for (uint16_t rank = 0; rank < 3; ++rank) {  // a job of 3 ranks, window 8, 64-byte payloads
+    for (uint16_t rank = 0; rank < 3; ++rank) {  // a job of 3 ranks, window 8, 64-byte payloads, bfp16
       JoinBody body{};
       key_.to_bytes(body.key);
       body.window = 8;
       body.max_payload = 64;
+      put_codec(body, Codec::parse("bfp16"));
       Header h;
       h.type = Type::join;
       h.job = kJob;
@@ -48,7 +50,8 @@ class Target {
     std::vector<uint8_t> copy(data, data + size);
     Header h = p.pkt.h;
     h.job = kJob;
-    write_header(h, key_, copy.data() + kHeaderBytes, size - kHeaderBytes, copy.data());
+    write_header(h, h.type == Type::query ? kOpenKey : key_, copy.data() + kHeaderBytes, size - kHeaderBytes,
+                 copy.data());
     agg_.handle(static_cast<int>(h.slot % 2), copy.data(), copy.size(), sockaddr_in{}, out_, now);
   }
 
