@@ -48,6 +48,12 @@ void bind_model(nb::module_& m) {
         "Reads and checks a profile file; returns its canonical JSON.");
   m.def("model_profile_digest", [](const std::string& text) { return Profile::parse(text, "(given)").digest(); },
         "text"_a, "The digest ranks compare for the model_profile knob.");
+  m.def("model_algorithms", [](const std::string& collective) {
+    std::vector<std::string> names;
+    for (const coll::AlgorithmInfo& info : coll::algorithms(coll::parse_collective(collective)))
+      names.emplace_back(algorithm_name(info.algo));
+    return names;
+  }, "collective"_a, "The collective's algorithms, in the table's order.");
   m.def("model_predict", &predict, "collective"_a, "algo"_a, "n"_a, "bytes"_a, "profile"_a, "codec"_a = "",
         "hosts"_a = 1, "per_host"_a = 0, "switches"_a = 1, "cma"_a = false, "switch"_a = false,
         "Predicted seconds of one call and its terms (latency, link, reduce, codec, mem, copy), the bound, and why "
