@@ -63,11 +63,13 @@ void allreduce_rhd(Builder& b, const Args& a) {
       const size_t keep_lo = h.lower ? h.lo : h.mid, keep_hi = h.lower ? h.mid : h.hi;
       const size_t give_lo = h.lower ? h.mid : h.lo, give_hi = h.lower ? h.hi : h.mid;
       const int peer = real_rank(f, f.vr ^ d);
-      const int32_t sent = b.send(0, peer, a.out + give_lo * esize, (give_hi - give_lo) * esize, {last});
+      // Send and receive at once: the received half is reduced into the half this rank keeps, which the send does
+      // not read. (Waiting for the send first deadlocks both partners once a half outgrows the socket buffers.)
+      b.send(0, peer, a.out + give_lo * esize, (give_hi - give_lo) * esize, {last});
       char* mine = a.out + keep_lo * esize;
       // The lower partner's operand always goes on the left: a fixed order gives the same bits run to run.
       const bool divide = d == 1 && b.spec.op == ReduceOp::avg;
-      last = b.recv(0, peer, b.scratch((keep_hi - keep_lo) * esize), (keep_hi - keep_lo) * esize, {last, sent},
+      last = b.recv(0, peer, b.scratch((keep_hi - keep_lo) * esize), (keep_hi - keep_lo) * esize, {last},
                     h.lower ? kReduce : kReduceFromLeft, mine, mine, keep_hi - keep_lo, divide);
       lo = keep_lo;
       hi = keep_hi;
@@ -76,8 +78,10 @@ void allreduce_rhd(Builder& b, const Args& a) {
       const Half& h = halves.back();
       const size_t other_lo = h.lower ? h.mid : h.lo, other_hi = h.lower ? h.hi : h.mid;
       const int peer = real_rank(f, f.vr ^ d);
-      const int32_t sent = b.send(0, peer, a.out + lo * esize, (hi - lo) * esize, {last});
-      last = b.recv(0, peer, a.out + other_lo * esize, (other_hi - other_lo) * esize, {last, sent});
+      // The other half lands where this rank's halving send at this level read from: the peer sends it only
+      // after receiving all of that send, so the buffer is free.
+      b.send(0, peer, a.out + lo * esize, (hi - lo) * esize, {last});
+      last = b.recv(0, peer, a.out + other_lo * esize, (other_hi - other_lo) * esize, {last});
       lo = h.lo;
       hi = h.hi;
       halves.pop_back();
