@@ -59,12 +59,17 @@ void bind_model(nb::module_& m) {
         "Predicted seconds of one call and its terms (latency, link, reduce, codec, mem, copy), the bound, and why "
         "the algorithm cannot run the call ('' if it can).");
   m.def("model_choose", [](const std::string& collective, int n, size_t bytes, const std::string& profile,
-                           const std::string& codec, int hosts, int per_host, int switches, bool cma, bool switch_set) {
+                           const std::string& codec, int hosts, int per_host, int switches, bool cma, bool switch_set,
+                           size_t small_bytes) {
     const Collective c = coll::parse_collective(collective);
     const coll::Query q = query(n, bytes, codec, hosts, per_host, switches, cma, switch_set);
-    return std::string(algorithm_name(coll::cheapest(c, q, Profile::parse(profile, "(given)"))));
+    if (profile.empty()) return std::string(algorithm_name(coll::choose(c, q, Algorithm::automatic, small_bytes)));
+    const Profile p = Profile::parse(profile, "(given)");
+    return std::string(algorithm_name(coll::choose(c, q, Algorithm::automatic, small_bytes, &p)));
   }, "collective"_a, "n"_a, "bytes"_a, "profile"_a, "codec"_a = "", "hosts"_a = 1, "per_host"_a = 0,
-     "switches"_a = 1, "cma"_a = false, "switch"_a = false, "What auto picks for the call with this profile.");
+     "switches"_a = 1, "cma"_a = false, "switch"_a = false, "small_bytes"_a = 262144,
+     "What auto picks for the call: with a profile (its JSON) the model's cheapest, with '' the size rules "
+     "(small_bytes: the rhd_max_bytes knob).");
   m.def("model_iteration", [](const std::vector<double>& elems, double batch, int n, const std::string& algo,
                               const std::string& codec, const std::string& profile, double compute_scale) {
     const coll::IterationCost it =

@@ -130,11 +130,11 @@ Profile Profile::parse(std::string_view text, const std::string& origin) {
     p.*f.member = r.positive(it->first, it->second, f.zero_ok);
   }
   for (const auto& [name, value] : top) {
-    if (name == "alpha_algo") {
+    if (name == "alpha_algo" || name == "efficiency_algo") {
       for (const auto& [algo, v] : r.object(name, value)) {
         const std::string field = name + "." + algo;
         if (!known_algorithm(algo)) r.fail(field, "not an algorithm of the table (smartcoll info lists them)");
-        p.alpha_algo[algo] = r.positive(field, v, false);
+        (name == "alpha_algo" ? p.alpha_algo : p.efficiency_algo)[algo] = r.positive(field, v, false);
       }
     } else if (name == "codecs") {
       for (const auto& [codec, v] : r.object(name, value)) {
@@ -159,7 +159,8 @@ Profile Profile::parse(std::string_view text, const std::string& origin) {
         r.fail(name, "expected \"" + std::string(kFormat) + "\"");
     } else if (std::find(std::begin(kInformational), std::end(kInformational), name) == std::end(kInformational) &&
                std::none_of(std::begin(kFields), std::end(kFields), [&](const Field& f) { return f.name == name; })) {
-      r.fail(name, "unknown field; the fields are " + known + ", alpha_algo, codecs (and format, measured, notes)");
+      r.fail(name, "unknown field; the fields are " + known +
+                          ", alpha_algo, efficiency_algo, codecs (and format, measured, notes)");
     }
   }
   return p;
@@ -176,10 +177,13 @@ Profile Profile::load(const std::string& path) {
 std::string Profile::to_json() const {
   std::string s = "{\n  \"format\": " + json::quote(kFormat);
   for (const Field& f : kFields) s += ",\n  " + json::quote(f.name) + ": " + number(this->*f.member);
-  s += ",\n  \"alpha_algo\": {";
-  for (auto it = alpha_algo.begin(); it != alpha_algo.end(); ++it)
-    s += (it == alpha_algo.begin() ? "" : ", ") + json::quote(it->first) + ": " + number(it->second);
-  s += "},\n  \"codecs\": {";
+  for (const auto& [name, values] : {std::pair{"alpha_algo", &alpha_algo}, {"efficiency_algo", &efficiency_algo}}) {
+    s += ",\n  " + json::quote(name) + ": {";
+    for (auto it = values->begin(); it != values->end(); ++it)
+      s += (it == values->begin() ? "" : ", ") + json::quote(it->first) + ": " + number(it->second);
+    s += "}";
+  }
+  s += ",\n  \"codecs\": {";
   for (auto it = codecs.begin(); it != codecs.end(); ++it)
     s += std::string(it == codecs.begin() ? "\n" : ",\n") + "    " + json::quote(it->first) +
          ": {\"encode_Bps\": " + number(it->second.encode_Bps) + ", \"decode_Bps\": " +
@@ -194,10 +198,15 @@ uint64_t Profile::digest() const {
   return h.finish();
 }
 
-double Profile::alpha(Algorithm a) const {
-  const auto it = alpha_algo.find(std::string(algorithm_name(a)));
-  return it == alpha_algo.end() ? alpha_s : it->second;
+namespace {
+double per_algorithm(const std::map<std::string, double>& values, Algorithm a, double otherwise) {
+  const auto it = values.find(std::string(algorithm_name(a)));
+  return it == values.end() ? otherwise : it->second;
 }
+}  // namespace
+
+double Profile::alpha(Algorithm a) const { return per_algorithm(alpha_algo, a, alpha_s); }
+double Profile::efficiency(Algorithm a) const { return per_algorithm(efficiency_algo, a, link_efficiency); }
 
 Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::string_view codec_name) {
   const AlgorithmInfo& info = find(c, a);
@@ -221,7 +230,7 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
     // Every hop decodes what it receives and encodes what it sends.
     k.codec = moved * (1 / it->second.encode_Bps + 1 / it->second.decode_Bps) / cores;
   }
-  const double link = p.link_Bps * p.link_efficiency;
+  const double link = p.link_Bps * p.efficiency(a);
   bool copy_overlaps = true;
   switch (a) {
     case Algorithm::cma:

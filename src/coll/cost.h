@@ -26,6 +26,9 @@ struct Profile {
   std::map<std::string, double> alpha_algo;
   double link_Bps = 0;         // link rate between hosts, bytes per second each way
   double link_efficiency = 1;  // the share of it one rank's streams reach (the paper's alpha)
+  // Overrides of link_efficiency per algorithm: a ring keeps the link busy; an exchange that waits for its
+  // partner between steps (rhd, rd) leaves it idle part of the time.
+  std::map<std::string, double> efficiency_algo;
   double reduce_Bps = 0;       // float32 bytes added per second on one core
   double cores = 1;            // cores the engine spreads reductions and codec work over
   double mem_Bps = 0;          // memory bandwidth: bytes read plus written per second (the paper's PCIe term)
@@ -51,6 +54,7 @@ struct Profile {
   std::string to_json() const;
   uint64_t digest() const;
   double alpha(Algorithm a) const;
+  double efficiency(Algorithm a) const;
 };
 
 // The predicted time of one call, and the terms it is made of (seconds).

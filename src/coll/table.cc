@@ -9,6 +9,11 @@ namespace smartcoll::coll {
 namespace {
 
 double log2n(int n) { return std::ceil(std::log2(static_cast<double>(n))); }
+// rhd and rd run among the largest power of two p <= n; the n - p extra ranks fold their vector in first and get
+// the result back last: two more steps, and one more vector on the busiest link, only when n is not a power of 2.
+int pow2_below(int n) { return 1 << static_cast<int>(std::floor(std::log2(static_cast<double>(n)))); }
+double fold(int n) { return pow2_below(n) == n ? 0.0 : 1.0; }
+double log2p(int n) { return std::log2(static_cast<double>(pow2_below(n))); }
 std::string any(const Query&) { return ""; }
 std::string raw_only(const Query& q) { return q.compressed ? "it does not support codecs; use ring" : ""; }
 std::string needs_cma(const Query& q) {
@@ -36,11 +41,11 @@ constexpr AlgorithmInfo kAllreduceAlgos[] = {
     {Algorithm::ring, "pipelined segmented ring (reduce-scatter + allgather in one pipeline), any codec",
      allreduce_ring, any, [](int n) { return 2.0 * (n - 1); }, ring_wire, share},
     {Algorithm::rhd, "recursive halving-doubling; non-power-of-two worlds fold the extra ranks in first",
-     allreduce_rhd, raw_only, [](int n) { return 2 * log2n(n) + 2; }, [](int n) { return 2.0 * (n - 1) / n + 1; },
-     [](int n) { return share(n) + 1; }},
+     allreduce_rhd, raw_only, [](int n) { return 2 * log2p(n) + 2 * fold(n); },
+     [](int n) { return ring_wire(pow2_below(n)) + fold(n); }, [](int n) { return share(pow2_below(n)) + fold(n); }},
     {Algorithm::rd, "recursive doubling: log2(n) exchanges of the whole vector; fewest steps for tiny messages",
-     allreduce_rd, raw_only, [](int n) { return log2n(n) + 2; }, [](int n) { return log2n(n) + 1; },
-     [](int n) { return log2n(n) + 1; }},
+     allreduce_rd, raw_only, [](int n) { return log2p(n) + 2 * fold(n); }, [](int n) { return log2p(n) + fold(n); },
+     [](int n) { return log2p(n) + fold(n); }},
     {Algorithm::cma, "same host: every rank reads its peers' buffers once with process_vm_readv", same_host_cma,
      needs_cma, [](int) { return 4.0; }, share, share},
     {Algorithm::hier,

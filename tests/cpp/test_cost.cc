@@ -41,6 +41,31 @@ TEST(CostModel, RingAllreduceHandWorked) {
   EXPECT_EQ(predict(Collective::allreduce, Algorithm::ring, call(1, kMiB), p).total, 0);
 }
 
+TEST(CostModel, FoldOnlyOffPowersOfTwo) {
+  // rhd and rd run among the largest power of two p <= n; n - p extra ranks fold in: 2 more steps, 1 more vector.
+  const Profile p = link_only(1, 1e30);
+  auto steps = [&](Algorithm a, int n) { return predict(Collective::allreduce, a, call(n, kMiB), p).steps; };
+  auto wire = [&](Algorithm a, int n) { return predict(Collective::allreduce, a, call(n, kMiB), p).wire_bytes / kMiB; };
+  EXPECT_EQ(steps(Algorithm::rhd, 4), 4);
+  EXPECT_DOUBLE_EQ(wire(Algorithm::rhd, 4), 1.5);
+  EXPECT_EQ(steps(Algorithm::rhd, 6), 2 * 2 + 2);
+  EXPECT_DOUBLE_EQ(wire(Algorithm::rhd, 6), 1.5 + 1);
+  EXPECT_EQ(steps(Algorithm::rd, 8), 3);
+  EXPECT_DOUBLE_EQ(wire(Algorithm::rd, 8), 3);
+  EXPECT_EQ(steps(Algorithm::rd, 5), 2 + 2);
+  EXPECT_DOUBLE_EQ(wire(Algorithm::rd, 5), 2 + 1);
+}
+
+TEST(CostModel, PerAlgorithmLatencyAndEfficiency) {
+  Profile p = link_only(1e-4, 1e8);
+  p.alpha_algo["rhd"] = 3e-4;
+  p.efficiency_algo["rhd"] = 0.5;
+  const Cost rhd = predict(Collective::allreduce, Algorithm::rhd, call(4, 64 * kMiB), p);
+  EXPECT_NEAR(rhd.total, 4 * 3e-4 + 1.5 * 64 * kMiB / (0.5 * 1e8), 1e-9);
+  const Cost ring = predict(Collective::allreduce, Algorithm::ring, call(4, 64 * kMiB), p);
+  EXPECT_NEAR(ring.total, 6 * 1e-4 + 1.5 * 64 * kMiB / 1e8, 1e-9);  // the others keep alpha_s and link_efficiency
+}
+
 TEST(CostModel, SlowestPipelinedTermBounds) {
   Profile p = link_only(0, 1e8);
   p.reduce_Bps = 1e7;  // adding (n-1)/n of the vector at 10 MB/s is slower than the link
@@ -169,7 +194,7 @@ TEST(CostModel, SwitchBoundDpdkPaper) {
 
 TEST(CostModel, AutoPicksTheCheaperAlgorithm) {
   const Query q = call(8, kMiB);
-  // Huge latency: the fewest steps (recursive doubling: log2(8) + 2).
+  // Huge latency: the fewest steps (recursive doubling: log2(8) = 3).
   const Profile slow_steps = link_only(1, 1e9);
   EXPECT_EQ(choose(Collective::allreduce, q, Algorithm::automatic, 0, &slow_steps), Algorithm::rd);
   // Latency free, bandwidth dear: the ring's 2(n-1)/n.
@@ -204,6 +229,7 @@ TEST(CostModel, WithoutProfileTheSizeRulesStay) {
 TEST(CostModel, ProfileRoundTripAndDigest) {
   Profile p = Profile::builtin();
   p.alpha_algo["ring"] = 2e-4;
+  p.efficiency_algo["rhd"] = 0.8;
   const Profile back = Profile::parse(p.to_json(), "roundtrip.json");
   EXPECT_EQ(back.to_json(), p.to_json());
   EXPECT_EQ(back.digest(), p.digest());

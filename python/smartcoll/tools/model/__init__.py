@@ -3,6 +3,7 @@
   calibrate   measure this machine's (or an emulated cluster's) parameters and save them as a profile JSON
   predict     a collective's time per algorithm and codec, or the training experiment's iteration time and
               scaling for N = 1..64 and beyond (the FPGA smart-NIC paper's Fig. 4b), from a profile
+  compare     `smartcoll bench --json` files against the prediction (error %), and auto against the best
 
 The arithmetic lives in the C++ core (src/coll/cost.cc, the same model `auto` uses with the model_profile
 knob); these commands only measure, tabulate and draw. Profiles cross into the core as their JSON text.
@@ -23,10 +24,10 @@ def load_profile(path: Optional[Path]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from . import calibrate, predict
+    from . import calibrate, compare, predict
 
     sub = parser.add_subparsers(dest="model_command", metavar="ACTION", required=True)
-    for name, module in (("calibrate", calibrate), ("predict", predict)):
+    for name, module in (("calibrate", calibrate), ("predict", predict), ("compare", compare)):
         p = sub.add_parser(
             name, help=module.SUMMARY, description=module.__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter,
