@@ -2,6 +2,7 @@
 // ranks: 2 log2(p) steps, each rank sends about 2x the vector. The first 2(n-p) ranks pair up first: each even
 // one hands its vector to the odd one and gets the result back at the end.
 #include <cstring>
+#include <vector>
 
 #include "coll/algorithms.h"
 
@@ -97,13 +98,24 @@ void allreduce_rd(Builder& b, const Args& a) {
   const Fold f = fold_in(b, a);
   int32_t last = f.ready;
   if (f.vr >= 0) {
+    // Each step sends the running sum and reduces the partner's with it into a fresh buffer, so that no receive
+    // waits for a send (two partners that both wait for their sends to leave deadlock once the vector outgrows
+    // the socket buffers). The sum goes back into `out` once every send has left it.
+    const char* sum = a.out;
+    std::vector<int32_t> done;
     for (int d = 1; d < f.p; d *= 2) {
       const int peer = real_rank(f, f.vr ^ d);
       const bool lower = (f.vr & d) == 0, divide = d * 2 >= f.p && b.spec.op == ReduceOp::avg;
-      const int32_t sent = b.send(0, peer, a.out, bytes, {last});
-      // Reduces into `out` once this step's send has left it.
-      last = b.recv(0, peer, b.scratch(bytes), bytes, {last, sent}, lower ? kReduce : kReduceFromLeft, a.out,
-                    a.out, a.count, divide);
+      done.push_back(b.send(0, peer, sum, bytes, {last}));
+      char* next = b.scratch(bytes);
+      last = b.recv(0, peer, b.scratch(bytes), bytes, {last}, lower ? kReduce : kReduceFromLeft, next, sum, a.count,
+                    divide);
+      sum = next;
+    }
+    if (sum != a.out) {
+      done.push_back(last);
+      char* out = a.out;
+      last = b.compute(0, [out, sum, bytes] { std::memcpy(out, sum, bytes); }, {b.join(0, done)});
     }
   }
   fold_out(b, a, f, last);
