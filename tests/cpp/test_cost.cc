@@ -197,9 +197,12 @@ TEST(CostModel, AutoPicksTheCheaperAlgorithm) {
   // Huge latency: the fewest steps (recursive doubling: log2(8) = 3).
   const Profile slow_steps = link_only(1, 1e9);
   EXPECT_EQ(choose(Collective::allreduce, q, Algorithm::automatic, 0, &slow_steps), Algorithm::rd);
-  // Latency free, bandwidth dear: the ring's 2(n-1)/n.
+  // Latency free, bandwidth dear: the ring's 2(n-1)/n (6 ranks: rhd and rd pay the fold of 2 more).
   const Profile slow_link = link_only(0, 1e6);
-  EXPECT_EQ(choose(Collective::allreduce, q, Algorithm::automatic, 0, &slow_link), Algorithm::ring);
+  EXPECT_EQ(choose(Collective::allreduce, call(6, kMiB), Algorithm::automatic, 0, &slow_link), Algorithm::ring);
+  // With a power of two, rhd moves as many bytes as the ring in fewer steps.
+  const Profile both = link_only(1e-3, 1e6);
+  EXPECT_EQ(choose(Collective::allreduce, q, Algorithm::automatic, 0, &both), Algorithm::rhd);
   EXPECT_EQ(choose(Collective::broadcast, q, Algorithm::automatic, 0, &slow_link), Algorithm::chain);
   EXPECT_EQ(choose(Collective::broadcast, q, Algorithm::automatic, 0, &slow_steps), Algorithm::tree);
   EXPECT_EQ(choose(Collective::allgather, q, Algorithm::automatic, 0, &slow_steps), Algorithm::bruck);
@@ -208,7 +211,7 @@ TEST(CostModel, AutoPicksTheCheaperAlgorithm) {
   compressed.compressed = true;
   EXPECT_EQ(choose(Collective::allreduce, compressed, Algorithm::automatic, 0, &slow_steps), Algorithm::ring);
   // The switch only once its rate is in the profile.
-  Query with_switch = q;
+  Query with_switch = call(6, kMiB);
   with_switch.switch_set = true;
   Profile sw = slow_link;
   EXPECT_EQ(choose(Collective::allreduce, with_switch, Algorithm::automatic, 0, &sw), Algorithm::ring);

@@ -54,11 +54,12 @@ def run_auto(tmp_path: Path, rank_profiles: dict[int, Path]) -> list[dict]:
 
 
 def test_auto_follows_the_profile_on_real_ranks(tmp_path):
-    # Latency dear: recursive doubling's log2(n) + 2 steps win even at 8 MiB (the size rules would say ring);
-    # bandwidth dear: the ring even at 4 KiB (the rules: rd).
+    # 3 ranks, so that rd and rhd pay the fold of the third. Latency dear: rd's 3 steps (rhd and the ring: 4) win
+    # even at 8 MiB (the size rules would say ring); bandwidth dear: the ring's 4/3 of the vector on the busiest
+    # link (rhd and rd: 2) wins even at 4 KiB (the rules: rd).
     slow_steps = write(tmp_path / "steps.json", profile(alpha_s=1.0, cores=1))
     slow_link = write(tmp_path / "link.json", profile(alpha_s=1e-9, link_Bps=1e3))
-    n = 4
+    n = 3
     for path, expected in ((slow_steps, "rd"), (slow_link, "ring")):
         sub = tmp_path / path.stem
         sub.mkdir()
