@@ -143,3 +143,31 @@ def test_calibrate_quick_writes_a_usable_profile(tmp_path):
     assert "calibrate" in r.stderr  # the progress display
     r = run_cli("model", "predict", "allreduce", "--profile", str(out), "-n", "2", "--sizes", "1M", "--algo", "auto")
     assert r.returncode == 0 and "auto: " in r.stdout, r.stderr
+
+
+def bench_file(path: Path, algo: str, times_ms: dict[int, float], knobs: dict) -> Path:
+    """A `smartcoll bench --json` file of a 4-host cluster run, as far as compare reads it."""
+    meta = {"collective": "allreduce", "world_size": 4, "algo": algo, "cluster": {"name": "c", "hosts": 4},
+            "knobs": {"codec": "identity", "cma": "auto", "rhd_max_bytes": "262144", "model_profile": "", **knobs}}
+    results = [{"bytes": b, "smartcoll": {"time_us": t * 1e3}} for b, t in times_ms.items()]
+    return write(path, {"metadata": meta, "results": results})
+
+
+def test_compare_puts_measured_next_to_predicted(tmp_path):
+    from smartcoll import _core
+
+    prof = write(tmp_path / "p.json", profile(alpha_s=1e-4, link_Bps=1e8, link_efficiency=1.0))
+    ring = bench_file(tmp_path / "ring.json", "ring", {MiB: 20.0, 16 * MiB: 300.0}, {})
+    auto = bench_file(tmp_path / "auto.json", "auto", {MiB: 25.0, 16 * MiB: 250.0}, {"model_profile": str(prof)})
+    r = run_cli("model", "compare", "--profile", str(prof), str(ring), str(auto), "--markdown")
+    assert r.returncode == 0, r.stderr
+    text = json.dumps(profile(alpha_s=1e-4, link_Bps=1e8, link_efficiency=1.0))
+    predicted = _core.model_predict("allreduce", "ring", 4, 16 * MiB, text, hosts=4, per_host=1)["total"]
+    chosen = _core.model_choose("allreduce", 4, 16 * MiB, _core.model_parse_profile(text, "p"), hosts=4, per_host=1)
+    err = 100 * (predicted - 0.3) / 0.3
+    assert f"| allreduce | ring | 4 | 16M | identity | 300.00 | {predicted * 1e3:.2f} | {err:+.1f} | link |" in r.stdout
+    assert f"| allreduce | auto ({chosen}) | 4 | 16M |" in r.stdout, r.stdout
+    # auto against the best fixed algorithm at each size: ring's 300 ms / auto's 250 ms.
+    assert f"| allreduce | 16M | auto ({chosen}) | 250.0 | ring | 300.0 | 1.20 |" in r.stdout, r.stdout
+    r = run_cli("model", "compare", str(prof))
+    assert r.returncode == 2 and "is not a `smartcoll bench --json` file" in r.stderr, r.stderr
