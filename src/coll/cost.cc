@@ -104,6 +104,13 @@ Profile Profile::builtin() {
   p.update_s_per_byte = 5.0 / p.mem_Bps;  // SGD with momentum: about 5 bytes of traffic per parameter byte
   for (const char* name : {"fp16", "bf16", "bfp16", "mxint8", "mxfp8_e4m3", "mxfp8_e5m2"})
     p.codecs[name] = {8e9, 8e9};
+  // Per-algorithm steps and efficiencies chosen so that the model's picks agree with auto's size rules (which
+  // come from measurements, BENCHMARKS.md) in most calls: a pipelined ring or chain step costs more than one
+  // exchange; the same-host path pays all-to-all control rounds; exchanges that wait for their partner and Bruck's
+  // final rotation reach about half the link.
+  p.alpha_algo = {{"ring", 200e-6}, {"chain", 500e-6}, {"cma", 3e-3}, {"rhd", 50e-6}, {"rd", 20e-6},
+                  {"bruck", 20e-6}, {"tree", 20e-6}, {"direct", 50e-6}};
+  p.efficiency_algo = {{"rhd", 0.5}, {"rd", 0.5}, {"bruck", 0.5}};
   return p;
 }
 
@@ -115,8 +122,10 @@ Profile Profile::parse(std::string_view text, const std::string& origin) {
   } catch (const InvalidArgument& e) {
     r.fail("", e.what());
   }
-  Profile p = builtin();
+  Profile p = builtin();  // the optional fields' values; the maps are the file's alone
   p.codecs.clear();
+  p.alpha_algo.clear();
+  p.efficiency_algo.clear();
   p.origin = origin;
   const auto& top = r.object("", doc);
   std::string known;

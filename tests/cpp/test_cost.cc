@@ -17,6 +17,8 @@ namespace {
 // A profile where only the link and the latency cost anything, unless a test says otherwise.
 Profile link_only(double alpha, double link_Bps) {
   Profile p = Profile::builtin();
+  p.alpha_algo.clear();
+  p.efficiency_algo.clear();
   p.alpha_s = alpha;
   p.link_Bps = link_Bps;
   p.link_efficiency = 1;
@@ -267,7 +269,7 @@ TEST(CostModel, MalformedProfilesNameFileAndField) {
   EXPECT_NE(parse_error(with("\"encode_Bps\"", "\"encode_bps\"")).find("field 'codecs.bf16.encode_Bps': missing"),
             std::string::npos);
   EXPECT_NE(parse_error(with("\"bf16\"", "\"bogus\"")).find("field 'codecs.bogus'"), std::string::npos);
-  EXPECT_NE(parse_error(with("\"alpha_algo\": {", "\"alpha_algo\": {\"zigzag\": 1")).find("field 'alpha_algo.zigzag'"),
+  EXPECT_NE(parse_error(with("\"alpha_algo\": {", "\"alpha_algo\": {\"zigzag\": 1, ")).find("field 'alpha_algo.zigzag'"),
             std::string::npos);
   EXPECT_NE(parse_error(with("\"cores\"", "\"speed\": 1, \"cores\"")).find("field 'speed': unknown field"),
             std::string::npos);

@@ -19,6 +19,7 @@ def profile(**changes) -> dict:
     from smartcoll import _core
 
     p = json.loads(_core.model_builtin_profile())
+    p.update(alpha_algo={}, efficiency_algo={})  # one latency and one efficiency for all, unless a test says
     p.update(changes)
     return p
 
@@ -171,3 +172,21 @@ def test_compare_puts_measured_next_to_predicted(tmp_path):
     assert f"| allreduce | 16M | auto ({chosen}) | 250.0 | ring | 300.0 | 1.20 |" in r.stdout, r.stdout
     r = run_cli("model", "compare", str(prof))
     assert r.returncode == 2 and "is not a `smartcoll bench --json` file" in r.stderr, r.stderr
+
+
+def test_builtin_profile_mostly_agrees_with_the_size_rules():
+    # Without a profile auto follows its size rules; the built-in profile (what `predict` uses without --profile)
+    # is tuned to pick the same in most calls, so its predictions describe the algorithms that actually run.
+    from smartcoll import _core
+
+    builtin = _core.model_builtin_profile()
+    total = agree = 0
+    for coll in ("allreduce", "allgather", "broadcast", "reduce", "reduce_scatter", "alltoall"):
+        for n in (2, 3, 4, 8, 16):
+            for size in (4, 4096, 8192, 65536, 262144, MiB, 16 * MiB):
+                for same_host in (False, True):
+                    layout = {"hosts": 1 if same_host else n, "per_host": n if same_host else 1, "cma": same_host}
+                    rules = _core.model_choose(coll, n, size, "", **layout)
+                    total += 1
+                    agree += rules == _core.model_choose(coll, n, size, builtin, **layout)
+    assert total == 420 and agree >= 0.85 * total, f"{agree} of {total}"

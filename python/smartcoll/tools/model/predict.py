@@ -5,8 +5,10 @@
                                   [--png scaling.png]
 
 COLLECTIVE: one row per N, size and algorithm: the predicted time per call, algbw (size / time), the term the
-pipeline is bound by (link, reduce, codec, mem, copy or latency), and for `auto` the algorithm it would pick
-with this profile. Algorithms that cannot run the call say why.
+pipeline is bound by (link, reduce, codec, mem, copy or latency), and for `auto` the algorithm it picks (with
+--profile: the model's pick, as with the model_profile knob; without: the size rules). Algorithms that cannot
+run the call say why. --sizes is Query::bytes: the whole vector for allreduce, broadcast and reduce, one rank's
+block for reduce_scatter, allgather and alltoall.
 
 train: the FPGA smart-NIC paper's iteration model (Sec. IV-C: forward, backward overlapped with each layer's
 all-reduce, weight update) for every variant of `smartcoll bench train` (its all-reduce algorithm and codec),
@@ -62,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def collective_rows(args: argparse.Namespace, profile: str) -> list[dict]:
+    # What auto runs: with a profile, the model's pick; without one the library uses its size rules, not the
+    # built-in profile.
+    chooser = profile if args.profile else ""
     names = _core.model_algorithms(args.what)
     algos = args.algo.split(",") if args.algo else [*names, "auto"]
     rows = []
@@ -73,7 +78,7 @@ def collective_rows(args: argparse.Namespace, profile: str) -> list[dict]:
             for algo in algos:
                 row = {"n": n, "bytes": size, "algo": algo}
                 if algo == "auto":
-                    row["algo"] = f"auto: {_core.model_choose(args.what, n, size, profile, args.codec, **layout)}"
+                    row["algo"] = f"auto: {_core.model_choose(args.what, n, size, chooser, args.codec, **layout)}"
                     algo = row["algo"].split(": ")[1]
                 k = _core.model_predict(args.what, algo, n, size, profile, args.codec, **layout)
                 rows.append({**row, **k})
