@@ -12,6 +12,7 @@
 #include <chrono>
 
 #include "codec_bindings.h"
+#include "model_bindings.h"
 
 #include "coll/table.h"
 
@@ -102,6 +103,7 @@ NB_MODULE(_core, m) {
   using namespace smartcoll;
   m.doc() = "smartcoll core (C++): progress engine, transports, collective algorithms, codecs";
   bind_codec(m);
+  bind_model(m);
 
   nb::exception<CommError>(m, "CommError", PyExc_RuntimeError);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {

@@ -33,6 +33,10 @@ inline constexpr Knob kKnobs[] = {
      "memory (process_vm_readv); off never uses it"},
     {"rhd_max_bytes", "262144", "int", 0, kNoLimit, true,
      "auto uses latency-optimized algorithms (recursive doubling/halving, trees, Bruck) up to this many bytes"},
+    {"model_profile", "", "str", 0, 0, false,
+     "a cost-model profile (JSON from smartcoll model calibrate): auto then picks, per call, the algorithm the model "
+     "predicts to be fastest on the measured machine (docs/cost-model.md); empty: the built-in size rules. Ranks "
+     "must load equal profiles (their digests are compared at start-up), the paths may differ"},
     {"segment_size", "262144", "int", 64, 1 << 30, true,
      "bytes per pipeline segment: the unit the ring sends, reduces and forwards while the next one is on the wire"},
     {"streams", "1", "int", 1, 64, true,

@@ -2,6 +2,7 @@
 // ranks: 2 log2(p) steps, each rank sends about 2x the vector. The first 2(n-p) ranks pair up first: each even
 // one hands its vector to the odd one and gets the result back at the end.
 #include <cstring>
+#include <vector>
 
 #include "coll/algorithms.h"
 
@@ -63,11 +64,13 @@ void allreduce_rhd(Builder& b, const Args& a) {
       const size_t keep_lo = h.lower ? h.lo : h.mid, keep_hi = h.lower ? h.mid : h.hi;
       const size_t give_lo = h.lower ? h.mid : h.lo, give_hi = h.lower ? h.hi : h.mid;
       const int peer = real_rank(f, f.vr ^ d);
-      const int32_t sent = b.send(0, peer, a.out + give_lo * esize, (give_hi - give_lo) * esize, {last});
+      // Send and receive at once: the received half is reduced into the half this rank keeps, which the send does
+      // not read. (Waiting for the send first deadlocks both partners once a half outgrows the socket buffers.)
+      b.send(0, peer, a.out + give_lo * esize, (give_hi - give_lo) * esize, {last});
       char* mine = a.out + keep_lo * esize;
       // The lower partner's operand always goes on the left: a fixed order gives the same bits run to run.
       const bool divide = d == 1 && b.spec.op == ReduceOp::avg;
-      last = b.recv(0, peer, b.scratch((keep_hi - keep_lo) * esize), (keep_hi - keep_lo) * esize, {last, sent},
+      last = b.recv(0, peer, b.scratch((keep_hi - keep_lo) * esize), (keep_hi - keep_lo) * esize, {last},
                     h.lower ? kReduce : kReduceFromLeft, mine, mine, keep_hi - keep_lo, divide);
       lo = keep_lo;
       hi = keep_hi;
@@ -76,8 +79,10 @@ void allreduce_rhd(Builder& b, const Args& a) {
       const Half& h = halves.back();
       const size_t other_lo = h.lower ? h.mid : h.lo, other_hi = h.lower ? h.hi : h.mid;
       const int peer = real_rank(f, f.vr ^ d);
-      const int32_t sent = b.send(0, peer, a.out + lo * esize, (hi - lo) * esize, {last});
-      last = b.recv(0, peer, a.out + other_lo * esize, (other_hi - other_lo) * esize, {last, sent});
+      // The other half lands where this rank's halving send at this level read from: the peer sends it only
+      // after receiving all of that send, so the buffer is free.
+      b.send(0, peer, a.out + lo * esize, (hi - lo) * esize, {last});
+      last = b.recv(0, peer, a.out + other_lo * esize, (other_hi - other_lo) * esize, {last});
       lo = h.lo;
       hi = h.hi;
       halves.pop_back();
@@ -93,13 +98,24 @@ void allreduce_rd(Builder& b, const Args& a) {
   const Fold f = fold_in(b, a);
   int32_t last = f.ready;
   if (f.vr >= 0) {
+    // Each step sends the running sum and reduces the partner's with it into a fresh buffer, so that no receive
+    // waits for a send (two partners that both wait for their sends to leave deadlock once the vector outgrows
+    // the socket buffers). The sum goes back into `out` once every send has left it.
+    const char* sum = a.out;
+    std::vector<int32_t> done;
     for (int d = 1; d < f.p; d *= 2) {
       const int peer = real_rank(f, f.vr ^ d);
       const bool lower = (f.vr & d) == 0, divide = d * 2 >= f.p && b.spec.op == ReduceOp::avg;
-      const int32_t sent = b.send(0, peer, a.out, bytes, {last});
-      // Reduces into `out` once this step's send has left it.
-      last = b.recv(0, peer, b.scratch(bytes), bytes, {last, sent}, lower ? kReduce : kReduceFromLeft, a.out,
-                    a.out, a.count, divide);
+      done.push_back(b.send(0, peer, sum, bytes, {last}));
+      char* next = b.scratch(bytes);
+      last = b.recv(0, peer, b.scratch(bytes), bytes, {last}, lower ? kReduce : kReduceFromLeft, next, sum, a.count,
+                    divide);
+      sum = next;
+    }
+    if (sum != a.out) {
+      done.push_back(last);
+      char* out = a.out;
+      last = b.compute(0, [out, sum, bytes] { std::memcpy(out, sum, bytes); }, {b.join(0, done)});
     }
   }
   fold_out(b, a, f, last);

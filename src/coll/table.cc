@@ -2,11 +2,18 @@
 
 #include <cmath>
 
+#include "coll/cost.h"
+
 namespace smartcoll::coll {
 
 namespace {
 
 double log2n(int n) { return std::ceil(std::log2(static_cast<double>(n))); }
+// rhd and rd run among the largest power of two p <= n; the n - p extra ranks fold their vector in first and get
+// the result back last: two more steps, and one more vector on the busiest link, only when n is not a power of 2.
+int pow2_below(int n) { return 1 << static_cast<int>(std::floor(std::log2(static_cast<double>(n)))); }
+double fold(int n) { return pow2_below(n) == n ? 0.0 : 1.0; }
+double log2p(int n) { return std::log2(static_cast<double>(pow2_below(n))); }
 std::string any(const Query&) { return ""; }
 std::string raw_only(const Query& q) { return q.compressed ? "it does not support codecs; use ring" : ""; }
 std::string needs_cma(const Query& q) {
@@ -18,6 +25,8 @@ std::string needs_switch(const Query& q) {
   return q.switch_set ? "" : "no aggregation switch is set: SMARTCOLL_SWITCH=host:port (start one with smartcoll switch)";
 }
 double ring_wire(int n) { return 2.0 * (n - 1) / n; }
+double share(int n) { return (n - 1.0) / n; }  // all but this rank's 1/n of the vector
+double none(int) { return 0.0; }
 
 std::string needs_hosts(const Query& q) {
   if (q.compressed) return "it does not support codecs; use ring";
@@ -30,61 +39,65 @@ std::string needs_hosts(const Query& q) {
 
 constexpr AlgorithmInfo kAllreduceAlgos[] = {
     {Algorithm::ring, "pipelined segmented ring (reduce-scatter + allgather in one pipeline), any codec",
-     allreduce_ring, any, [](int n) { return 2.0 * (n - 1); }, ring_wire},
+     allreduce_ring, any, [](int n) { return 2.0 * (n - 1); }, ring_wire, share},
     {Algorithm::rhd, "recursive halving-doubling; non-power-of-two worlds fold the extra ranks in first",
-     allreduce_rhd, raw_only, [](int n) { return 2 * log2n(n) + 2; }, [](int n) { return 2.0 * (n - 1) / n + 1; }},
+     allreduce_rhd, raw_only, [](int n) { return 2 * log2p(n) + 2 * fold(n); },
+     [](int n) { return ring_wire(pow2_below(n)) + fold(n); }, [](int n) { return share(pow2_below(n)) + fold(n); }},
     {Algorithm::rd, "recursive doubling: log2(n) exchanges of the whole vector; fewest steps for tiny messages",
-     allreduce_rd, raw_only, [](int n) { return log2n(n) + 2; }, [](int n) { return log2n(n) + 1; }},
+     allreduce_rd, raw_only, [](int n) { return log2p(n) + 2 * fold(n); }, [](int n) { return log2p(n) + fold(n); },
+     [](int n) { return log2p(n) + fold(n); }},
     {Algorithm::cma, "same host: every rank reads its peers' buffers once with process_vm_readv", same_host_cma,
-     needs_cma, [](int) { return 4.0; }, [](int n) { return (n - 1.0) / n; }},
+     needs_cma, [](int) { return 4.0; }, share, share},
     {Algorithm::hier,
      "hierarchical: reduce-scatter on each host, allreduce across hosts per local index, allgather on each host",
-     allreduce_hier, needs_hosts, [](int n) { return 2.0 * (n - 1); }, [](int n) { return 2.0 * (n - 1) / n; }},
+     allreduce_hier, needs_hosts, [](int n) { return 2.0 * (n - 1); }, ring_wire, share},
     // Each rank sends its vector once and receives the sum once, whatever n; the switch adds one hop each way.
     {Algorithm::switch_, "in-network aggregation: the switches of the switch knob sum chunks as they arrive",
-     allreduce_switch, needs_switch, [](int) { return 2.0; }, [](int) { return 1.0; }},
+     allreduce_switch, needs_switch, [](int) { return 2.0; }, [](int) { return 1.0; }, none},
 };
 // Same host, the other collectives: one exchange of addresses, single-copy reads, one closing barrier.
 constexpr AlgorithmInfo kCmaGather = {Algorithm::cma, "same host: each rank reads its peers' blocks once", same_host_cma,
-                                      needs_cma, [](int) { return 3.0; }, [](int n) { return n - 1.0; }};
-constexpr AlgorithmInfo kCmaReduce = {Algorithm::cma, "same host: chunk q reduced by rank q from every rank's input",
-                                      same_host_cma, needs_cma, [](int) { return 4.0; },
-                                      [](int n) { return (n - 1.0) / n; }};
+                                      needs_cma, [](int) { return 3.0; }, [](int n) { return n - 1.0; }, none};
+constexpr char kCmaReduceText[] = "same host: chunk q reduced by rank q from every rank's input";
+constexpr AlgorithmInfo kCmaReduce = {Algorithm::cma, kCmaReduceText, same_host_cma, needs_cma,
+                                      [](int) { return 4.0; }, share, share};
 constexpr AlgorithmInfo kReduceScatterAlgos[] = {
     {Algorithm::ring, "pipelined ring, any codec", reduce_scatter_ring, any, [](int n) { return n - 1.0; },
+     [](int n) { return n - 1.0; }, [](int n) { return n - 1.0; }},
+    // `bytes` is one rank's block here: it reads and adds the n-1 other ranks' copies of its block.
+    {Algorithm::cma, kCmaReduceText, same_host_cma, needs_cma, [](int) { return 4.0; }, [](int n) { return n - 1.0; },
      [](int n) { return n - 1.0; }},
-    kCmaReduce,
 };
 constexpr AlgorithmInfo kAllgatherAlgos[] = {
     {Algorithm::ring, "pipelined ring, any codec", allgather_ring, any, [](int n) { return n - 1.0; },
-     [](int n) { return n - 1.0; }},
+     [](int n) { return n - 1.0; }, none},
     {Algorithm::bruck, "Bruck: ceil(log2 n) steps, blocks rotated into place at the end", allgather_bruck, raw_only,
-     [](int n) { return log2n(n); }, [](int n) { return n - 1.0; }},
+     [](int n) { return log2n(n); }, [](int n) { return n - 1.0; }, none},
     kCmaGather,
 };
 constexpr AlgorithmInfo kBroadcastAlgos[] = {
     {Algorithm::tree, "binomial tree: log2(n) steps", broadcast_tree, raw_only, [](int n) { return log2n(n); },
-     [](int n) { return log2n(n); }},
+     [](int n) { return log2n(n); }, none},
     {Algorithm::chain, "pipelined chain: the link rate whatever n, n-1 steps to fill", broadcast_chain, raw_only,
-     [](int n) { return n - 1.0; }, [](int) { return 1.0; }},
+     [](int n) { return n - 1.0; }, [](int) { return 1.0; }, none},
     {Algorithm::cma, "same host: every rank reads the root's buffer once", same_host_cma, needs_cma,
-     [](int) { return 3.0; }, [](int) { return 1.0; }},
+     [](int) { return 3.0; }, [](int) { return 1.0; }, none},
 };
 constexpr AlgorithmInfo kReduceAlgos[] = {
     {Algorithm::tree, "binomial tree: log2(n) steps", reduce_tree, raw_only, [](int n) { return log2n(n); },
-     [](int n) { return log2n(n); }},
+     [](int n) { return log2n(n); }, [](int n) { return log2n(n); }},
     {Algorithm::chain, "pipelined chain: the link rate whatever n, n-1 steps to fill", reduce_chain, raw_only,
-     [](int n) { return n - 1.0; }, [](int) { return 1.0; }},
+     [](int n) { return n - 1.0; }, [](int) { return 1.0; }, [](int) { return 1.0; }},
     kCmaReduce,
 };
 constexpr AlgorithmInfo kAlltoallAlgos[] = {
     {Algorithm::direct, "every pair at once", alltoall_direct, raw_only, [](int) { return 1.0; },
-     [](int n) { return n - 1.0; }},
+     [](int n) { return n - 1.0; }, none},
     kCmaGather,
 };
 constexpr AlgorithmInfo kBarrierAlgos[] = {
     {Algorithm::dissemination, "dissemination: ceil(log2 n) rounds of one signal each", barrier_dissemination,
-     any, [](int n) { return log2n(n); }, [](int) { return 0.0; }},
+     any, [](int n) { return log2n(n); }, none, none},
 };
 
 }  // namespace
@@ -102,6 +115,16 @@ std::span<const AlgorithmInfo> algorithms(Collective c) {
   return {};
 }
 
+Collective parse_collective(std::string_view name) {
+  std::string names;
+  for (int i = 0; i < kCollectives; ++i) {
+    const auto c = static_cast<Collective>(i);
+    if (collective_name(c) == name) return c;
+    names += (names.empty() ? "" : ", ") + std::string(collective_name(c));
+  }
+  throw InvalidArgument("unknown collective '" + std::string(name) + "'; choose " + names);
+}
+
 const AlgorithmInfo& find(Collective c, Algorithm a) {
   std::string names;
   for (const AlgorithmInfo& info : algorithms(c)) {
@@ -112,7 +135,7 @@ const AlgorithmInfo& find(Collective c, Algorithm a) {
                         "'; choose auto, " + names);
 }
 
-Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small_bytes) {
+Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small_bytes, const Profile* profile) {
   if (requested != Algorithm::automatic) {
     const AlgorithmInfo& info = find(c, requested);
     if (std::string why = info.unsupported(q); !why.empty())
@@ -120,6 +143,7 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
                             "' cannot run this call: " + why);
     return requested;
   }
+  if (profile) return cheapest(c, q, *profile);
   const bool small = q.bytes <= small_bytes;
   // q.bytes is one rank's block for these; what the call moves is n of them.
   const bool small_total = q.bytes * static_cast<size_t>(q.n) <= small_bytes;

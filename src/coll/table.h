@@ -20,6 +20,7 @@ struct Query {
   bool cma_usable;
   bool switch_set;  // the switch knob names aggregation switches
   int hosts = 1, per_host = 0;  // the host layout; per_host 0: hosts have different numbers of ranks
+  int switches = 1;             // aggregation switches the vector's chunks are spread over
 };
 
 struct AlgorithmInfo {
@@ -29,16 +30,23 @@ struct AlgorithmInfo {
   // Empty when it can run the call; otherwise why not.
   std::string (*unsupported)(const Query&);
   // Steps on the critical path and bytes this rank sends on its busiest link, per byte of `bytes`: with a per-step
-  // latency a and a link rate B the time is about steps * a + wire * bytes / B (docs/algorithms.md).
+  // latency a and a link rate B the time is about steps * a + wire * bytes / B (docs/algorithms.md); `reduced`:
+  // bytes this rank adds up, per byte of `bytes` (the cost model's reduction term, docs/cost-model.md).
   double (*steps)(int n);
   double (*wire)(int n);
+  double (*reduced)(int n);
 };
 
 std::span<const AlgorithmInfo> algorithms(Collective c);
+// Throws InvalidArgument naming the collectives.
+Collective parse_collective(std::string_view name);
 // Throws InvalidArgument naming the collective's algorithms.
 const AlgorithmInfo& find(Collective c, Algorithm a);
-// `requested` if it supports the call (else InvalidArgument saying why); for automatic: latency-optimized
-// algorithms up to small_bytes, bandwidth-optimized ones above.
-Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small_bytes);
+struct Profile;
+// `requested` if it supports the call (else InvalidArgument saying why); for automatic: with a profile, the
+// algorithm the cost model (coll/cost.h) predicts to be fastest; without one, latency-optimized algorithms up to
+// small_bytes, bandwidth-optimized ones above.
+Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small_bytes,
+                 const Profile* profile = nullptr);
 
 }  // namespace smartcoll::coll

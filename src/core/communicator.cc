@@ -365,8 +365,10 @@ Algorithm Communicator::choose(Collective coll, size_t count, DataType dt, Algor
   if (requested == Algorithm::automatic && coll == Collective::allreduce)
     requested = parse_algorithm(config_->algo, coll);
   const auto [hosts, per_host] = coll::host_layout_shape(hosts_);
-  const coll::Query q{size_, count * dtype_size(dt), compressed, cma_usable_, switch_ != nullptr, hosts, per_host};
-  return coll::choose(coll, q, requested, config_->rhd_max_bytes);
+  const int switches = 1 + static_cast<int>(std::count(config_->switches.begin(), config_->switches.end(), ','));
+  const coll::Query q{size_,    count * dtype_size(dt), compressed, cma_usable_, switch_ != nullptr, hosts,
+                      per_host, switches};
+  return coll::choose(coll, q, requested, config_->rhd_max_bytes, config_->profile.get());
 }
 
 void Communicator::check_usable() {

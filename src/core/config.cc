@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cinttypes>
+#include <cstdio>
 #include <cstdlib>
 #include <iomanip>
 #include <sstream>
@@ -115,6 +117,8 @@ Config Config::from(const Options& o) {
   c.algo = o.str("algo");
   c.cma = o.str("cma") == "auto";
   c.rhd_max_bytes = static_cast<size_t>(o.integer("rhd_max_bytes"));
+  if (const std::string& path = o.str("model_profile"); !path.empty())
+    c.profile = std::make_shared<const coll::Profile>(coll::Profile::load(path));
   c.segment_size = static_cast<size_t>(o.integer("segment_size"));
   c.streams = static_cast<int>(o.integer("streams"));
   c.engine_threads = static_cast<int>(o.integer("engine_threads"));
@@ -152,7 +156,11 @@ std::string Config::must_match(const Options& o) {
   std::string s;
   for (const Knob& k : kKnobs)
     if (k.must_match) s += (s.empty() ? "" : " ") + std::string(k.name) + "=" + o.str(k.name);
-  return s;
+  // The profile decides auto's choices: ranks compare what they loaded, not where from.
+  char digest[32] = "none";
+  if (const std::string& path = o.str("model_profile"); !path.empty())
+    std::snprintf(digest, sizeof digest, "%016" PRIx64, coll::Profile::load(path).digest());
+  return s + " model_profile_digest=" + digest;
 }
 
 }  // namespace smartcoll

@@ -2,9 +2,11 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "coll/cost.h"
 #include "smartcoll/codec.h"
 #include "smartcoll/knobs.h"
 
@@ -16,6 +18,7 @@ struct Config {
   std::string algo;
   bool cma = true;
   size_t rhd_max_bytes = 0;
+  std::shared_ptr<const coll::Profile> profile;  // model_profile, loaded; null: the size rules
   size_t segment_size = 0;
   int streams = 1;
   int engine_threads = 1;  // resolved: never 0

@@ -41,4 +41,8 @@ Seeds start_up_verdict_seeds();
 void switch_packet(const uint8_t* data, size_t size);
 Seeds switch_packet_seeds();
 
+// The cost model's profile (coll/cost.h): parsed or refused with InvalidArgument; canonical JSON parses back.
+void model_profile(const uint8_t* data, size_t size);
+Seeds model_profile_seeds();
+
 }  // namespace smartcoll::fuzz

@@ -1,4 +1,4 @@
-"""The `smartcoll` command: run, info, bench, demo, cluster.
+"""The `smartcoll` command: run, info, bench, demo, cluster, switch, model.
 
 Each subcommand lives in its own module with add_arguments(parser) and main(args) -> exit status; this file
 only wires them into one argparse tree.
@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from . import bench, demo, info, launcher, netemu, switch
+from . import bench, demo, info, launcher, model, netemu, switch
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -104,6 +104,19 @@ _SUBCOMMANDS = {
         "  smartcoll cluster fault 2 link-down\n"
         "  smartcoll cluster iperf --pattern ring\n"
         "  smartcoll cluster down",
+    ),
+    "model": (
+        model.add_arguments,
+        model.main,
+        "the cost model: calibrate a profile here, predict collective and training-iteration times",
+        "`calibrate` measures latency, link goodput, reduction, codec, memory and GEMM rates (on local ranks\n"
+        "or an emulated cluster) and writes a profile; SMARTCOLL_MODEL_PROFILE=FILE makes auto pick the\n"
+        "algorithm the model predicts fastest. `predict` tabulates a collective's time per algorithm, or the\n"
+        "FPGA smart-NIC paper's training-iteration model per variant and N (and draws Fig. 4b). docs/cost-model.md\n\n"
+        "examples:\n"
+        "  smartcoll model calibrate -n 4 --out profile.json\n"
+        "  smartcoll model predict allreduce --profile profile.json -n 4,16 --sizes 64K:64M\n"
+        "  smartcoll model predict train --layers 20 --width 2048 --batch 448 --png fig4b.png",
     ),
 }
 

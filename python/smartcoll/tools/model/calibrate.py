@@ -1,0 +1,220 @@
+"""Measure the cost model's parameters here and save them as a profile (JSON).
+
+    smartcoll model calibrate [-n N] [--cluster NAME] [--out model-profile.json] [--quick]
+
+What is measured, in this order (a progress bar on stderr):
+
+  alpha_s, alpha_algo, link_Bps, link_efficiency, efficiency_algo
+        `smartcoll bench allreduce` with N ranks (one per host of --cluster, over its shaped links): ring, rhd
+        and rd, each at a small and a large size (rd, a small-message algorithm: 64 x the small one). Each algorithm's two points give its per-step latency and
+        goodput (time = steps x alpha + bytes on the busiest link / goodput, steps and bytes from the algorithm
+        table). With --cluster, iperf3 measures the link rate and each efficiency = goodput / iperf3's rate;
+        else the ring's goodput is the link rate. alpha_s (algorithms not measured) is rhd's.
+  reduce_Bps      float32 sum of two 16 MiB arrays on one core (the core's SIMD kernel)
+  codecs          encode and decode of each --codecs format on one core (as `smartcoll bench codec`)
+  mem_Bps         a 64 MiB copy: bytes read plus written per second
+  copy_Bps        the same copy: bytes per second (what a same-host read costs)
+  flops           torch float32 GEMM of the training experiment's shape (batch x width by width x width) with
+                  the threads a rank of `smartcoll bench train` gets (CPUs / N)
+  update_s_per_byte  torch SGD with momentum on one width x width layer, seconds per parameter byte
+
+The aggregation switch is not measured: switch_Bps stays 0 and auto never picks algo=switch from the profile.
+Use the profile with SMARTCOLL_MODEL_PROFILE=FILE (auto then picks per call the algorithm the model predicts
+fastest) and `smartcoll model predict --profile FILE`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from smartcoll import _core
+
+from ..bench.codec import best_seconds, gradient_like
+from ..bench.codec import measure as measure_codec
+from ..bench.report import host_metadata
+from ..bench.runners import ProgressBar, status
+from ..bench.sizes import format_size, parse_size
+
+SUMMARY = "measure latency, link goodput, reduction, codec, memory and GEMM rates; save a profile JSON"
+FIT_ALGOS = ("ring", "rhd", "rd")
+STALL_S = 20
+# rd sends the whole vector log2(n) times: a small-message algorithm, fitted on its own range (64 x --small).
+RD_LARGE = 64
+# The floor a fitted latency is clamped to: a measurement noisier than the term it fits must not give 0 or less.
+MIN_ALPHA_S = 1e-7
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", "--nprocs", type=int, metavar="N", help="ranks (default: 4, or one per host of --cluster)")
+    parser.add_argument("--cluster", metavar="NAME", help="measure across the emulated cluster NAME's links")
+    parser.add_argument("--out", type=Path, default=Path("model-profile.json"), help="profile to write (default: %(default)s)")
+    parser.add_argument("--small", default="4K", help="the latency point (default: %(default)s)")
+    parser.add_argument("--large", default="4M", help="the goodput point (default: %(default)s)")
+    parser.add_argument(
+        "--codecs", default="bfp16,bf16,fp16,mxint8,mxfp8_e4m3",
+        help="codecs whose rates to measure, comma-separated (default: %(default)s)",
+    )
+    parser.add_argument("--width", type=int, default=1024, help="GEMM and update layer width (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=64, help="GEMM batch (default: %(default)s)")
+    parser.add_argument("--threads", type=int, help="torch threads for the GEMM (default: CPUs / N, at least 1)")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and calls (about 10 s on loopback)")
+    parser.add_argument("--time-limit", type=float, default=300.0, metavar="S", help="per bench run (default: %(default)s)")
+
+
+def bench_times(collective: str, algo: str, sizes: list[int], nranks: int, cluster: str | None, iters: int,
+                limit: float) -> dict[int, float]:
+    """Seconds per call (max over ranks of the mean) of `smartcoll bench` at each size."""
+    with tempfile.TemporaryDirectory(prefix="smartcoll-calibrate-") as d:
+        out = Path(d) / "bench.json"
+        cmd = [sys.executable, "-m", "smartcoll.tools.cli", "bench", collective, "-n", str(nranks), "--algo", algo,
+               "--sizes", ",".join(str(s) for s in sizes), "--iters", str(iters), "--json", str(out)]
+        if cluster:
+            cmd += ["--cluster", cluster, "--no-iperf"]
+        # A call that makes no progress fails after STALL_S rather than the default minute; it is retried once.
+        env = {**os.environ, "SMARTCOLL_TIMEOUT": str(STALL_S)}
+        for attempt in (1, 2):
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"{' '.join(cmd[2:])} did not finish in {limit:.0f} s") from None
+            if r.returncode == 0:
+                break
+            status(f"{collective} {algo} failed (attempt {attempt} of 2): {r.stderr.strip().splitlines()[-1:]}")
+        else:
+            raise RuntimeError(f"{' '.join(cmd[2:])} failed ({r.returncode}):\n{r.stderr[-2000:]}")
+        rows = json.loads(out.read_text())["results"]
+    return {row["bytes"]: row["smartcoll"]["time_us"] * 1e-6 for row in rows}
+
+
+def large_point(algo: str, small: int, large: int) -> int:
+    return small * RD_LARGE if algo == "rd" else large
+
+
+def fit_link(nranks: int, small: int, large: int, times: dict[str, dict[int, float]]) -> dict:
+    """Per algorithm, the per-step latency and the goodput from its two allreduce times (time = steps x alpha +
+    bytes on the busiest link / goodput): steps and bytes come from the core's table through model_predict, so
+    the fit uses the model's own terms."""
+    base = _core.model_builtin_profile()
+    alphas, goodputs = {}, {}
+    for algo in FIT_ALGOS:
+        big = large_point(algo, small, large)
+        small_k, large_k = (_core.model_predict("allreduce", algo, nranks, b, base) for b in (small, big))
+        t_small, t_large = times[algo][small], times[algo][big]
+        if t_large <= t_small:
+            raise RuntimeError(f"{algo} at {format_size(big)} ({t_large:.2e} s) was not slower than at "
+                               f"{format_size(small)} ({t_small:.2e} s): too noisy to fit; raise --large")
+        goodputs[algo] = (large_k["wire_bytes"] - small_k["wire_bytes"]) / (t_large - t_small)
+        alphas[algo] = max(MIN_ALPHA_S, (t_small - small_k["wire_bytes"] / goodputs[algo]) / small_k["steps"])
+    return {"alpha_algo": alphas, "goodput_algo": goodputs}
+
+
+def local_rates(codecs: list[str], width: int, batch: int, threads: int, repeat: int, progress) -> dict:
+    out: dict = {}
+    a, b = gradient_like(1 << 22, 1), gradient_like(1 << 22, 2)
+    dst = np.empty_like(a)
+    out["reduce_Bps"] = dst.nbytes / best_seconds(lambda: _core.reduce_arrays(dst, a, b, "sum"), repeat)
+    progress("reduction")
+    x = gradient_like(1 << 24, 3)
+    copy = np.empty_like(x)
+    t = best_seconds(lambda: np.copyto(copy, x), repeat)
+    out["mem_Bps"], out["copy_Bps"] = 2 * x.nbytes / t, x.nbytes / t
+    progress("memory")
+    out["codecs"] = {}
+    for fmt in codecs:
+        r = measure_codec(fmt, a, b, repeat)
+        out["codecs"][fmt] = {"encode_Bps": r["encode"] * 1e9, "decode_Bps": r["decode"] * 1e9}
+        progress(f"codec {fmt}")
+    try:
+        import torch
+    except ImportError:
+        status("torch is not installed: flops and update_s_per_byte keep the built-in values")
+        return out
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        inp, w = torch.randn(batch, width), torch.randn(width, width)
+        out["flops"] = 2 * batch * width * width / best_seconds(lambda: inp @ w, repeat)
+        progress("GEMM")
+        layer = torch.nn.Linear(width, width)
+        for p in layer.parameters():
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.SGD(layer.parameters(), lr=0.01, momentum=0.9)
+        nbytes = sum(p.numel() for p in layer.parameters()) * 4
+        out["update_s_per_byte"] = best_seconds(opt.step, repeat) / nbytes
+        progress("update")
+    finally:
+        torch.set_num_threads(saved)
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    cluster = None
+    if args.cluster:
+        from .. import netemu
+
+        cluster = netemu.get(args.cluster)
+    nranks = args.nprocs or (cluster.size if cluster else 4)
+    if nranks < 2:
+        status("calibrate needs at least 2 ranks")
+        return 2
+    small, large = parse_size(args.small), parse_size(args.large)
+    codecs = [c for c in args.codecs.split(",") if c]
+    repeat, iters = (2, 5) if args.quick else (5, 20)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // nranks)
+    bar = ProgressBar("calibrate", len(FIT_ALGOS) + 2 + len(codecs) + 2)
+    done = [0]
+
+    def progress(note: str) -> None:
+        done[0] += 1
+        bar.update(done[0], note)
+
+    t0 = time.monotonic()
+    times: dict[str, dict[int, float]] = {}
+    try:
+        for algo in FIT_ALGOS:
+            sizes = [small, large_point(algo, small, large)]
+            times[algo] = bench_times("allreduce", algo, sizes, nranks, args.cluster, iters, args.time_limit)
+            progress(f"allreduce {algo}")
+        fit = fit_link(nranks, small, large, times)
+    except RuntimeError as e:
+        bar.close()
+        status(str(e))
+        return 1
+    rates = local_rates(codecs, args.width, args.batch, threads, repeat, progress)
+    bar.close()
+
+    link_Bps, iperf = fit["goodput_algo"]["ring"], None
+    if cluster:
+        from ..bench.cli import measure_link
+
+        iperf = measure_link(cluster).get("GBps")
+        link_Bps = iperf * 1e9 if iperf else link_Bps
+    efficiency = {algo: goodput / link_Bps for algo, goodput in fit["goodput_algo"].items()}
+    profile = json.loads(_core.model_builtin_profile())
+    profile.update(rates)
+    profile.update(alpha_s=fit["alpha_algo"]["rhd"], alpha_algo=fit["alpha_algo"], link_Bps=link_Bps,
+                   link_efficiency=efficiency["ring"], efficiency_algo=efficiency)
+    profile["measured"] = {
+        **host_metadata(),
+        "ranks": nranks, "cluster": args.cluster, "iperf_GBps": iperf, "allreduce_s": times,
+        "torch_threads": threads, "seconds": round(time.monotonic() - t0, 1),
+    }
+    text = json.dumps(profile, indent=1) + "\n"
+    _core.model_parse_profile(text, str(args.out))  # what auto and predict will read back must be valid
+    args.out.write_text(text)
+    status(
+        f"wrote {args.out}: alpha {fit['alpha_algo']['rhd'] * 1e6:.1f} us (ring {fit['alpha_algo']['ring'] * 1e6:.1f}, "
+        f"rd {fit['alpha_algo']['rd'] * 1e6:.1f}), goodput {link_Bps * efficiency['ring'] / 1e9:.3f} GB/s "
+        f"(rhd {efficiency['rhd'] / efficiency['ring']:.2f}x, rd {efficiency['rd'] / efficiency['ring']:.2f}x the ring's), reduce "
+        f"{rates['reduce_Bps'] / 1e9:.2f} GB/s, mem {rates['mem_Bps'] / 1e9:.2f} GB/s"
+        + (f", GEMM {rates['flops'] / 1e9:.1f} GFLOP/s" if "flops" in rates else "")
+    )
+    return 0

@@ -1,0 +1,101 @@
+"""Measured against predicted: `smartcoll bench --json` files next to the model's prediction for each row.
+
+    smartcoll model compare --profile P.json allreduce-ring.json allreduce-rhd.json ... [--markdown]
+
+Each file's collective, world size, algorithm (for algo=auto, the algorithm auto picks: by the model with the
+file's model_profile knob, else by the size rules) and codec come from its metadata; one rank per host when it
+ran on an emulated cluster (--cluster), all on this host otherwise. error = (predicted - measured) / measured.
+Then, per collective, size and codec where the files hold a fixed algorithm and auto: auto's measured time
+against the best fixed algorithm's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from smartcoll import _core
+
+from . import load_profile
+from ..bench.runners import COLLECTIVES
+from ..bench.sizes import format_size, format_table
+
+SUMMARY = "measured (smartcoll bench --json files) against predicted, with error %, and auto against the best"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("files", nargs="+", type=Path, help="`smartcoll bench ... --json` files")
+    parser.add_argument("--profile", type=Path, help="the profile to predict with (default: built-in)")
+    parser.add_argument("--markdown", action="store_true", help="print Markdown tables (for BENCHMARKS.md)")
+
+
+def rows_of(path: Path, profile: str) -> list[dict]:
+    report = json.loads(path.read_text())
+    if "results" not in report or "collective" not in report.get("metadata", {}):
+        raise ValueError(f"{path} is not a `smartcoll bench --json` file (no metadata.collective and results)")
+    meta, knobs = report["metadata"], report["metadata"]["knobs"]
+    coll, n = meta["collective"], meta["world_size"]
+    codec = knobs.get("codec", "identity") if coll in ("allreduce", "reduce_scatter", "allgather") else "identity"
+    cluster = meta.get("cluster")
+    layout = {"hosts": n if cluster else 1, "per_host": 1 if cluster else n,
+              "cma": not cluster and knobs.get("cma") == "auto", "switch": bool(knobs.get("switch"))}
+    # What auto picked: by the model with the profile the run loaded, else by the size rules.
+    chooser = _core.model_load_profile(knobs["model_profile"]) if knobs.get("model_profile") else ""
+    rows = []
+    for r in report["results"]:
+        if "smartcoll" not in r or "time_us" not in r["smartcoll"]:
+            continue
+        # Query.bytes: the whole vector, or one rank's block where the bench's size is split into n of them.
+        nbytes = r["bytes"] // n if COLLECTIVES[coll].split else r["bytes"]
+        algo = meta.get("algo", "auto") if coll == "allreduce" else "auto"
+        picked = algo
+        if algo == "auto":
+            picked = _core.model_choose(coll, n, nbytes, chooser, codec,
+                                        small_bytes=int(knobs.get("rhd_max_bytes", 262144)), **layout)
+        k = _core.model_predict(coll, picked, n, nbytes, profile, codec, **layout)
+        measured = r["smartcoll"]["time_us"] * 1e-6
+        rows.append({
+            "collective": coll, "algo": algo if algo != "auto" else f"auto ({picked})", "fixed": algo != "auto",
+            "n": n, "bytes": r["bytes"], "codec": codec, "measured_s": measured, "predicted_s": k["total"],
+            "error_pct": 100 * (k["total"] - measured) / measured, "bound": k["bound"],
+        })
+    return rows
+
+
+def auto_vs_best(rows: list[dict]) -> list[list[str]]:
+    out = []
+    keys = sorted({(r["collective"], r["n"], r["codec"], r["bytes"]) for r in rows})
+    for key in keys:
+        same = [r for r in rows if (r["collective"], r["n"], r["codec"], r["bytes"]) == key]
+        fixed = [r for r in same if r["fixed"]]
+        for auto in (r for r in same if not r["fixed"]):
+            if fixed:
+                best = min(fixed, key=lambda r: r["measured_s"])
+                out.append([key[0], format_size(key[3]), auto["algo"], f"{auto['measured_s'] * 1e3:.1f}",
+                            best["algo"], f"{best['measured_s'] * 1e3:.1f}",
+                            f"{best['measured_s'] / auto['measured_s']:.2f}"])
+    return out
+
+
+def markdown(headers: list[str], table: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in table])
+
+
+def main(args: argparse.Namespace) -> int:
+    profile = load_profile(args.profile)
+    rows = [row for path in args.files for row in rows_of(path, profile)]
+    def fmt(headers: list[str], table: list[list[str]]) -> str:
+        return markdown(headers, table) if args.markdown else format_table(headers, table, left=[0, 1])
+
+    headers = ["collective", "algo", "N", "size", "codec", "measured ms", "predicted ms", "error %", "bound"]
+    table = [[r["collective"], r["algo"], str(r["n"]), format_size(r["bytes"]), r["codec"],
+              f"{r['measured_s'] * 1e3:.2f}", f"{r['predicted_s'] * 1e3:.2f}", f"{r['error_pct']:+.1f}", r["bound"]]
+             for r in rows]
+    print(fmt(headers, table))
+    versus = auto_vs_best(rows)
+    if versus:
+        print()
+        print(fmt(["collective", "size", "auto", "auto ms", "best fixed", "best ms", "best / auto"], versus))
+    return 0

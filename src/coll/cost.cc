@@ -1,0 +1,322 @@
+#include "coll/cost.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "core/json.h"
+#include "core/siphash.h"
+#include "smartcoll/codec.h"
+
+namespace smartcoll::coll {
+
+namespace {
+
+// The profile's numeric fields, for parsing and writing them in one place. `optional` ones keep the built-in
+// value when absent; `zero_ok` ones may be 0 (meaning "not measured" or "unlimited", see Profile).
+struct Field {
+  std::string_view name;
+  double Profile::*member;
+  bool optional, zero_ok;
+};
+constexpr Field kFields[] = {
+    {"alpha_s", &Profile::alpha_s, false, false},
+    {"link_Bps", &Profile::link_Bps, false, false},
+    {"link_efficiency", &Profile::link_efficiency, true, false},
+    {"reduce_Bps", &Profile::reduce_Bps, false, false},
+    {"cores", &Profile::cores, true, false},
+    {"mem_Bps", &Profile::mem_Bps, false, false},
+    {"copy_Bps", &Profile::copy_Bps, false, false},
+    {"switch_Bps", &Profile::switch_Bps, true, true},
+    {"switch_link_Bps", &Profile::switch_link_Bps, true, true},
+    {"flops", &Profile::flops, false, false},
+    {"update_s_per_byte", &Profile::update_s_per_byte, false, false},
+};
+constexpr std::string_view kFormat = "smartcoll-model-profile/1";
+// Free-form fields a profile may carry (calibrate records how it measured); the model ignores them.
+constexpr std::string_view kInformational[] = {"format", "measured", "notes"};
+
+std::string number(double v) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+class ProfileReader {
+ public:
+  explicit ProfileReader(const std::string& origin) : origin_(origin) {}
+
+  [[noreturn]] void fail(const std::string& field, const std::string& what) const {
+    throw InvalidArgument("model profile " + origin_ + (field.empty() ? "" : ": field '" + field + "'") + ": " + what);
+  }
+  double positive(const std::string& field, const json::Value& v, bool zero_ok) const {
+    if (v.kind != json::Value::Kind::number)
+      fail(field, "expected a number, got " + std::string(v.kind_name()));
+    if (!(v.number > 0 || (zero_ok && v.number == 0)) || v.number > 1e30)
+      fail(field, "expected a " + std::string(zero_ok ? "non-negative" : "positive") + " number, got " +
+                      number(v.number));
+    return v.number;
+  }
+  const std::map<std::string, json::Value>& object(const std::string& field, const json::Value& v) const {
+    if (v.kind != json::Value::Kind::object) fail(field, "expected an object, got " + std::string(v.kind_name()));
+    return v.object;
+  }
+
+ private:
+  const std::string& origin_;
+};
+
+bool known_algorithm(std::string_view name) {
+  for (int c = 0; c < kCollectives; ++c)
+    for (const AlgorithmInfo& info : algorithms(static_cast<Collective>(c)))
+      if (algorithm_name(info.algo) == name) return true;
+  return false;
+}
+
+// Bytes of the caller's buffers read and written, per byte of Query::bytes.
+double memory_traffic(Collective c, int n) {
+  switch (c) {
+    case Collective::allreduce: return 2;
+    case Collective::reduce_scatter:
+    case Collective::allgather: return n + 1.0;
+    case Collective::alltoall: return 2.0 * n;
+    case Collective::broadcast:
+    case Collective::reduce: return 1;
+    case Collective::barrier: return 0;
+  }
+  return 0;
+}
+
+}  // namespace
+
+Profile Profile::builtin() {
+  Profile p;
+  p.alpha_s = 50e-6;
+  p.link_Bps = 125e6;  // 1 Gbit/s
+  p.link_efficiency = 0.94;  // TCP's goodput on a 1500-byte MTU
+  p.reduce_Bps = 4e9;
+  p.cores = 1;
+  p.mem_Bps = 10e9;
+  p.copy_Bps = 5e9;
+  p.flops = 50e9;
+  p.update_s_per_byte = 5.0 / p.mem_Bps;  // SGD with momentum: about 5 bytes of traffic per parameter byte
+  for (const char* name : {"fp16", "bf16", "bfp16", "mxint8", "mxfp8_e4m3", "mxfp8_e5m2"})
+    p.codecs[name] = {8e9, 8e9};
+  // Per-algorithm steps and efficiencies chosen so that the model's picks agree with auto's size rules (which
+  // come from measurements, BENCHMARKS.md) in most calls: a pipelined ring or chain step costs more than one
+  // exchange; the same-host path pays all-to-all control rounds; exchanges that wait for their partner and Bruck's
+  // final rotation reach about half the link.
+  p.alpha_algo = {{"ring", 200e-6}, {"chain", 500e-6}, {"cma", 3e-3}, {"rhd", 50e-6}, {"rd", 20e-6},
+                  {"bruck", 20e-6}, {"tree", 20e-6}, {"direct", 50e-6}};
+  p.efficiency_algo = {{"rhd", 0.5}, {"rd", 0.5}, {"bruck", 0.5}};
+  return p;
+}
+
+Profile Profile::parse(std::string_view text, const std::string& origin) {
+  const ProfileReader r(origin);
+  json::Value doc;
+  try {
+    doc = json::parse(text);
+  } catch (const InvalidArgument& e) {
+    r.fail("", e.what());
+  }
+  Profile p = builtin();  // the optional fields' values; the maps are the file's alone
+  p.codecs.clear();
+  p.alpha_algo.clear();
+  p.efficiency_algo.clear();
+  p.origin = origin;
+  const auto& top = r.object("", doc);
+  std::string known;
+  for (const Field& f : kFields) {
+    known += (known.empty() ? "" : ", ") + std::string(f.name);
+    const auto it = top.find(std::string(f.name));
+    if (it == top.end()) {
+      if (!f.optional) r.fail(std::string(f.name), "missing (smartcoll model calibrate writes every field)");
+      continue;
+    }
+    p.*f.member = r.positive(it->first, it->second, f.zero_ok);
+  }
+  for (const auto& [name, value] : top) {
+    if (name == "alpha_algo" || name == "efficiency_algo") {
+      for (const auto& [algo, v] : r.object(name, value)) {
+        const std::string field = name + "." + algo;
+        if (!known_algorithm(algo)) r.fail(field, "not an algorithm of the table (smartcoll info lists them)");
+        (name == "alpha_algo" ? p.alpha_algo : p.efficiency_algo)[algo] = r.positive(field, v, false);
+      }
+    } else if (name == "codecs") {
+      for (const auto& [codec, v] : r.object(name, value)) {
+        const std::string field = name + "." + codec;
+        std::string canonical;
+        try {
+          canonical = Codec::parse(codec).name();
+        } catch (const InvalidArgument& e) {
+          r.fail(field, e.what());
+        }
+        const auto& rates = r.object(field, v);
+        CodecRates c;
+        for (auto [key, member] : {std::pair{"encode_Bps", &CodecRates::encode_Bps}, {"decode_Bps", &CodecRates::decode_Bps}}) {
+          const auto it = rates.find(key);
+          if (it == rates.end()) r.fail(field + "." + key, "missing");
+          c.*member = r.positive(field + "." + key, it->second, false);
+        }
+        p.codecs[canonical] = c;
+      }
+    } else if (name == "format") {
+      if (value.kind != json::Value::Kind::string || value.string != kFormat)
+        r.fail(name, "expected \"" + std::string(kFormat) + "\"");
+    } else if (std::find(std::begin(kInformational), std::end(kInformational), name) == std::end(kInformational) &&
+               std::none_of(std::begin(kFields), std::end(kFields), [&](const Field& f) { return f.name == name; })) {
+      r.fail(name, "unknown field; the fields are " + known +
+                          ", alpha_algo, efficiency_algo, codecs (and format, measured, notes)");
+    }
+  }
+  return p;
+}
+
+Profile Profile::load(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InvalidArgument("model profile " + path + ": cannot be read (smartcoll model calibrate writes one)");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return parse(text.str(), path);
+}
+
+std::string Profile::to_json() const {
+  std::string s = "{\n  \"format\": " + json::quote(kFormat);
+  for (const Field& f : kFields) s += ",\n  " + json::quote(f.name) + ": " + number(this->*f.member);
+  for (const auto& [name, values] : {std::pair{"alpha_algo", &alpha_algo}, {"efficiency_algo", &efficiency_algo}}) {
+    s += ",\n  " + json::quote(name) + ": {";
+    for (auto it = values->begin(); it != values->end(); ++it)
+      s += (it == values->begin() ? "" : ", ") + json::quote(it->first) + ": " + number(it->second);
+    s += "}";
+  }
+  s += ",\n  \"codecs\": {";
+  for (auto it = codecs.begin(); it != codecs.end(); ++it)
+    s += std::string(it == codecs.begin() ? "\n" : ",\n") + "    " + json::quote(it->first) +
+         ": {\"encode_Bps\": " + number(it->second.encode_Bps) + ", \"decode_Bps\": " +
+         number(it->second.decode_Bps) + "}";
+  return s + (codecs.empty() ? "" : "\n  ") + "}\n}\n";
+}
+
+uint64_t Profile::digest() const {
+  const std::string text = to_json();
+  SipHasher h(SipKey{});
+  h.update(text.data(), text.size());
+  return h.finish();
+}
+
+namespace {
+double per_algorithm(const std::map<std::string, double>& values, Algorithm a, double otherwise) {
+  const auto it = values.find(std::string(algorithm_name(a)));
+  return it == values.end() ? otherwise : it->second;
+}
+}  // namespace
+
+double Profile::alpha(Algorithm a) const { return per_algorithm(alpha_algo, a, alpha_s); }
+double Profile::efficiency(Algorithm a) const { return per_algorithm(efficiency_algo, a, link_efficiency); }
+
+Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::string_view codec_name) {
+  const AlgorithmInfo& info = find(c, a);
+  Cost k;
+  if (q.n <= 1) return k;
+  const int n = q.n;
+  const double bytes = static_cast<double>(q.bytes), cores = std::max(1.0, p.cores);
+  const Codec codec = Codec::parse(codec_name.empty() ? "identity" : codec_name);
+  const bool compressed = codec.kind() != CodecKind::identity;
+  // Float32 bytes this rank sends on its busiest link; the codec shrinks them by its ratio on the wire.
+  const double moved = info.wire(n) * bytes;
+  k.steps = info.steps(n);
+  k.wire_bytes = moved / (compressed ? codec.ratio() : 1.0);
+  k.reduce = info.reduced(n) * bytes / (p.reduce_Bps * cores);
+  k.mem = memory_traffic(c, n) * bytes / p.mem_Bps;
+  if (compressed) {
+    const auto it = p.codecs.find(codec.name());
+    if (it == p.codecs.end())
+      throw InvalidArgument("model profile " + p.origin + " has no rates for codec '" + codec.name() +
+                            "' (smartcoll model calibrate --codecs " + codec.name() + " measures them)");
+    // Every hop decodes what it receives and encodes what it sends.
+    k.codec = moved * (1 / it->second.encode_Bps + 1 / it->second.decode_Bps) / cores;
+  }
+  const double link = p.link_Bps * p.efficiency(a);
+  bool copy_overlaps = true;
+  switch (a) {
+    case Algorithm::cma:
+      k.copy = moved / p.copy_Bps;
+      k.wire_bytes = 0;
+      break;
+    case Algorithm::hier: {
+      // Reduce-scatter and allgather among the h ranks of a host, then a ring across the H hosts: the host's
+      // link carries 2(H-1)/H of the vector whatever h is, and the phases follow one another.
+      const double h = std::max(1, q.per_host), hosts = std::max(1, q.hosts);
+      k.steps = 2 * (h - 1) + 2 * (hosts - 1);
+      k.copy = 2 * (h - 1) / h * bytes / p.copy_Bps;
+      k.wire_bytes = 2 * (hosts - 1) / hosts * bytes;
+      k.link = k.wire_bytes / link;
+      copy_overlaps = false;
+      break;
+    }
+    case Algorithm::switch_: {
+      // Each rank sends its vector and receives the sum; each of the k switches takes n/k of the vector's
+      // chunks from every rank and sums them. A switch that is a host has one link for all n ranks: n S / k each
+      // way (the DPDK paper's 2MN/B against 2M/B in the network).
+      const double switches = std::max(1, q.switches);
+      k.link = bytes / link;
+      if (p.switch_link_Bps > 0) k.link = std::max(k.link, n * bytes / (switches * p.switch_link_Bps));
+      if (p.switch_Bps > 0) k.reduce = n * bytes / (switches * p.switch_Bps);
+      break;
+    }
+    default: k.link = k.wire_bytes / link;
+  }
+  k.latency = k.steps * p.alpha(a);
+  const std::pair<double, const char*> terms[] = {
+      {k.link, "link"}, {k.reduce, "reduce"}, {k.codec, "codec"}, {k.mem, "mem"}, {copy_overlaps ? k.copy : 0, "copy"}};
+  const auto* top = std::max_element(std::begin(terms), std::end(terms),
+                                     [](const auto& x, const auto& y) { return x.first < y.first; });
+  k.bound = top->first > 0 ? top->second : "latency";
+  k.total = k.latency + top->first + (copy_overlaps ? 0 : k.copy);
+  return k;
+}
+
+Algorithm cheapest(Collective c, const Query& q, const Profile& p) {
+  Algorithm best = algorithms(c).front().algo;
+  double best_time = -1;
+  for (const AlgorithmInfo& info : algorithms(c)) {
+    if (!info.unsupported(q).empty() || (info.algo == Algorithm::switch_ && p.switch_Bps <= 0)) continue;
+    const double t = predict(c, info.algo, q, p).total;
+    if (best_time < 0 || t < best_time) best = info.algo, best_time = t;
+  }
+  return best;
+}
+
+IterationCost iteration(const std::vector<double>& elems, double batch, int n, Algorithm algo, std::string_view codec,
+                        const Profile& p, double compute_scale) {
+  IterationCost it;
+  const size_t L = elems.size();
+  if (L == 0) return it;
+  std::vector<double> F(L + 1), B(L + 1), U(L + 1), AR(L + 1);  // 1-based, as in the paper
+  for (size_t l = 1; l <= L; ++l) {
+    const double e = elems[l - 1];
+    F[l] = compute_scale * 2 * e * batch / p.flops;
+    B[l] = compute_scale * 4 * e * batch / p.flops;
+    U[l] = p.update_s_per_byte * 4 * e;
+    const Query q{n, static_cast<size_t>(4 * e), codec != "" && codec != "identity", false, false};
+    AR[l] = predict(Collective::allreduce, algo, q, p, codec).total;
+    it.fwd += F[l], it.bwd += B[l], it.update += U[l], it.allreduce += AR[l];
+    it.layer_allreduce.push_back(AR[l]);
+  }
+  double t = it.fwd + B[L];
+  if (L == 1) {
+    t += AR[1] + U[1];
+  } else {
+    t += std::max(B[L - 1], AR[L]);
+    for (size_t l = L - 1; l >= 2; --l) t += std::max(U[l + 1] + B[l - 1], AR[l]);
+    t += std::max(U[2], AR[1]) + U[1];
+  }
+  it.total = t;
+  it.exposed = t - it.fwd - it.bwd - it.update;
+  return it;
+}
+
+}  // namespace smartcoll::coll

@@ -1,0 +1,99 @@
+// The analytical cost model (docs/cost-model.md): what a collective costs with a given algorithm and codec on a
+// machine described by a Profile, and what a data-parallel training iteration costs (the FPGA smart-NIC paper's
+// Sec. IV-C). `auto` picks the cheapest algorithm with it when a profile is loaded (the model_profile knob);
+// `smartcoll model predict` prints and draws it. The per-algorithm terms (steps, bytes on the busiest link,
+// bytes reduced) come from the algorithm table (coll/table.h).
+#pragma once
+
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "coll/table.h"
+
+namespace smartcoll::coll {
+
+// Encode and decode throughput of one codec, in float32 bytes per second on one core.
+struct CodecRates {
+  double encode_Bps = 0, decode_Bps = 0;
+};
+
+struct Profile {
+  // Seconds per step on the critical path (a message's latency plus the per-call work); `alpha_algo` overrides
+  // it for one algorithm (by name), since a pipelined ring pays more per step than one exchange of rhd.
+  double alpha_s = 0;
+  std::map<std::string, double> alpha_algo;
+  double link_Bps = 0;         // link rate between hosts, bytes per second each way
+  double link_efficiency = 1;  // the share of it one rank's streams reach (the paper's alpha)
+  // Overrides of link_efficiency per algorithm: a ring keeps the link busy; an exchange that waits for its
+  // partner between steps (rhd, rd) leaves it idle part of the time.
+  std::map<std::string, double> efficiency_algo;
+  double reduce_Bps = 0;       // float32 bytes added per second on one core
+  double cores = 1;            // cores the engine spreads reductions and codec work over
+  double mem_Bps = 0;          // memory bandwidth: bytes read plus written per second (the paper's PCIe term)
+  double copy_Bps = 0;         // same-host copy rate: bytes per second one rank reads from another's memory
+  // Aggregation switch: float32 bytes one switch sums per second (0: not measured, and auto never picks it),
+  // and the switch's own link rate (0: in the network at line rate on every port; a host aggregator has one).
+  double switch_Bps = 0;
+  double switch_link_Bps = 0;
+  std::map<std::string, CodecRates> codecs;  // by canonical codec name
+  // The training-iteration model: the worker's float32 GEMM rate, and weight-update seconds per parameter byte.
+  double flops = 0;
+  double update_s_per_byte = 0;
+  std::string origin = "built-in";  // the file it came from, for messages
+
+  // Parameters of a 1 Gbit/s Ethernet cluster of ordinary hosts; docs/cost-model.md gives their sources.
+  static Profile builtin();
+  // Throws InvalidArgument naming `origin` and the field for malformed text, a missing or unknown field, or a
+  // value that is not a positive number.
+  static Profile parse(std::string_view json_text, const std::string& origin);
+  static Profile load(const std::string& path);
+  // Canonical JSON (sorted fields, full precision): parse(to_json()) gives the same profile, and equal profiles
+  // give equal text, so ranks compare its digest.
+  std::string to_json() const;
+  uint64_t digest() const;
+  double alpha(Algorithm a) const;
+  double efficiency(Algorithm a) const;
+};
+
+// The predicted time of one call, and the terms it is made of (seconds).
+struct Cost {
+  double total = 0;
+  double latency = 0;  // steps x alpha
+  double link = 0;     // bytes on the busiest link (compressed by the codec's ratio) / the link's goodput
+  double reduce = 0;   // bytes reduced / (reduction rate x cores)
+  double codec = 0;    // bytes encoded and decoded / (codec rates x cores)
+  double mem = 0;      // the caller's buffers read and written / memory bandwidth
+  double copy = 0;     // same-host bytes / copy rate (cma, the on-host phases of hier)
+  double steps = 0;
+  double wire_bytes = 0;  // bytes on the busiest link
+  std::string bound;      // the term the pipeline is limited by: link, reduce, codec, mem or copy
+};
+
+// q.bytes as in Query: the whole vector for allreduce, broadcast and reduce, one rank's block otherwise.
+// `codec` is a codec name ("" or identity: none). The pipelined terms overlap, so the time is
+//   latency + max(link, reduce, codec, mem) (+ copy for the same-host phases),
+// the paper's T_AR = max(T_ring, T_add, T_mem) with a latency term added. Throws InvalidArgument when the
+// profile lacks the codec's rates.
+Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::string_view codec = "");
+
+// The algorithm with the least predicted time among those that support the call (the switch only when the
+// profile has its rate).
+Algorithm cheapest(Collective c, const Query& q, const Profile& p);
+
+// The paper's training iteration (Sec. IV-C): L square layers of `elems[l]` parameters, batch `batch` per worker;
+// T_F = 2 M^2 B / P, T_B = 4 M^2 B / P (times `compute_scale` for a worker that gives cores to communication),
+// T_U = update_s_per_byte x 4 M^2, T_AR = the allreduce of each layer's gradient with `algo` and `codec`, and
+//   T_total = sum T_F + T_B,L + max(T_B,L-1, T_AR,L) + sum_{l=2}^{L-1} max(T_U,l+1 + T_B,l-1, T_AR,l)
+//             + max(T_U,2, T_AR,1) + T_U,1.
+struct IterationCost {
+  double fwd = 0, bwd = 0, update = 0, allreduce = 0;  // sums over layers
+  double exposed = 0;                                  // total - fwd - bwd - update: what overlap did not hide
+  double total = 0;
+  std::vector<double> layer_allreduce;
+};
+IterationCost iteration(const std::vector<double>& elems, double batch, int n, Algorithm algo, std::string_view codec,
+                        const Profile& p, double compute_scale = 1);
+
+}  // namespace smartcoll::coll

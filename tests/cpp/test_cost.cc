@@ -1,0 +1,287 @@
+// Tests for the cost model (src/coll/cost.h): hand-worked times, the FPGA smart-NIC paper's equations with its own
+// parameters, the DPDK paper's switch bound, auto's choices with a profile, and malformed profiles.
+#include "coll/cost.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "smartcoll/codec.h"
+
+namespace smartcoll::coll {
+namespace {
+
+// A profile where only the link and the latency cost anything, unless a test says otherwise.
+Profile link_only(double alpha, double link_Bps) {
+  Profile p = Profile::builtin();
+  p.alpha_algo.clear();
+  p.efficiency_algo.clear();
+  p.alpha_s = alpha;
+  p.link_Bps = link_Bps;
+  p.link_efficiency = 1;
+  p.reduce_Bps = p.mem_Bps = p.copy_Bps = 1e30;
+  p.codecs["bfp16"] = {1e30, 1e30};
+  return p;
+}
+
+Query call(int n, double bytes) { return Query{n, static_cast<size_t>(bytes), false, false, false}; }
+
+constexpr double kMiB = 1 << 20;
+
+TEST(CostModel, RingAllreduceHandWorked) {
+  const Profile p = link_only(1e-4, 1e8);
+  const Cost k = predict(Collective::allreduce, Algorithm::ring, call(4, 64 * kMiB), p);
+  // 2(n-1) = 6 steps; 2(n-1)/n = 1.5 of the vector on the busiest link.
+  EXPECT_DOUBLE_EQ(k.steps, 6);
+  EXPECT_DOUBLE_EQ(k.wire_bytes, 1.5 * 64 * kMiB);
+  EXPECT_NEAR(k.total, 6e-4 + 1.5 * 64 * kMiB / 1e8, 1e-12);
+  EXPECT_EQ(k.bound, "link");
+  // One rank: nothing to do.
+  EXPECT_EQ(predict(Collective::allreduce, Algorithm::ring, call(1, kMiB), p).total, 0);
+}
+
+TEST(CostModel, FoldOnlyOffPowersOfTwo) {
+  // rhd and rd run among the largest power of two p <= n; n - p extra ranks fold in: 2 more steps, 1 more vector.
+  const Profile p = link_only(1, 1e30);
+  auto steps = [&](Algorithm a, int n) { return predict(Collective::allreduce, a, call(n, kMiB), p).steps; };
+  auto wire = [&](Algorithm a, int n) { return predict(Collective::allreduce, a, call(n, kMiB), p).wire_bytes / kMiB; };
+  EXPECT_EQ(steps(Algorithm::rhd, 4), 4);
+  EXPECT_DOUBLE_EQ(wire(Algorithm::rhd, 4), 1.5);
+  EXPECT_EQ(steps(Algorithm::rhd, 6), 2 * 2 + 2);
+  EXPECT_DOUBLE_EQ(wire(Algorithm::rhd, 6), 1.5 + 1);
+  EXPECT_EQ(steps(Algorithm::rd, 8), 3);
+  EXPECT_DOUBLE_EQ(wire(Algorithm::rd, 8), 3);
+  EXPECT_EQ(steps(Algorithm::rd, 5), 2 + 2);
+  EXPECT_DOUBLE_EQ(wire(Algorithm::rd, 5), 2 + 1);
+}
+
+TEST(CostModel, PerAlgorithmLatencyAndEfficiency) {
+  Profile p = link_only(1e-4, 1e8);
+  p.alpha_algo["rhd"] = 3e-4;
+  p.efficiency_algo["rhd"] = 0.5;
+  const Cost rhd = predict(Collective::allreduce, Algorithm::rhd, call(4, 64 * kMiB), p);
+  EXPECT_NEAR(rhd.total, 4 * 3e-4 + 1.5 * 64 * kMiB / (0.5 * 1e8), 1e-9);
+  const Cost ring = predict(Collective::allreduce, Algorithm::ring, call(4, 64 * kMiB), p);
+  EXPECT_NEAR(ring.total, 6 * 1e-4 + 1.5 * 64 * kMiB / 1e8, 1e-9);  // the others keep alpha_s and link_efficiency
+}
+
+TEST(CostModel, SlowestPipelinedTermBounds) {
+  Profile p = link_only(0, 1e8);
+  p.reduce_Bps = 1e7;  // adding (n-1)/n of the vector at 10 MB/s is slower than the link
+  const Cost k = predict(Collective::allreduce, Algorithm::ring, call(4, 8 * kMiB), p);
+  EXPECT_EQ(k.bound, "reduce");
+  EXPECT_NEAR(k.total, 0.75 * 8 * kMiB / 1e7, 1e-9);
+  p.reduce_Bps = 1e30;
+  p.mem_Bps = 1e7;  // reading and writing the caller's buffer: 2 S
+  EXPECT_NEAR(predict(Collective::allreduce, Algorithm::ring, call(4, 8 * kMiB), p).total, 2 * 8 * kMiB / 1e7, 1e-9);
+}
+
+TEST(CostModel, CodecShrinksTheWireAndCostsItsRates) {
+  Profile p = link_only(0, 1e8);
+  const double ratio = Codec::parse("bfp16").ratio();
+  const Cost k = predict(Collective::allreduce, Algorithm::ring, call(4, 64 * kMiB), p, "bfp16");
+  EXPECT_NEAR(k.link, 1.5 * 64 * kMiB / ratio / 1e8, 1e-9);
+  p.codecs["bfp16"] = {1e8, 2e8};  // every hop encodes what it sends and decodes what it receives
+  p.cores = 2;
+  const Cost slow = predict(Collective::allreduce, Algorithm::ring, call(4, 64 * kMiB), p, "bfp16");
+  EXPECT_NEAR(slow.codec, 1.5 * 64 * kMiB * (1 / 1e8 + 1 / 2e8) / 2, 1e-9);
+  EXPECT_EQ(slow.bound, "codec");
+  p.codecs.clear();
+  try {
+    predict(Collective::allreduce, Algorithm::ring, call(4, kMiB), p, "bfp16");
+    FAIL() << "a codec without rates was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("no rates for codec 'bfp16'"), std::string::npos) << e.what();
+  }
+}
+
+// Sec. IV-C of the FPGA smart-NIC paper with its parameters: 2048 x 2048 layers, float32 gradients (b = 32), 40
+// Gbit/s links used fully (alpha = 1), BFP16 (8-bit shared exponent, 7-bit mantissas, blocks of 16).
+constexpr double kM = 2048, kEth = 40e9 / 8;
+
+TEST(CostModel, PaperBfp16Ratio) {
+  // "BFP16 ... achieves 3.8x compression ratio": 16 x 32 bits in 8 + 16 x 8 bits.
+  EXPECT_NEAR(Codec::parse("bfp16").ratio(), 3.8, 0.05);
+}
+
+TEST(CostModel, PaperRingAndMemTerms) {
+  const int N = 6;
+  const double b = 32;
+  const double R = b * N * std::ceil(kM * kM / N);  // bits per node, padded to N chunks
+  const double beta = Codec::parse("bfp16").ratio();
+  const double t_ring = R * 2 * (N - 1) / (N * kEth * 8);
+  const double t_ring_bfp = t_ring / beta;
+  Profile p = link_only(0, kEth);
+  const Query q = call(N, 4 * kM * kM);
+  // The padding of R is 2 elements in 4M: within 1e-6.
+  EXPECT_NEAR(predict(Collective::allreduce, Algorithm::ring, q, p).total / t_ring, 1, 1e-6);
+  EXPECT_NEAR(predict(Collective::allreduce, Algorithm::ring, q, p, "bfp16").total / t_ring_bfp, 1, 1e-6);
+  EXPECT_NEAR(t_ring, 5.59e-3, 0.01e-3);  // 16 MiB per layer, 5/3 of it each way at 5 GB/s
+  // T_mem = 2 R / BW_pcie (PCIe Gen3 x8, about 7.9 GB/s), and T_AR = max(T_ring, T_add, T_mem).
+  p.mem_Bps = 7.88e9;
+  const double t_mem = 2 * R / 8 / p.mem_Bps;
+  const Cost k = predict(Collective::allreduce, Algorithm::ring, q, p, "bfp16");
+  EXPECT_NEAR(k.mem / t_mem, 1, 1e-6);
+  EXPECT_NEAR(k.total / std::max(t_ring_bfp, t_mem), 1, 1e-6);
+  EXPECT_EQ(k.bound, "mem");
+}
+
+// P_Worker is not printed in the paper; 2 TFLOP/s (a 28-core Xeon 8280 on float32 GEMMs) is this test's assumption.
+Profile paper_profile() {
+  Profile p = link_only(0, kEth);
+  p.flops = 2e12;
+  p.update_s_per_byte = 1e-11;
+  return p;
+}
+
+TEST(CostModel, PaperIterationFormula) {
+  const Profile p = paper_profile();
+  const std::vector<double> layers(20, kM * kM);
+  const double B = 448, N = 6;
+  const IterationCost it = iteration(layers, B, N, Algorithm::ring, "", p);
+  const double F = 2 * kM * kM * B / p.flops, Bw = 4 * kM * kM * B / p.flops, U = 4 * kM * kM * 1e-11;
+  const double AR = 4 * kM * kM * 2 * (N - 1) / N / kEth;
+  // T_total = sum T_F + T_B,L + max(T_B,L-1, T_AR,L) + sum_{l=2}^{L-1} max(T_U,l+1 + T_B,l-1, T_AR,l)
+  //           + max(T_U,2, T_AR,1) + T_U,1
+  const double expected = 20 * F + Bw + std::max(Bw, AR) + 18 * std::max(U + Bw, AR) + std::max(U, AR) + U;
+  EXPECT_NEAR(it.total, expected, 1e-9);
+  EXPECT_NEAR(it.fwd, 20 * F, 1e-12);
+  EXPECT_NEAR(it.exposed, expected - 20 * F - 20 * Bw - 20 * U, 1e-9);
+  // One layer: no overlap at all.
+  const IterationCost one = iteration({kM * kM}, B, N, Algorithm::ring, "", p);
+  EXPECT_NEAR(one.total, F + Bw + AR + U, 1e-12);
+}
+
+double scaling(const Profile& p, double batch, int n, std::string_view codec) {
+  const std::vector<double> layers(20, kM * kM);
+  return n * iteration(layers, batch, 1, Algorithm::ring, codec, p).total /
+         iteration(layers, batch, n, Algorithm::ring, codec, p).total;
+}
+
+TEST(CostModel, PaperFig4bShapes) {
+  const Profile p = paper_profile();
+  // Batch 1792: backward compute hides the ring at any N, "ideal scaling", and BFP adds (almost) nothing: only
+  // the first layer's all-reduce, which no backward step is left to hide, gets shorter.
+  for (int n : {6, 32}) {
+    EXPECT_GT(scaling(p, 1792, n, "") / n, 0.97) << n;
+    EXPECT_NEAR(scaling(p, 1792, n, "bfp16") / scaling(p, 1792, n, ""), 1, 0.02) << n;
+  }
+  // Batch 448: the ring is exposed without BFP; with it the system moves towards ideal scaling.
+  EXPECT_LT(scaling(p, 448, 32, "") / 32, 0.8);
+  EXPECT_GT(scaling(p, 448, 32, "bfp16"), 1.2 * scaling(p, 448, 32, ""));
+  EXPECT_GT(scaling(p, 448, 32, "bfp16") / 32, 0.97);
+}
+
+TEST(CostModel, SwitchBoundDpdkPaper) {
+  // Model size M, N workers, links of B: through a switch that sums in the network each worker's link carries
+  // M each way (2M/B counting both directions); a host aggregator's one link carries N M each way (2MN/B).
+  const double M = 64 * kMiB, B = 125e6;
+  const int N = 8;
+  Profile p = link_only(0, B);
+  p.switch_Bps = 1e30;
+  Query q = call(N, M);
+  q.switch_set = true;
+  const Cost in_network = predict(Collective::allreduce, Algorithm::switch_, q, p);
+  EXPECT_NEAR(2 * in_network.total, 2 * M / B, 1e-9);
+  p.switch_link_Bps = B;
+  const Cost host = predict(Collective::allreduce, Algorithm::switch_, q, p);
+  EXPECT_NEAR(2 * host.total, 2 * M * N / B, 1e-9);
+  // k sharded switches each take 1/k of the chunks.
+  q.switches = 4;
+  EXPECT_NEAR(predict(Collective::allreduce, Algorithm::switch_, q, p).total, M * N / 4 / B, 1e-9);
+}
+
+TEST(CostModel, AutoPicksTheCheaperAlgorithm) {
+  const Query q = call(8, kMiB);
+  // Huge latency: the fewest steps (recursive doubling: log2(8) = 3).
+  const Profile slow_steps = link_only(1, 1e9);
+  EXPECT_EQ(choose(Collective::allreduce, q, Algorithm::automatic, 0, &slow_steps), Algorithm::rd);
+  // Latency free, bandwidth dear: the ring's 2(n-1)/n (6 ranks: rhd and rd pay the fold of 2 more).
+  const Profile slow_link = link_only(0, 1e6);
+  EXPECT_EQ(choose(Collective::allreduce, call(6, kMiB), Algorithm::automatic, 0, &slow_link), Algorithm::ring);
+  // With a power of two, rhd moves as many bytes as the ring in fewer steps.
+  const Profile both = link_only(1e-3, 1e6);
+  EXPECT_EQ(choose(Collective::allreduce, q, Algorithm::automatic, 0, &both), Algorithm::rhd);
+  EXPECT_EQ(choose(Collective::broadcast, q, Algorithm::automatic, 0, &slow_link), Algorithm::chain);
+  EXPECT_EQ(choose(Collective::broadcast, q, Algorithm::automatic, 0, &slow_steps), Algorithm::tree);
+  EXPECT_EQ(choose(Collective::allgather, q, Algorithm::automatic, 0, &slow_steps), Algorithm::bruck);
+  // Unsupported algorithms are never picked: rd and rhd do not take codecs.
+  Query compressed = q;
+  compressed.compressed = true;
+  EXPECT_EQ(choose(Collective::allreduce, compressed, Algorithm::automatic, 0, &slow_steps), Algorithm::ring);
+  // The switch only once its rate is in the profile.
+  Query with_switch = call(6, kMiB);
+  with_switch.switch_set = true;
+  Profile sw = slow_link;
+  EXPECT_EQ(choose(Collective::allreduce, with_switch, Algorithm::automatic, 0, &sw), Algorithm::ring);
+  sw.switch_Bps = 1e12;
+  EXPECT_EQ(choose(Collective::allreduce, with_switch, Algorithm::automatic, 0, &sw), Algorithm::switch_);
+  // A per-algorithm step latency tips the balance back.
+  Profile dear_ring = link_only(1e-6, 1e9);
+  dear_ring.alpha_algo["ring"] = 1;
+  EXPECT_NE(choose(Collective::allreduce, call(8, 64 * kMiB), Algorithm::automatic, 0, &dear_ring), Algorithm::ring);
+}
+
+TEST(CostModel, WithoutProfileTheSizeRulesStay) {
+  EXPECT_EQ(choose(Collective::allreduce, call(8, 4096), Algorithm::automatic, 262144), Algorithm::rd);
+  EXPECT_EQ(choose(Collective::allreduce, call(8, 65536), Algorithm::automatic, 262144), Algorithm::rhd);
+  EXPECT_EQ(choose(Collective::allreduce, call(8, 64 * kMiB), Algorithm::automatic, 262144), Algorithm::ring);
+}
+
+TEST(CostModel, ProfileRoundTripAndDigest) {
+  Profile p = Profile::builtin();
+  p.alpha_algo["ring"] = 2e-4;
+  p.efficiency_algo["rhd"] = 0.8;
+  const Profile back = Profile::parse(p.to_json(), "roundtrip.json");
+  EXPECT_EQ(back.to_json(), p.to_json());
+  EXPECT_EQ(back.digest(), p.digest());
+  p.link_Bps *= 2;
+  EXPECT_NE(back.digest(), p.digest());
+}
+
+std::string parse_error(const std::string& text) {
+  try {
+    Profile::parse(text, "/tmp/bad-profile.json");
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  return "(accepted)";
+}
+
+TEST(CostModel, MalformedProfilesNameFileAndField) {
+  std::string good = Profile::builtin().to_json();
+  auto with = [&](const std::string& from, const std::string& to) {
+    std::string s = good;
+    const size_t at = s.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return s.replace(at, from.size(), to);
+  };
+  const std::string missing = parse_error(with("\"link_Bps\"", "\"link_bps\""));
+  EXPECT_NE(missing.find("/tmp/bad-profile.json"), std::string::npos) << missing;
+  EXPECT_NE(missing.find("field 'link_Bps': missing"), std::string::npos) << missing;
+  EXPECT_NE(parse_error(with("\"alpha_s\": ", "\"alpha_s\": \"fast\", \"x\": ")).find("field 'alpha_s': expected a number"),
+            std::string::npos);
+  EXPECT_NE(parse_error(with("\"mem_Bps\": ", "\"mem_Bps\": -")).find("field 'mem_Bps': expected a positive number"),
+            std::string::npos);
+  EXPECT_NE(parse_error(with("\"encode_Bps\"", "\"encode_bps\"")).find("field 'codecs.bf16.encode_Bps': missing"),
+            std::string::npos);
+  EXPECT_NE(parse_error(with("\"bf16\"", "\"bogus\"")).find("field 'codecs.bogus'"), std::string::npos);
+  EXPECT_NE(parse_error(with("\"alpha_algo\": {", "\"alpha_algo\": {\"zigzag\": 1, ")).find("field 'alpha_algo.zigzag'"),
+            std::string::npos);
+  EXPECT_NE(parse_error(with("\"cores\"", "\"speed\": 1, \"cores\"")).find("field 'speed': unknown field"),
+            std::string::npos);
+  EXPECT_NE(parse_error(good.substr(0, 40)).find("/tmp/bad-profile.json: not valid JSON at byte"), std::string::npos);
+  EXPECT_NE(parse_error("[1, 2]").find("expected an object, got an array"), std::string::npos);
+  try {
+    Profile::load("/nonexistent/profile.json");
+    FAIL() << "a missing file was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/profile.json: cannot be read"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace smartcoll::coll

@@ -1,0 +1,192 @@
+"""The cost model from Python: the bindings give the core's arithmetic, auto follows a loaded profile on real
+ranks, malformed profiles fail naming the file and field, and `smartcoll model calibrate/predict` work end to
+end. (The arithmetic itself is tested against hand-worked cases and the papers in tests/cpp/test_cost.cc.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import HERE, clean_env, describe, needs_core, run_cli, run_ranks
+
+pytestmark = needs_core
+
+MiB = 1 << 20
+
+
+def profile(**changes) -> dict:
+    from smartcoll import _core
+
+    p = json.loads(_core.model_builtin_profile())
+    p.update(alpha_algo={}, efficiency_algo={})  # one latency and one efficiency for all, unless a test says
+    p.update(changes)
+    return p
+
+
+def write(path: Path, p: dict) -> Path:
+    path.write_text(json.dumps(p))
+    return path
+
+
+def test_predict_binding_matches_hand_worked_ring():
+    from smartcoll import _core
+
+    p = json.dumps(profile(alpha_s=1e-4, link_Bps=1e8, link_efficiency=1.0, reduce_Bps=1e20, mem_Bps=1e20))
+    k = _core.model_predict("allreduce", "ring", 4, 64 * MiB, p)
+    # 2(n-1) = 6 steps of 100 us; 2(n-1)/n = 1.5 x 64 MiB on the busiest link at 100 MB/s.
+    assert k["total"] == pytest.approx(6e-4 + 1.5 * 64 * MiB / 1e8, rel=1e-12)
+    assert k["bound"] == "link" and k["unsupported"] == ""
+    # rhd takes no codec: the reason comes from the table.
+    assert "does not support codecs" in _core.model_predict("allreduce", "rhd", 4, MiB, p, codec="bfp16")["unsupported"]
+
+
+def run_auto(tmp_path: Path, rank_profiles: dict[int, Path]) -> list[dict]:
+    out = tmp_path / "out"
+    out.mkdir()
+    # On one host the same-host path would beat any network algorithm; these tests are about the network ones.
+    env = {**clean_env(), "SMARTCOLL_CMA": "off"}
+    results = run_ranks(
+        len(rank_profiles), [out], env=env, timeout=60, worker=HERE / "model_worker.py",
+        rank_env={r: {"SMARTCOLL_MODEL_PROFILE": str(p)} for r, p in rank_profiles.items()},
+    )
+    assert all(r.returncode == 0 for r in results), describe(results)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in rank_profiles]
+
+
+def test_auto_follows_the_profile_on_real_ranks(tmp_path):
+    # 3 ranks, so that rd and rhd pay the fold of the third. Latency dear: rd's 3 steps (rhd and the ring: 4) win
+    # even at 8 MiB (the size rules would say ring); bandwidth dear: the ring's 4/3 of the vector on the busiest
+    # link (rhd and rd: 2) wins even at 4 KiB (the rules: rd).
+    slow_steps = write(tmp_path / "steps.json", profile(alpha_s=1.0, cores=1))
+    slow_link = write(tmp_path / "link.json", profile(alpha_s=1e-9, link_Bps=1e3))
+    n = 3
+    for path, expected in ((slow_steps, "rd"), (slow_link, "ring")):
+        sub = tmp_path / path.stem
+        sub.mkdir()
+        got = run_auto(sub, {r: path for r in range(n)})
+        for rank in got:
+            assert "error" not in rank, rank
+            assert set(rank["picks"].values()) == {expected}, rank
+            assert rank["max_error"] == 0.0
+        assert len({json.dumps(r["picks"]) for r in got}) == 1, got  # every rank picked the same
+
+
+def test_ranks_with_different_profiles_refuse_to_start(tmp_path):
+    a = write(tmp_path / "a.json", profile())
+    b = write(tmp_path / "b.json", profile(alpha_s=2e-4))
+    got = run_auto(tmp_path, {0: a, 1: b})
+    for rank in got:
+        assert "model_profile_digest" in rank.get("error", ""), rank
+
+
+def test_malformed_profile_names_file_and_field(tmp_path):
+    p = profile()
+    del p["link_Bps"]
+    bad = write(tmp_path / "bad.json", p)
+    r = run_cli("model", "predict", "allreduce", "--profile", str(bad), "-n", "4", "--sizes", "1M")
+    assert r.returncode == 2
+    assert f"model profile {bad}: field 'link_Bps': missing" in r.stderr, r.stderr
+    p = profile(mem_Bps="fast")
+    bad2 = write(tmp_path / "bad2.json", p)
+    # One rank: with more, the others would wait their connect timeout for the rank 0 that never serves.
+    (got,) = run_auto(tmp_path, {0: bad2})
+    assert f"model profile {bad2}: field 'mem_Bps': expected a number, got a string" in got["error"], got
+
+
+def test_predict_collective_table():
+    r = run_cli("model", "predict", "allreduce", "-n", "8", "--sizes", "4K,64M", "--codec", "bfp16")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert any(" ring " in l and "link" in l for l in lines), r.stdout
+    assert any("rhd" in l and "cannot run: it does not support codecs" in l for l in lines), r.stdout
+    assert sum("auto: ring" in l for l in lines) == 2, r.stdout  # with a codec only the ring can run it
+
+
+def test_predict_train_scaling_and_measured_points(tmp_path):
+    measured = {
+        "metadata": {"world_size": 4, "layers": 4, "width": 256, "batch": 32},
+        "variants": [{"name": "smartcoll", "status": "ok", "total_ms": 50.0},
+                     {"name": "gloo", "status": "failed"}],
+    }
+    src = write(tmp_path / "train.json", measured)
+    out = tmp_path / "pred.json"
+    png = tmp_path / "fig4b.png"
+    r = run_cli("model", "predict", "train", "--measured", str(src), "--nodes", "1,2,64",
+                "--json", str(out), "--png", str(png))
+    assert r.returncode == 0, r.stderr
+    pred = json.loads(out.read_text())
+    assert pred["nodes"] == [1, 2, 4, 64] and pred["width"] == 256  # the measured run's shape and N
+    for name, v in pred["variants"].items():
+        x = [p["throughput_x1"] for p in v["points"]]
+        assert x[0] == pytest.approx(1.0)
+        assert all(0 < b <= n + 1e-9 for b, n in zip(x, pred["nodes"])), (name, x)  # never above ideal
+    plain, bfp = pred["variants"]["smartcoll"], pred["variants"]["smartcoll+bfp16"]
+    assert bfp["points"][-1]["total"] < plain["points"][-1]["total"]  # a quarter of the bytes on the wire
+    m = plain["measured"]
+    at4 = next(p for p in plain["points"] if p["n"] == 4)
+    assert m["error_pct"] == pytest.approx(100 * (at4["total"] - 0.05) / 0.05)
+    assert "measured" not in pred["variants"]["gloo"]
+    assert "measured smartcoll at N=4: 50.0 ms" in r.stdout
+    pytest.importorskip("matplotlib")
+    assert png.stat().st_size > 10000
+
+
+def test_calibrate_quick_writes_a_usable_profile(tmp_path):
+    out = tmp_path / "p.json"
+    r = run_cli("model", "calibrate", "-n", "2", "--quick", "--codecs", "bfp16", "--width", "256", "--out", str(out),
+                timeout=120)
+    assert r.returncode == 0, r.stderr
+    p = json.loads(out.read_text())
+    assert set(p["alpha_algo"]) == {"ring", "rhd", "rd"} and p["alpha_s"] == p["alpha_algo"]["rhd"]
+    assert 0 < p["alpha_s"] < 0.1 and p["link_Bps"] > 1e6
+    assert p["codecs"]["bfp16"]["encode_Bps"] > 1e7 and p["reduce_Bps"] > 1e7
+    assert "calibrate" in r.stderr  # the progress display
+    r = run_cli("model", "predict", "allreduce", "--profile", str(out), "-n", "2", "--sizes", "1M", "--algo", "auto")
+    assert r.returncode == 0 and "auto: " in r.stdout, r.stderr
+
+
+def bench_file(path: Path, algo: str, times_ms: dict[int, float], knobs: dict) -> Path:
+    """A `smartcoll bench --json` file of a 4-host cluster run, as far as compare reads it."""
+    meta = {"collective": "allreduce", "world_size": 4, "algo": algo, "cluster": {"name": "c", "hosts": 4},
+            "knobs": {"codec": "identity", "cma": "auto", "rhd_max_bytes": "262144", "model_profile": "", **knobs}}
+    results = [{"bytes": b, "smartcoll": {"time_us": t * 1e3}} for b, t in times_ms.items()]
+    return write(path, {"metadata": meta, "results": results})
+
+
+def test_compare_puts_measured_next_to_predicted(tmp_path):
+    from smartcoll import _core
+
+    prof = write(tmp_path / "p.json", profile(alpha_s=1e-4, link_Bps=1e8, link_efficiency=1.0))
+    ring = bench_file(tmp_path / "ring.json", "ring", {MiB: 20.0, 16 * MiB: 300.0}, {})
+    auto = bench_file(tmp_path / "auto.json", "auto", {MiB: 25.0, 16 * MiB: 250.0}, {"model_profile": str(prof)})
+    r = run_cli("model", "compare", "--profile", str(prof), str(ring), str(auto), "--markdown")
+    assert r.returncode == 0, r.stderr
+    text = json.dumps(profile(alpha_s=1e-4, link_Bps=1e8, link_efficiency=1.0))
+    predicted = _core.model_predict("allreduce", "ring", 4, 16 * MiB, text, hosts=4, per_host=1)["total"]
+    chosen = _core.model_choose("allreduce", 4, 16 * MiB, _core.model_parse_profile(text, "p"), hosts=4, per_host=1)
+    err = 100 * (predicted - 0.3) / 0.3
+    assert f"| allreduce | ring | 4 | 16M | identity | 300.00 | {predicted * 1e3:.2f} | {err:+.1f} | link |" in r.stdout
+    assert f"| allreduce | auto ({chosen}) | 4 | 16M |" in r.stdout, r.stdout
+    # auto against the best fixed algorithm at each size: ring's 300 ms / auto's 250 ms.
+    assert f"| allreduce | 16M | auto ({chosen}) | 250.0 | ring | 300.0 | 1.20 |" in r.stdout, r.stdout
+    r = run_cli("model", "compare", str(prof))
+    assert r.returncode == 2 and "is not a `smartcoll bench --json` file" in r.stderr, r.stderr
+
+
+def test_builtin_profile_mostly_agrees_with_the_size_rules():
+    # Without a profile auto follows its size rules; the built-in profile (what `predict` uses without --profile)
+    # is tuned to pick the same in most calls, so its predictions describe the algorithms that actually run.
+    from smartcoll import _core
+
+    builtin = _core.model_builtin_profile()
+    total = agree = 0
+    for coll in ("allreduce", "allgather", "broadcast", "reduce", "reduce_scatter", "alltoall"):
+        for n in (2, 3, 4, 8, 16):
+            for size in (4, 4096, 8192, 65536, 262144, MiB, 16 * MiB):
+                for same_host in (False, True):
+                    layout = {"hosts": 1 if same_host else n, "per_host": n if same_host else 1, "cma": same_host}
+                    rules = _core.model_choose(coll, n, size, "", **layout)
+                    total += 1
+                    agree += rules == _core.model_choose(coll, n, size, builtin, **layout)
+    assert total == 420 and agree >= 0.85 * total, f"{agree} of {total}"
