@@ -19,6 +19,8 @@
 #include "smartcoll/knobs.h"
 #include "smartcoll/reduce.h"
 #include "smartcoll/store.h"
+#include "nicd/client.h"
+#include "nicd/server.h"
 #include "switch/server.h"
 
 namespace nb = nanobind;
@@ -243,6 +245,30 @@ NB_MODULE(_core, m) {
         return out;
       }, "Counters: per switch (datagrams, malformed ones by reason, unknown jobs, joins refused, slots) and per "
          "job (contributions, results, bytes, retransmissions, shadow resends, duplicates, drops by cause).");
+
+  // The offload daemon (`smartcoll nicd`): serves on its own threads; the CLI polls stats() and take_events().
+  nb::class_<nicd::Server>(m, "Nicd")
+      .def("__init__", [](nicd::Server* self, const std::string& socket, const std::vector<int>& cpus,
+                          double timeout) {
+        new (self) nicd::Server({socket, cpus, timeout});
+      }, "socket"_a, "cpus"_a = std::vector<int>{}, "timeout"_a = 60.0)
+      .def_prop_ro("path", &nicd::Server::path)
+      .def("start", &nicd::Server::start)
+      .def("stop", [](nicd::Server& s) {
+        nb::gil_scoped_release release;
+        s.stop();
+      })
+      .def("take_events", &nicd::Server::take_events)
+      .def("stats", [](const nicd::Server& s) {
+        const nicd::ServerStats st = s.stats();
+        return std::map<std::string, uint64_t>{
+            {"connections", st.connections}, {"refused", st.refused},       {"jobs_formed", st.jobs_formed},
+            {"jobs_failed", st.jobs_failed}, {"jobs_now", st.jobs_now},     {"calls", st.calls},
+            {"bytes_read", st.bytes_read},   {"bytes_written", st.bytes_written}};
+      }, "Counters: connections accepted and refused, jobs formed, failed and running, calls run, bytes read from "
+         "and written into the ranks' memory.");
+  m.def("nicd_default_socket", &nicd::default_socket,
+        "Where ranks and the daemon meet when nicd_socket is empty.");
 
   nb::class_<Request>(m, "Request")
       .def("test", &Request::test)

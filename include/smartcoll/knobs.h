@@ -96,6 +96,13 @@ inline constexpr Knob kKnobs[] = {
     {"switch_auth", "header", "choice:header|full", 0, 0, true,
      "what each switch datagram's MAC (SipHash-2-4 with the job's secret) covers: header (job, rank, chunk, "
      "count, ...) or full (header and payload)"},
+    {"engine", "inprocess", "choice:inprocess|nicd", 0, 0, true,
+     "who runs the collectives: inprocess (this process's progress engine) or nicd (the host's offload daemon, "
+     "smartcoll nicd, reads and writes this rank's buffers and runs the inter-host part; allreduce, reduce, "
+     "reduce_scatter, broadcast, allgather and barrier)"},
+    {"nicd_socket", "", "str", 0, 0, false,
+     "Unix socket of the offload daemon (engine=nicd); empty: $XDG_RUNTIME_DIR/smartcoll-nicd.sock, or "
+     "/tmp/smartcoll-nicd-UID.sock without XDG_RUNTIME_DIR (the daemon's default too)"},
     {"log", "warn", "choice:error|warn|info|debug", 0, 0, false,
      "log level of messages on stderr (each line names the rank and the collective)"},
 };

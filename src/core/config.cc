@@ -8,6 +8,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "nicd/client.h"
 #include "smartcoll/types.h"
 
 namespace smartcoll {
@@ -141,6 +142,8 @@ Config Config::from(const Options& o) {
     throw InvalidArgument("option 'switch_packet' (SMARTCOLL_SWITCH_PACKET) = " + o.str("switch_packet") +
                           ": expected a multiple of 8 (whole elements of every dtype)");
   c.switch_full_auth = o.str("switch_auth") == "full";
+  c.nicd = o.str("engine") == "nicd";
+  c.nicd_socket = o.str("nicd_socket").empty() ? nicd::default_socket() : o.str("nicd_socket");
   constexpr std::string_view levels[] = {"error", "warn", "info", "debug"};
   for (int i = 0; i < 4; ++i)
     if (o.str("log") == levels[i]) c.log = static_cast<LogLevel>(i);

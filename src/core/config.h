@@ -35,6 +35,8 @@ struct Config {
   double switch_timeout = 2;
   uint32_t switch_slots = 128, switch_packet = 1408;
   bool switch_full_auth = false;
+  bool nicd = false;        // engine=nicd
+  std::string nicd_socket;  // resolved: never empty
   LogLevel log = LogLevel::warn;
 
   // Throws InvalidArgument naming the knob for a value that cannot be used (a bad codec, an unknown CPU).

@@ -1,0 +1,89 @@
+"""`smartcoll nicd`: the offload daemon, one per host (docs/nicd.md).
+
+Ranks started with engine=nicd (SMARTCOLL_ENGINE=nicd, or `smartcoll run --nicd`) hand it their collectives
+over a Unix socket and only post and wait; it reads their buffers, runs the inter-host part with the other
+hosts' daemons on the CPUs given by --cpus, and writes the results back. The daemon runs on its own threads in
+C++ (smartcoll._core.Nicd); this module parses the options, prints what happens (jobs formed, failed, ended)
+and the counters every --stats-interval seconds, and stops on SIGINT or SIGTERM (or after --duration seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+
+def parse_cpus(text: str) -> list[int]:
+    """'2,3' or '2-5,7' -> the CPU numbers."""
+    cpus: list[int] = []
+    try:
+        for part in filter(None, text.split(",")):
+            lo, _, hi = part.partition("-")
+            cpus.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--cpus {text!r}: expected CPU numbers such as 2,3 or 2-5") from None
+    return cpus
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--socket", metavar="PATH", help="Unix socket to serve on (default: what ranks use when "
+                        "SMARTCOLL_NICD_SOCKET is empty: $XDG_RUNTIME_DIR/smartcoll-nicd.sock or "
+                        "/tmp/smartcoll-nicd-UID.sock)")
+    parser.add_argument("--cpus", type=parse_cpus, default=[], metavar="LIST",
+                        help="CPUs set aside for the daemon (its threads and its inter-host engine), e.g. 3 or 2-3 "
+                        "(default: not pinned)")
+    parser.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                        help="seconds a job waits for a local rank's call once another local rank has posted it "
+                        "(the ranks' SMARTCOLL_TIMEOUT, if shorter, wins; default 60)")
+    parser.add_argument("--stats-interval", type=float, default=0.0, metavar="SEC",
+                        help="print counters every SEC seconds (0: only at exit; default 0)")
+    parser.add_argument("--duration", type=float, default=0.0, metavar="SEC",
+                        help="stop after SEC seconds (0: run until SIGINT or SIGTERM)")
+
+
+def _counters(stats: dict) -> str:
+    return (f"jobs {stats['jobs_now']} running, {stats['jobs_formed']} formed, {stats['jobs_failed']} failed; "
+            f"calls {stats['calls']}; read {stats['bytes_read'] / 1e6:.1f} MB, written "
+            f"{stats['bytes_written'] / 1e6:.1f} MB; connections {stats['connections']} ({stats['refused']} refused)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from .. import _core
+
+    path = args.socket or _core.nicd_default_socket()
+    if args.timeout <= 0:
+        print("smartcoll nicd: --timeout must be positive", file=sys.stderr)
+        return 2
+    try:
+        daemon = _core.Nicd(path, args.cpus, args.timeout)
+    except (RuntimeError, ValueError) as e:
+        print(f"smartcoll nicd: {e}", file=sys.stderr)
+        return 1
+    stop = False
+
+    def on_signal(signum, frame):
+        nonlocal stop
+        stop = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    daemon.start()
+    cpus = ",".join(map(str, args.cpus)) or "not pinned"
+    print(f"smartcoll nicd: listening on {path}, cpus {cpus}", flush=True)
+    start = last = time.monotonic()
+    try:
+        while not stop and not (args.duration and time.monotonic() - start >= args.duration):
+            time.sleep(0.05)
+            for line in daemon.take_events():
+                print(f"smartcoll nicd: {line}", flush=True)
+            if args.stats_interval > 0 and time.monotonic() - last >= args.stats_interval:
+                last = time.monotonic()
+                print(f"[nicd {last - start:.1f} s] {_counters(daemon.stats())}", flush=True)
+    finally:
+        daemon.stop()
+        for line in daemon.take_events():
+            print(f"smartcoll nicd: {line}", flush=True)
+        print(f"smartcoll nicd: stopped; {_counters(daemon.stats())}", flush=True)
+    return 0
