@@ -277,6 +277,15 @@ bool Job::next_call(std::vector<Member>& ms) {
   return true;
 }
 
+// Waits for a call of the daemons' communicator; its errors name ranks there, which are host numbers.
+static void wait_between_hosts(const std::shared_ptr<Request>& req) {
+  try {
+    req->wait();
+  } catch (const CommError& e) {
+    throw CommError(std::string("between the hosts' nicd daemons (ranks there are host numbers): ") + e.what());
+  }
+}
+
 void Job::local_reduce(const std::vector<Member>& ms, const Post& p, size_t count, char* acc) {
   const auto dt = static_cast<DataType>(p.dtype);
   const auto op = static_cast<ReduceOp>(p.op);
@@ -299,8 +308,8 @@ void Job::allreduce(const std::vector<Member>& ms, const Post& p, size_t count, 
   local_reduce(ms, p, count, acc);
   if (inter) {
     // avg combines as sum everywhere and divides once, by the whole world, as the in-process engine does.
-    inter->allreduce(acc, acc, count, dt, op == ReduceOp::avg ? ReduceOp::sum : op, Algorithm::automatic,
-                     Codec::parse(p.codec))->wait();
+    wait_between_hosts(inter->allreduce(acc, acc, count, dt, op == ReduceOp::avg ? ReduceOp::sum : op,
+                                        Algorithm::automatic, Codec::parse(p.codec)));
   }
   if (op == ReduceOp::avg) scale_divide(dt, acc, count, hello.size);
 }
@@ -341,7 +350,7 @@ void Job::execute(const std::vector<Member>& ms) {
       const int root_host = hello.hosts[static_cast<size_t>(p.root)];
       for (const Member& m : ms)
         if (m.rank == p.root) transfer(false, m, m.post.out, buf.data(), block);
-      if (inter) inter->broadcast(buf.data(), p.count, static_cast<DataType>(p.dtype), root_host)->wait();
+      if (inter) wait_between_hosts(inter->broadcast(buf.data(), p.count, static_cast<DataType>(p.dtype), root_host));
       for (const Member& m : ms)
         if (m.rank != p.root) transfer(true, m, m.post.out, buf.data(), block);
       break;
@@ -356,7 +365,7 @@ void Job::execute(const std::vector<Member>& ms) {
       for (size_t j = 0; j < ms.size(); ++j) transfer(false, ms[j], ms[j].post.in, mine + j * block, block);
       if (inter) {
         std::vector<char> contribution(mine, mine + widest * block);
-        inter->allgather(contribution.data(), all.data(), widest * block, DataType::u8, Codec())->wait();
+        wait_between_hosts(inter->allgather(contribution.data(), all.data(), widest * block, DataType::u8, Codec()));
       }
       buf.resize(n * block);
       for (size_t h = 0; h < members.size(); ++h)
@@ -367,7 +376,7 @@ void Job::execute(const std::vector<Member>& ms) {
       break;
     }
     case Collective::barrier:
-      if (inter) inter->barrier()->wait();
+      if (inter) wait_between_hosts(inter->barrier());
       break;
     case Collective::alltoall:
       throw InvalidArgument("engine=nicd does not run alltoall");
@@ -392,7 +401,7 @@ void Job::run() {
     }
   } catch (const std::exception& e) {
     std::lock_guard lock(mu);
-    fail(inter ? std::string("on the nicd daemon of host ") + std::to_string(host) + ": " + e.what() : e.what());
+    fail(e.what());
   }
   std::unique_ptr<Communicator> done;
   {

@@ -424,6 +424,26 @@ def _supervise(procs: Sequence[subprocess.Popen], timeout: Optional[float], grac
     return 0
 
 
+def _launch_with_daemons(cmd: Sequence[str], nprocs: int, args: argparse.Namespace, hooks: dict) -> int:
+    """launch() with one nicd daemon per host that the ranks use (--nicd)."""
+    from . import nicd
+
+    per_host = args.ranks_per_host if getattr(args, "cluster", None) else nprocs
+    hosts = -(-nprocs // per_host)
+    prefix, cluster_env = hooks.get("rank_prefix"), hooks.get("rank_env")
+    try:
+        daemons = nicd.Daemons(hosts, (lambda h: prefix(h * per_host)) if prefix else None, args.nicd_cpus)
+    except RuntimeError as e:
+        _message(str(e))
+        return EXIT_CANNOT_START
+    with daemons:
+        def rank_env(rank: int) -> dict[str, str]:
+            return {**(cluster_env(rank) if cluster_env else {}), **daemons.rank_env(rank // per_host)}
+
+        return launch(cmd, nprocs, timeout=args.timeout, prefix=args.prefix, master_port=args.master_port,
+                      grace=args.grace, rank_prefix=prefix, rank_env=rank_env)
+
+
 def _ranks(ranks: Sequence[int]) -> str:
     """'rank 2' or 'ranks 0, 1'."""
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
@@ -451,6 +471,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="with --cluster: K ranks per host (ranks 0..K-1 on host 0, K..2K-1 on host 1, ...), each told "
         "LOCAL_RANK and LOCAL_WORLD_SIZE (default: %(default)s); -n defaults to hosts x K",
+    )
+    parser.add_argument(
+        "--nicd",
+        action="store_true",
+        help="start one offload daemon (smartcoll nicd) per host before the ranks (inside each host's namespace "
+        "with --cluster), run the ranks with engine=nicd on it, and stop it after them",
+    )
+    parser.add_argument(
+        "--nicd-cpus",
+        default="",
+        metavar="LIST",
+        help="with --nicd: the CPUs set aside for each daemon (its --cpus), e.g. 3 or 2-3",
     )
     parser.add_argument(
         "--master-port",
@@ -509,6 +541,8 @@ def main(args: argparse.Namespace) -> int:
     if nprocs < 1:
         _message(f"-n must be at least 1, got {nprocs}")
         return 2
+    if getattr(args, "nicd", False):
+        return _launch_with_daemons(cmd, nprocs, args, hooks)
     return launch(
         cmd,
         nprocs,

@@ -10,9 +10,16 @@ and the counters every --stats-interval seconds, and stops on SIGINT or SIGTERM 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import secrets
 import signal
+import subprocess
 import sys
+import tempfile
+import threading
 import time
+from typing import Callable, Optional, Sequence
 
 
 def parse_cpus(text: str) -> list[int]:
@@ -87,3 +94,62 @@ def main(args: argparse.Namespace) -> int:
             print(f"smartcoll nicd: {line}", flush=True)
         print(f"smartcoll nicd: stopped; {_counters(daemon.stats())}", flush=True)
     return 0
+
+
+class Daemons:
+    """One daemon per host for one launch (`smartcoll run --nicd`): started before the ranks (inside each host's
+    network namespace on an emulated cluster), each on its own socket, and stopped after them. Use as a context
+    manager; rank_env(host) is what the ranks of that host add to their environment."""
+
+    def __init__(self, hosts: int, host_prefix: Optional[Callable[[int], Sequence[str]]] = None, cpus: str = "",
+                 start_timeout: float = 20.0):
+        from . import launcher
+
+        self._lock = threading.Lock()
+        self.procs: list[subprocess.Popen] = []  # [host]: its daemon
+        self._relays: list[threading.Thread] = []
+        tag = secrets.token_hex(4)
+        self.sockets = [os.path.join(tempfile.gettempdir(), f"smartcoll-nicd-{tag}-h{h}.sock") for h in range(hosts)]
+        try:
+            for h, path in enumerate(self.sockets):
+                argv = [*(host_prefix(h) if host_prefix else []), sys.executable, "-m", "smartcoll.tools.cli", "nicd",
+                        "--socket", path, *(["--cpus", cpus] if cpus else [])]
+                env = dict(os.environ, PYTHONUNBUFFERED="1")
+                proc = launcher.start_rank(argv, env, subprocess.PIPE, subprocess.STDOUT)
+                self.procs.append(proc)
+                relay = threading.Thread(target=launcher._relay, args=(proc.stdout, "stderr", f"[nicd {h}] ",
+                                                                        self._lock), daemon=True)
+                relay.start()
+                self._relays.append(relay)
+            deadline = time.monotonic() + start_timeout
+            for h, (path, proc) in enumerate(zip(self.sockets, self.procs)):
+                while not os.path.exists(path):
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"the nicd daemon of host {h} exited at start with "
+                                           f"{launcher.describe_exit(proc.returncode)} (its output is above)")
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the nicd daemon of host {h} did not open {path} within "
+                                           f"{start_timeout:g} s")
+                    time.sleep(0.02)
+        except BaseException:
+            self.stop()
+            raise
+
+    def rank_env(self, host: int) -> dict[str, str]:
+        return {"SMARTCOLL_ENGINE": "nicd", "SMARTCOLL_NICD_SOCKET": self.sockets[host]}
+
+    def stop(self, grace: float = 3.0) -> None:
+        from . import launcher
+
+        launcher.stop(self.procs, grace)
+        for relay in self._relays:
+            relay.join(timeout=2.0)
+        for path in self.sockets:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def __enter__(self) -> "Daemons":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
