@@ -17,7 +17,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import HERE, assert_all_ok, clean_env, run_ranks
+from cluster_fixture import cl, new_cluster
+from conftest import HERE, assert_all_ok, clean_env, run_cli, run_ranks
 from smartcoll.tools import launcher
 from smartcoll.tools.nicd import Daemons
 
@@ -50,11 +51,11 @@ def reference(case, n: int) -> np.ndarray:
     return total[:count] if coll == "reduce_scatter" else total
 
 
-def check_against(nicd: list[dict], inprocess: list[dict], n: int) -> None:
+def check_against(nicd: list[dict], inprocess: list[dict] | None, n: int) -> None:
     for case in nw.CASES:
         key, coll, dtype, op, count, root, _ = case
         ranks = [root] if coll == "reduce" else range(n)
-        for r in ranks:
+        for r in ranks if inprocess else ():
             got, theirs = nicd[r][key], inprocess[r][key]
             if not dtype.startswith("float"):
                 assert np.array_equal(got, theirs), f"{key} on rank {r}: differs from the in-process engine's"
@@ -90,6 +91,18 @@ def test_two_hosts_match_the_inprocess_engine(tmp_path):
         nicd = run_calls(tmp_path, "nicd", 4, _two_hosts({h: d.rank_env(h) for h in range(2)}))
     inprocess = run_calls(tmp_path, "inprocess", 4, _two_hosts())
     check_against(nicd, inprocess, 4)
+
+
+def test_emulated_cluster_two_hosts_of_two_ranks(tmp_path):
+    c = new_cluster(2, "1gbit", "bridge")
+    try:
+        res = run_cli("run", "--cluster", c.name, "--ranks-per-host", "2", "--nicd", "--timeout", "90", "--",
+                      sys.executable, str(WORKER), "calls", str(tmp_path), timeout=120)
+    finally:
+        cl.down(c.name)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stderr.count("formed: ranks") == 2, res.stderr  # one daemon per host formed the job
+    check_against([dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(4)], None, 4)
 
 
 def test_a_rank_that_dies_fails_the_job_on_every_host_and_the_daemons_serve_the_next(tmp_path):
