@@ -41,6 +41,7 @@ constexpr Target kTargets[] = {
     {"call_descriptor", call_descriptor, call_descriptor_seeds},
     {"start_up_verdict", start_up_verdict, start_up_verdict_seeds},
     {"switch_packet", switch_packet, switch_packet_seeds},
+    {"nicd_message", nicd_message, nicd_message_seeds},
 };
 // ---- End of registry. ----
 

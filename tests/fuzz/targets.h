@@ -41,4 +41,8 @@ Seeds start_up_verdict_seeds();
 void switch_packet(const uint8_t* data, size_t size);
 Seeds switch_packet_seeds();
 
+// A message from a rank to the offload daemon, or back (nicd/protocol.h): decoded within range, or refused.
+void nicd_message(const uint8_t* data, size_t size);
+Seeds nicd_message_seeds();
+
 }  // namespace smartcoll::fuzz
