@@ -227,7 +227,10 @@ void Job::form() {
     auto comm = std::make_unique<Communicator>(host, host_count, std::move(store), Options::resolve(opts),
                                                hello.route_hint);
     std::lock_guard lock(mu);
-    if (!failed.empty()) return;
+    if (!failed.empty()) {
+      comm->abort(failed);  // the job failed while the daemons met: the others learn it now
+      return;
+    }
     inter = std::move(comm);
   }
   std::lock_guard lock(mu);
