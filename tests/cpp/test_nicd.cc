@@ -69,7 +69,8 @@ TEST(Nicd, TwoHostsMeetThroughTheJobsStore) {
   nicd::Server a({socket_path("a"), {}, 20}), b({socket_path("b"), {}, 20});
   a.start();
   b.start();
-  const auto dir = std::filesystem::temp_directory_path() / ("smartcoll-nicd-gtest-store-" + std::to_string(::getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("smartcoll-nicd-gtest-store-" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   auto store = std::make_shared<FileStore>(dir.string());
   const int n = 4;

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 import smartcoll
 
 # key, collective, dtype, op, count (per rank for allgather and reduce_scatter), root, in place

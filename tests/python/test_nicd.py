@@ -1,9 +1,10 @@
 """engine=nicd: the offload daemon (smartcoll nicd) runs the collectives of the ranks of its host.
 
-* results through the daemon against the in-process engine's, from the same inputs: integers bitwise equal;
-  floats bitwise equal on every rank and from call to call, and within n * u * sum_i |x_i| (u the unit roundoff
-  of the dtype) of a float64 reference; 2 ranks on one host, 2 hosts x 2 ranks (the host knob, two daemons on
-  this machine), and 2 hosts x 2 ranks of an emulated cluster through `smartcoll run --cluster --nicd`;
+* results through the daemon against the in-process engine's, from the same inputs: integers bitwise
+  equal; floats bitwise equal on every rank and from call to call, and within n * u * sum_i |x_i| (u the unit
+  roundoff of the dtype) of a float64 reference; 2 ranks on one host, 2 hosts x 2 ranks (the host knob, two
+  daemons on this machine), and 2 hosts x 2 ranks of an emulated cluster through `smartcoll run --cluster
+  --nicd`;
 * a rank that dies fails the other ranks' calls on both hosts, naming it, while the daemons live on and serve
   the next job;
 * a daemon that dies or stops fails its ranks' calls clearly within the timeout.
@@ -15,14 +16,13 @@ import json
 import signal
 import sys
 
+import nicd_worker as nw
 import numpy as np
 import pytest
 from cluster_fixture import cl, new_cluster
 from conftest import HERE, assert_all_ok, clean_env, run_cli, run_ranks
 from smartcoll.tools import launcher
 from smartcoll.tools.nicd import Daemons
-
-import nicd_worker as nw
 
 WORKER = HERE / "nicd_worker.py"
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "float64": 2.0**-53, "float16": 2.0**-11}
@@ -37,15 +37,19 @@ def run_calls(tmp_path, name: str, n: int, rank_env: dict) -> list[dict]:
 
 def reference(case, n: int) -> np.ndarray:
     """The float64 (or wrapped integer) result of `case` on rank 0, from the worker's own inputs."""
-    key, coll, dtype, op, count, root, _ = case
+    key, coll, dtype, op, count, _root, _ = case
     xs = [nw.inputs(key, dtype, count * (n if coll == "reduce_scatter" else 1), r) for r in range(n)]
     if coll == "broadcast":
         return xs[-1]
     if coll == "allgather":
         return np.concatenate(xs)
     wide = [x.astype(np.float64) if dtype.startswith("float") else x for x in xs]
-    total = {"sum": sum, "avg": sum, "max": lambda v: np.maximum.reduce(v), "prod": lambda v: np.prod(v, axis=0,
-             dtype=xs[0].dtype)}[op](wide)
+    total = {
+        "sum": sum,
+        "avg": sum,
+        "max": lambda v: np.maximum.reduce(v),
+        "prod": lambda v: np.prod(v, axis=0, dtype=xs[0].dtype),
+    }[op](wide)
     total = total / n if op == "avg" else total
     total = total.astype(dtype) if not dtype.startswith("float") else total
     return total[:count] if coll == "reduce_scatter" else total
@@ -53,7 +57,7 @@ def reference(case, n: int) -> np.ndarray:
 
 def check_against(nicd: list[dict], inprocess: list[dict] | None, n: int) -> None:
     for case in nw.CASES:
-        key, coll, dtype, op, count, root, _ = case
+        key, coll, dtype, _op, count, root, _ = case
         ranks = [root] if coll == "reduce" else range(n)
         for r in ranks if inprocess else ():
             got, theirs = nicd[r][key], inprocess[r][key]
@@ -64,7 +68,9 @@ def check_against(nicd: list[dict], inprocess: list[dict] | None, n: int) -> Non
         for r in range(n):  # every rank the same bits, and the same bits again
             assert nicd[r][key].tobytes() == nicd[0][key].tobytes(), f"{key}: rank {r} differs from rank 0"
             if dtype.startswith("float"):
-                assert nicd[r][key + ".again"].tobytes() == nicd[r][key].tobytes(), f"{key}: not deterministic"
+                assert nicd[r][key + ".again"].tobytes() == nicd[r][key].tobytes(), (
+                    f"{key}: not deterministic"
+                )
         ref = reference(case, n)
         if dtype.startswith("float"):
             xs = [nw.inputs(key, dtype, count, r).astype(np.float64) for r in range(n)]
@@ -96,8 +102,22 @@ def test_two_hosts_match_the_inprocess_engine(tmp_path):
 def test_emulated_cluster_two_hosts_of_two_ranks(tmp_path):
     c = new_cluster(2, "1gbit", "bridge")
     try:
-        res = run_cli("run", "--cluster", c.name, "--ranks-per-host", "2", "--nicd", "--timeout", "90", "--",
-                      sys.executable, str(WORKER), "calls", str(tmp_path), timeout=120)
+        res = run_cli(
+            "run",
+            "--cluster",
+            c.name,
+            "--ranks-per-host",
+            "2",
+            "--nicd",
+            "--timeout",
+            "90",
+            "--",
+            sys.executable,
+            str(WORKER),
+            "calls",
+            str(tmp_path),
+            timeout=120,
+        )
     finally:
         cl.down(c.name)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -115,22 +135,32 @@ def test_a_rank_that_dies_fails_the_job_on_every_host_and_the_daemons_serve_the_
         assert_all_ok(results, [0, 1, 2])
         for r in range(3):
             outcome = json.loads((out / f"rank{r}.json").read_text())
-            assert outcome["error"] and "rank 3 left the job: its connection to the nicd daemon closed" in \
-                outcome["error"], f"rank {r}: {outcome}"
+            assert (
+                outcome["error"]
+                and "rank 3 left the job: its connection to the nicd daemon closed" in outcome["error"]
+            ), f"rank {r}: {outcome}"
             assert outcome["seconds"] < 10, f"rank {r} learned of it only after {outcome['seconds']:.1f} s"
         assert all(p.poll() is None for p in d.procs), "a daemon died with the job"
         nicd = run_calls(tmp_path, "after", 4, _two_hosts({h: d.rank_env(h) for h in range(2)}))
         assert np.array_equal(nicd[0]["ar_i32_sum"], reference(nw.CASES[0], 4))
 
 
-@pytest.mark.parametrize("how, expect", [
-    ("KILL", "closed its connection: the daemon exited or crashed"),
-    ("STOP", "sent nothing for 2 s while calls were pending: the daemon is stopped or hung"),
-])
+@pytest.mark.parametrize(
+    "how, expect",
+    [
+        ("KILL", "closed its connection: the daemon exited or crashed"),
+        ("STOP", "sent nothing for 2 s while calls were pending: the daemon is stopped or hung"),
+    ],
+)
 def test_a_daemon_that_dies_or_hangs_fails_its_ranks_within_the_timeout(tmp_path, how, expect):
     with Daemons(1) as d:
         try:
-            env = {**d.rank_env(0), "SMARTCOLL_TIMEOUT": "2", "NICD_PID": str(d.procs[0].pid), "NICD_SIGNAL": how}
+            env = {
+                **d.rank_env(0),
+                "SMARTCOLL_TIMEOUT": "2",
+                "NICD_PID": str(d.procs[0].pid),
+                "NICD_SIGNAL": how,
+            }
             results = run_ranks(2, ["daemon_gone", tmp_path], env=env, timeout=60, worker=WORKER)
         finally:
             d.procs[0].send_signal(signal.SIGCONT)
@@ -142,12 +172,18 @@ def test_a_daemon_that_dies_or_hangs_fails_its_ranks_within_the_timeout(tmp_path
 
 
 def test_unsupported_collective_is_refused_by_name(tmp_path):
-    code = ("import numpy as np, smartcoll\nc = smartcoll.init()\n"
-            "try:\n    c.alltoall(np.arange(4), np.empty(4, np.int64))\nexcept ValueError as e:\n    print(e)\n"
-            "c.close()\n")
+    code = (
+        "import numpy as np, smartcoll\nc = smartcoll.init()\n"
+        "try:\n    c.alltoall(np.arange(4), np.empty(4, np.int64))\nexcept ValueError as e:\n    print(e)\n"
+        "c.close()\n"
+    )
     with Daemons(1) as d:
-        run = launcher.run_ranks([sys.executable, "-c", code], 2, 60, base_env=clean_env(), env_extra=d.rank_env(0))
+        run = launcher.run_ranks(
+            [sys.executable, "-c", code], 2, 60, base_env=clean_env(), env_extra=d.rank_env(0)
+        )
     for res in run.results:
         assert res.returncode == 0, res.stderr
-        assert "engine=nicd runs allreduce, reduce, reduce_scatter, broadcast, allgather and barrier; alltoall " \
-               "is not supported" in res.stdout
+        assert (
+            "engine=nicd runs allreduce, reduce, reduce_scatter, broadcast, allgather and barrier; alltoall "
+            "is not supported" in res.stdout
+        )

@@ -475,8 +475,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nicd",
         action="store_true",
-        help="start one offload daemon (smartcoll nicd) per host before the ranks (inside each host's namespace "
-        "with --cluster), run the ranks with engine=nicd on it, and stop it after them",
+        help="start one offload daemon (smartcoll nicd) per host before the ranks (inside each host's "
+        "namespace with --cluster), run the ranks with engine=nicd on it, and stop it after them",
     )
     parser.add_argument(
         "--nicd-cpus",

@@ -30,30 +30,59 @@ def parse_cpus(text: str) -> list[int]:
             lo, _, hi = part.partition("-")
             cpus.extend(range(int(lo), int(hi or lo) + 1))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--cpus {text!r}: expected CPU numbers such as 2,3 or 2-5") from None
+        raise argparse.ArgumentTypeError(
+            f"--cpus {text!r}: expected CPU numbers such as 2,3 or 2-5"
+        ) from None
     return cpus
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--socket", metavar="PATH", help="Unix socket to serve on (default: what ranks use when "
-                        "SMARTCOLL_NICD_SOCKET is empty: $XDG_RUNTIME_DIR/smartcoll-nicd.sock or "
-                        "/tmp/smartcoll-nicd-UID.sock)")
-    parser.add_argument("--cpus", type=parse_cpus, default=[], metavar="LIST",
-                        help="CPUs set aside for the daemon (its threads and its inter-host engine), e.g. 3 or 2-3 "
-                        "(default: not pinned)")
-    parser.add_argument("--timeout", type=float, default=60.0, metavar="S",
-                        help="seconds a job waits for a local rank's call once another local rank has posted it "
-                        "(the ranks' SMARTCOLL_TIMEOUT, if shorter, wins; default 60)")
-    parser.add_argument("--stats-interval", type=float, default=0.0, metavar="SEC",
-                        help="print counters every SEC seconds (0: only at exit; default 0)")
-    parser.add_argument("--duration", type=float, default=0.0, metavar="SEC",
-                        help="stop after SEC seconds (0: run until SIGINT or SIGTERM)")
+    parser.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="Unix socket to serve on (default: what ranks use when "
+        "SMARTCOLL_NICD_SOCKET is empty: $XDG_RUNTIME_DIR/smartcoll-nicd.sock or "
+        "/tmp/smartcoll-nicd-UID.sock)",
+    )
+    parser.add_argument(
+        "--cpus",
+        type=parse_cpus,
+        default=[],
+        metavar="LIST",
+        help="CPUs set aside for the daemon (its threads and its inter-host engine), e.g. 3 or 2-3 "
+        "(default: not pinned)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds a job waits for a local rank's call once another local rank has posted it "
+        "(the ranks' SMARTCOLL_TIMEOUT, if shorter, wins; default 60)",
+    )
+    parser.add_argument(
+        "--stats-interval",
+        type=float,
+        default=0.0,
+        metavar="SEC",
+        help="print counters every SEC seconds (0: only at exit; default 0)",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=0.0,
+        metavar="SEC",
+        help="stop after SEC seconds (0: run until SIGINT or SIGTERM)",
+    )
 
 
 def _counters(stats: dict) -> str:
-    return (f"jobs {stats['jobs_now']} running, {stats['jobs_formed']} formed, {stats['jobs_failed']} failed; "
-            f"calls {stats['calls']}; read {stats['bytes_read'] / 1e6:.1f} MB, written "
-            f"{stats['bytes_written'] / 1e6:.1f} MB; connections {stats['connections']} ({stats['refused']} refused)")
+    return (
+        f"jobs {stats['jobs_now']} running, {stats['jobs_formed']} formed, {stats['jobs_failed']} failed; "
+        f"calls {stats['calls']}; read {stats['bytes_read'] / 1e6:.1f} MB, written "
+        f"{stats['bytes_written'] / 1e6:.1f} MB; connections {stats['connections']} "
+        f"({stats['refused']} refused)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -97,39 +126,60 @@ def main(args: argparse.Namespace) -> int:
 
 
 class Daemons:
-    """One daemon per host for one launch (`smartcoll run --nicd`): started before the ranks (inside each host's
-    network namespace on an emulated cluster), each on its own socket, and stopped after them. Use as a context
-    manager; rank_env(host) is what the ranks of that host add to their environment."""
+    """One daemon per host for one launch (`smartcoll run --nicd`): started before the ranks (inside each
+    host's network namespace on an emulated cluster), each on its own socket, and stopped after them. Use as a
+    context manager; rank_env(host) is what the ranks of that host add to their environment."""
 
-    def __init__(self, hosts: int, host_prefix: Optional[Callable[[int], Sequence[str]]] = None, cpus: str = "",
-                 start_timeout: float = 20.0):
+    def __init__(
+        self,
+        hosts: int,
+        host_prefix: Optional[Callable[[int], Sequence[str]]] = None,
+        cpus: str = "",
+        start_timeout: float = 20.0,
+    ):
         from . import launcher
 
         self._lock = threading.Lock()
         self.procs: list[subprocess.Popen] = []  # [host]: its daemon
         self._relays: list[threading.Thread] = []
         tag = secrets.token_hex(4)
-        self.sockets = [os.path.join(tempfile.gettempdir(), f"smartcoll-nicd-{tag}-h{h}.sock") for h in range(hosts)]
+        self.sockets = [
+            os.path.join(tempfile.gettempdir(), f"smartcoll-nicd-{tag}-h{h}.sock") for h in range(hosts)
+        ]
         try:
             for h, path in enumerate(self.sockets):
-                argv = [*(host_prefix(h) if host_prefix else []), sys.executable, "-m", "smartcoll.tools.cli", "nicd",
-                        "--socket", path, *(["--cpus", cpus] if cpus else [])]
+                argv = [
+                    *(host_prefix(h) if host_prefix else []),
+                    sys.executable,
+                    "-m",
+                    "smartcoll.tools.cli",
+                    "nicd",
+                    "--socket",
+                    path,
+                    *(["--cpus", cpus] if cpus else []),
+                ]
                 env = dict(os.environ, PYTHONUNBUFFERED="1")
                 proc = launcher.start_rank(argv, env, subprocess.PIPE, subprocess.STDOUT)
                 self.procs.append(proc)
-                relay = threading.Thread(target=launcher._relay, args=(proc.stdout, "stderr", f"[nicd {h}] ",
-                                                                        self._lock), daemon=True)
+                relay = threading.Thread(
+                    target=launcher._relay,
+                    args=(proc.stdout, "stderr", f"[nicd {h}] ", self._lock),
+                    daemon=True,
+                )
                 relay.start()
                 self._relays.append(relay)
             deadline = time.monotonic() + start_timeout
             for h, (path, proc) in enumerate(zip(self.sockets, self.procs)):
                 while not os.path.exists(path):
                     if proc.poll() is not None:
-                        raise RuntimeError(f"the nicd daemon of host {h} exited at start with "
-                                           f"{launcher.describe_exit(proc.returncode)} (its output is above)")
+                        raise RuntimeError(
+                            f"the nicd daemon of host {h} exited at start with "
+                            f"{launcher.describe_exit(proc.returncode)} (its output is above)"
+                        )
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"the nicd daemon of host {h} did not open {path} within "
-                                           f"{start_timeout:g} s")
+                        raise RuntimeError(
+                            f"the nicd daemon of host {h} did not open {path} within {start_timeout:g} s"
+                        )
                     time.sleep(0.02)
         except BaseException:
             self.stop()

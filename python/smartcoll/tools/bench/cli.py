@@ -168,8 +168,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nicd",
         action="store_true",
-        help="with --overlap: also time the offload daemon (smartcoll nicd, one per host, started for the run) as "
-        "one more engine, 'smartcoll-nicd' next to the in-process 'smartcoll', on the same buffers",
+        help="with --overlap: also time the offload daemon (smartcoll nicd, one per host, started for the "
+        "run) as one more engine, 'smartcoll-nicd' next to the in-process 'smartcoll', on the same buffers",
     )
     parser.add_argument(
         "--nicd-cpus",
@@ -388,8 +388,8 @@ def main(args: argparse.Namespace) -> int:
         )
         with contextlib.ExitStack() as stack:
             if cfg["nicd"]:
-                hooks = _with_daemons(stack, hooks, args.nprocs, getattr(args, "ranks_per_host", 1) if c else None,
-                                      args.nicd_cpus)
+                per_host = getattr(args, "ranks_per_host", 1) if c else None
+                hooks = _with_daemons(stack, hooks, args.nprocs, per_host, args.nicd_cpus)
             rc = launcher.launch(
                 [sys.executable, "-m", "smartcoll.tools.bench", "--worker", str(workdir)],
                 args.nprocs,
@@ -414,8 +414,8 @@ def main(args: argparse.Namespace) -> int:
                 mpi_failure = f"the MPI part failed (status {rc}); its columns are left out"
                 status(mpi_failure)
         if cfg["overlap"]:
-            nicd = ["smartcoll-nicd"] if cfg["nicd"] else []
-            return _overlap_report(args, cfg, workdir, ["smartcoll", *nicd] + [p for p in vs if p in measured])
+            engines = ["smartcoll", "smartcoll-nicd"] if cfg["nicd"] else ["smartcoll"]
+            return _overlap_report(args, cfg, workdir, engines + [p for p in vs if p in measured])
     shown = [p for p in vs if measured.get(p)]
     measured = {impl: data for impl, data in measured.items() if data}
     rows = build_rows(cfg, measured, link["GBps"] if link else None)
@@ -446,8 +446,11 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_daemons(stack: contextlib.ExitStack, hooks: dict, nprocs: int, per_host: Optional[int], cpus: str) -> dict:
-    """Launcher hooks that also point every rank at its host's nicd daemon, started here (stopped with `stack`)."""
+def _with_daemons(
+    stack: contextlib.ExitStack, hooks: dict, nprocs: int, per_host: Optional[int], cpus: str
+) -> dict:
+    """Launcher hooks that also point every rank at its host's nicd daemon, started here (stopped with
+    `stack`)."""
     from .. import nicd
 
     per_host = per_host or nprocs

@@ -386,7 +386,8 @@ def worker_main(argv: Sequence[str]) -> int:
     with smartcoll.init(**cfg["knobs"]) as comm, contextlib.ExitStack() as stack:
         runners = [SmartcollRunner(comm, cfg)]
         if cfg.get("nicd"):
-            # The same job through the host's offload daemon: a second communicator, on its own rendezvous port.
+            # The same job through the host's offload daemon: a second communicator, on its own rendezvous
+            # port.
             address = f"tcp://{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT']) + 2}"
             nicd = stack.enter_context(smartcoll.init(address, **{**cfg["knobs"], "engine": "nicd"}))
             runners.append(SmartcollRunner(nicd, cfg))
