@@ -15,6 +15,7 @@ address and SMARTCOLL_IFNAME to the host's interface, so rendezvous and data go 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import hmac
 import os
@@ -429,19 +430,14 @@ def _launch_with_daemons(cmd: Sequence[str], nprocs: int, args: argparse.Namespa
     from . import nicd
 
     per_host = args.ranks_per_host if getattr(args, "cluster", None) else nprocs
-    hosts = -(-nprocs // per_host)
-    prefix, cluster_env = hooks.get("rank_prefix"), hooks.get("rank_env")
-    try:
-        daemons = nicd.Daemons(hosts, (lambda h: prefix(h * per_host)) if prefix else None, args.nicd_cpus)
-    except RuntimeError as e:
-        _message(str(e))
-        return EXIT_CANNOT_START
-    with daemons:
-        def rank_env(rank: int) -> dict[str, str]:
-            return {**(cluster_env(rank) if cluster_env else {}), **daemons.rank_env(rank // per_host)}
-
+    with contextlib.ExitStack() as stack:
+        try:
+            hooks = nicd.with_daemons(stack, hooks, nprocs, per_host, args.nicd_cpus)
+        except RuntimeError as e:
+            _message(str(e))
+            return EXIT_CANNOT_START
         return launch(cmd, nprocs, timeout=args.timeout, prefix=args.prefix, master_port=args.master_port,
-                      grace=args.grace, rank_prefix=prefix, rank_env=rank_env)
+                      grace=args.grace, **hooks)
 
 
 def _ranks(ranks: Sequence[int]) -> str:

@@ -203,3 +203,23 @@ class Daemons:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def with_daemons(
+    stack: contextlib.ExitStack, hooks: dict, nprocs: int, per_host: int, cpus: str, set_engine: bool = True
+) -> dict:
+    """Launcher hooks (rank_prefix, rank_env, as launcher.cluster_hooks makes them, or none) that also start
+    one daemon per host of `per_host` ranks now, stopped with `stack`: each rank's environment then names its
+    host's socket, and engine=nicd where `set_engine`. Raises RuntimeError when a daemon cannot start."""
+    prefix, host_env = hooks.get("rank_prefix"), hooks.get("rank_env")
+    daemons = stack.enter_context(
+        Daemons(-(-nprocs // per_host), (lambda h: prefix(h * per_host)) if prefix else None, cpus)
+    )
+
+    def rank_env(rank: int) -> dict[str, str]:
+        mine = daemons.rank_env(rank // per_host)
+        if not set_engine:
+            mine.pop("SMARTCOLL_ENGINE")
+        return {**(host_env(rank) if host_env else {}), **mine}
+
+    return {**hooks, "rank_env": rank_env}

@@ -388,8 +388,15 @@ def main(args: argparse.Namespace) -> int:
         )
         with contextlib.ExitStack() as stack:
             if cfg["nicd"]:
-                per_host = getattr(args, "ranks_per_host", 1) if c else None
-                hooks = _with_daemons(stack, hooks, args.nprocs, per_host, args.nicd_cpus)
+                from .. import nicd
+
+                per_host = getattr(args, "ranks_per_host", 1) if c else args.nprocs
+                # engine=nicd only for the second communicator the ranks make (runners.worker_main)
+                try:
+                    hooks = nicd.with_daemons(stack, hooks, args.nprocs, per_host, args.nicd_cpus, False)
+                except RuntimeError as e:
+                    print(f"smartcoll bench: {e}", file=sys.stderr)
+                    return 1
             rc = launcher.launch(
                 [sys.executable, "-m", "smartcoll.tools.bench", "--worker", str(workdir)],
                 args.nprocs,
@@ -444,25 +451,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"smartcoll bench: {wrong} wrong elements", file=sys.stderr)
         return 1
     return 0
-
-
-def _with_daemons(
-    stack: contextlib.ExitStack, hooks: dict, nprocs: int, per_host: Optional[int], cpus: str
-) -> dict:
-    """Launcher hooks that also point every rank at its host's nicd daemon, started here (stopped with
-    `stack`)."""
-    from .. import nicd
-
-    per_host = per_host or nprocs
-    prefix, cluster_env = hooks.get("rank_prefix"), hooks.get("rank_env")
-    daemons = stack.enter_context(
-        nicd.Daemons(-(-nprocs // per_host), (lambda h: prefix(h * per_host)) if prefix else None, cpus))
-
-    def rank_env(rank: int) -> dict[str, str]:
-        return {**(cluster_env(rank) if cluster_env else {}),
-                "SMARTCOLL_NICD_SOCKET": daemons.sockets[rank // per_host]}
-
-    return {**hooks, "rank_env": rank_env}
 
 
 def _overlap_report(args: argparse.Namespace, cfg: dict, workdir: Path, impls: list[str]) -> int:
