@@ -148,7 +148,7 @@ def test_a_rank_that_dies_fails_the_job_on_every_host_and_the_daemons_serve_the_
 @pytest.mark.parametrize(
     "how, expect",
     [
-        ("KILL", "closed its connection: the daemon exited or crashed"),
+        ("KILL", "the daemon exited or crashed"),  # its socket closed, or a post found it closed
         ("STOP", "sent nothing for 2 s while calls were pending: the daemon is stopped or hung"),
     ],
 )
