@@ -19,7 +19,7 @@
 #include "smartcoll/knobs.h"
 #include "smartcoll/reduce.h"
 #include "smartcoll/store.h"
-#include "nicd/client.h"
+#include "nicd/protocol.h"
 #include "nicd/server.h"
 #include "switch/server.h"
 

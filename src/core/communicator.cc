@@ -262,8 +262,9 @@ StartUpVerdict Communicator::agree_on_settings(const std::string& claim) {
 void Communicator::abort(const std::string& reason) {
   if (forked_since(forks_)) return;  // a forked child's copy: the parent owns the job
   std::lock_guard closing(close_mu_);
-  if (nicd_) nicd_->abort("rank " + std::to_string(rank_) + " aborted: " + reason);
-  if (engine_) engine_->abort("rank " + std::to_string(rank_) + " aborted: " + reason);
+  const std::string why = "rank " + std::to_string(rank_) + " aborted: " + reason;
+  if (nicd_) nicd_->abort(why);
+  if (engine_) engine_->abort(why);
 }
 
 void Communicator::join_switches() {

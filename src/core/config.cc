@@ -8,7 +8,7 @@
 #include <iomanip>
 #include <sstream>
 
-#include "nicd/client.h"
+#include "nicd/protocol.h"
 #include "smartcoll/types.h"
 
 namespace smartcoll {

@@ -4,10 +4,8 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
-#include <unistd.h>
 
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
 #include <fstream>
 
@@ -29,11 +27,6 @@ std::string seconds(double s) {
 }
 
 }  // namespace
-
-std::string default_socket() {
-  if (const char* dir = std::getenv("XDG_RUNTIME_DIR"); dir && *dir) return std::string(dir) + "/smartcoll-nicd.sock";
-  return "/tmp/smartcoll-nicd-" + std::to_string(::getuid()) + ".sock";
-}
 
 void check_supported(Collective coll, const Codec& codec) {
   if (coll == Collective::alltoall)

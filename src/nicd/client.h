@@ -19,9 +19,6 @@
 
 namespace smartcoll::nicd {
 
-// $XDG_RUNTIME_DIR/smartcoll-nicd.sock, or /tmp/smartcoll-nicd-UID.sock: where ranks and daemon meet by default.
-std::string default_socket();
-
 // Throws InvalidArgument naming what engine=nicd runs when it cannot run `coll` (with `codec`).
 void check_supported(Collective coll, const Codec& codec);
 

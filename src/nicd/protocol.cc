@@ -1,6 +1,9 @@
 #include "nicd/protocol.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "smartcoll/comm.h"
@@ -92,6 +95,11 @@ Type type_of(std::string_view msg) {
                         std::to_string(kVersion) + " (a different smartcoll version?)"};
   if (type < 1 || type > 7) throw ProtocolError{"unknown message type " + std::to_string(type)};
   return static_cast<Type>(type);
+}
+
+std::string default_socket() {
+  if (const char* dir = std::getenv("XDG_RUNTIME_DIR"); dir && *dir) return std::string(dir) + "/smartcoll-nicd.sock";
+  return "/tmp/smartcoll-nicd-" + std::to_string(::getuid()) + ".sock";
 }
 
 std::string encode(const Hello& m) {

@@ -19,6 +19,9 @@ inline constexpr size_t kMaxMessage = 512 * 1024;  // a hello of the largest wor
 inline constexpr int kMaxWorld = 65536;
 inline constexpr size_t kMaxText = 4096;  // every string field
 
+// $XDG_RUNTIME_DIR/smartcoll-nicd.sock, or /tmp/smartcoll-nicd-UID.sock: where ranks and daemon meet by default.
+std::string default_socket();
+
 enum class Type : uint16_t { hello = 1, ready = 2, post = 3, done = 4, abort = 5, bye = 6, heartbeat = 7 };
 
 // rank -> daemon, first message: who the rank is and how the daemons of its job meet.
