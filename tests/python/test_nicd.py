@@ -187,3 +187,11 @@ def test_unsupported_collective_is_refused_by_name(tmp_path):
             "engine=nicd runs allreduce, reduce, reduce_scatter, broadcast, allgather and barrier; alltoall "
             "is not supported" in res.stdout
         )
+
+
+def test_a_second_daemon_on_a_socket_in_use_is_refused():
+    with Daemons(1) as d:
+        res = run_cli("nicd", "--socket", d.sockets[0], "--duration", "1", timeout=30)
+        assert res.returncode == 1
+        assert f"another nicd daemon listens on {d.sockets[0]}" in res.stderr, res.stderr
+        assert d.procs[0].poll() is None
