@@ -30,6 +30,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr auto kHeartbeat = std::chrono::milliseconds(500);
 constexpr size_t kPieceBytes = 1 << 20;  // the local reduction reads and combines this much at a time
+constexpr size_t kChunkBytes = 4 << 20;  // an allreduce goes between hosts in chunks of this much
 
 void pin(const std::vector<int>& cpus) {
   if (cpus.empty()) return;
@@ -102,7 +103,7 @@ struct Job {
   bool next_call(std::vector<Member>& members);
   void execute(const std::vector<Member>& ms);
   void transfer(bool write, const Member& m, uint64_t remote, char* local, size_t len);
-  void local_reduce(const std::vector<Member>& ms, const Post& p, size_t count, char* acc);
+  void local_reduce(const std::vector<Member>& ms, const Post& p, size_t from, size_t count, char* acc);
   void allreduce(const std::vector<Member>& ms, const Post& p, size_t count, char* acc);
   std::string name() const { return "job '" + hello.job_id + "'"; }
 
@@ -289,14 +290,15 @@ static void wait_between_hosts(const std::shared_ptr<Request>& req) {
   }
 }
 
-void Job::local_reduce(const std::vector<Member>& ms, const Post& p, size_t count, char* acc) {
+// acc[from, from + count) = elements [from, from + count) of every local rank's input, x_0 op x_1 op ... in rank
+// order, piece by piece so that what was just read is combined while it is in cache.
+void Job::local_reduce(const std::vector<Member>& ms, const Post& p, size_t from, size_t count, char* acc) {
   const auto dt = static_cast<DataType>(p.dtype);
   const auto op = static_cast<ReduceOp>(p.op);
   const size_t esize = dtype_size(dt), piece = kPieceBytes / esize;
   stage.resize(kPieceBytes);
-  // Piece by piece, so that what was just read is combined while it is in cache: x_0 op x_1 op ... in rank order.
-  for (size_t at = 0; at < count; at += piece) {
-    const size_t k = std::min(piece, count - at);
+  for (size_t at = from; at < from + count; at += piece) {
+    const size_t k = std::min(piece, from + count - at);
     transfer(false, ms[0], ms[0].post.in + at * esize, acc + at * esize, k * esize);
     for (size_t i = 1; i < ms.size(); ++i) {
       transfer(false, ms[i], ms[i].post.in + at * esize, stage.data(), k * esize);
@@ -308,11 +310,30 @@ void Job::local_reduce(const std::vector<Member>& ms, const Post& p, size_t coun
 void Job::allreduce(const std::vector<Member>& ms, const Post& p, size_t count, char* acc) {
   const auto dt = static_cast<DataType>(p.dtype);
   const auto op = static_cast<ReduceOp>(p.op);
-  local_reduce(ms, p, count, acc);
-  if (inter) {
-    // avg combines as sum everywhere and divides once, by the whole world, as the in-process engine does.
-    wait_between_hosts(inter->allreduce(acc, acc, count, dt, op == ReduceOp::avg ? ReduceOp::sum : op,
-                                        Algorithm::automatic, Codec::parse(p.codec)));
+  const size_t esize = dtype_size(dt), chunk = kChunkBytes / esize;
+  const Codec codec = Codec::parse(p.codec);
+  // Chunk by chunk: the daemons' engine carries one chunk between hosts while the next is read and reduced here.
+  // avg combines as sum everywhere and divides once, by the whole world, as the in-process engine does.
+  std::vector<std::shared_ptr<Request>> inflight;
+  try {
+    for (size_t at = 0; at < count; at += chunk) {
+      const size_t k = std::min(chunk, count - at);
+      local_reduce(ms, p, at, k, acc);
+      if (inter)
+        inflight.push_back(inter->allreduce(acc + at * esize, acc + at * esize, k, dt,
+                                            op == ReduceOp::avg ? ReduceOp::sum : op, Algorithm::automatic, codec));
+    }
+    for (const auto& req : inflight) wait_between_hosts(req);
+  } catch (const std::exception& e) {
+    // No chunk may still be in flight when its buffer goes: fail the others and let them finish first.
+    if (inter) inter->abort(e.what());
+    for (const auto& req : inflight) {
+      try {
+        req->wait();
+      } catch (const CommError&) {  // the first error is the one reported
+      }
+    }
+    throw;
   }
   if (op == ReduceOp::avg) scale_divide(dt, acc, count, hello.size);
 }

@@ -78,7 +78,7 @@ TEST(Nicd, TwoHostsMeetThroughTheJobsStore) {
     const bool first = r < 2;
     Communicator comm(r, n, store, nicd_options(first ? a.path() : b.path(), first ? "a" : "b"));
     ASSERT_EQ(comm.hosts(), (std::vector<int>{0, 0, 1, 1}));
-    std::vector<int64_t> x(70001, r + 1), y(x.size());
+    std::vector<int64_t> x(600011, r + 1), y(x.size());  // two chunks between the hosts
     comm.allreduce(x.data(), y.data(), x.size(), DataType::i64, ReduceOp::prod)->wait();
     for (int64_t v : y) ASSERT_EQ(v, 24);
     std::vector<int32_t> g(4 * 3), mine(3, 10 * r);

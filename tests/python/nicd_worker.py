@@ -28,6 +28,8 @@ CASES = [
     ("ar_i8_sum_inplace", "allreduce", "int8", "sum", 1003, -1, True),
     ("ar_u8_prod", "allreduce", "uint8", "prod", 17, -1, False),
     ("ar_f32_sum", "allreduce", "float32", "sum", 300007, -1, False),
+    ("ar_f32_chunks", "allreduce", "float32", "sum", 1100003, -1, False),  # 2 chunks between hosts
+    ("ar_i32_chunks", "allreduce", "int32", "sum", 1100003, -1, True),
     ("ar_f64_avg", "allreduce", "float64", "avg", 1003, -1, True),
     ("ar_f16_sum", "allreduce", "float16", "sum", 1003, -1, False),
     ("bc_i32", "broadcast", "int32", "", 1003, -1, True),  # root: the last rank
