@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <numeric>
+#include <thread>
 
 #include "nicd/protocol.h"
 #include "nicd/server.h"
@@ -111,6 +112,28 @@ TEST(Nicd, AcrossHostsAPrivateStoreIsRefusedByName) {
     EXPECT_NE(e.find("needs a rendezvous store the daemons can reach"), std::string::npos) << e;
   a.stop();
   b.stop();
+}
+
+TEST(Nicd, ARankThatDoesNotPostFailsTheCallWithinTheTimeoutNamingIt) {
+  nicd::Server daemon({socket_path("late"), {}, 20});
+  daemon.start();
+  std::vector<std::string> errors(2);
+  run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 2, std::move(store),
+                      test_options({{"engine", "nicd"}, {"nicd_socket", daemon.path()}, {"timeout", "1"}}));
+    comm.barrier()->wait();
+    if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // stalls past the timeout
+    try {
+      comm.barrier()->wait();
+    } catch (const CommError& e) {
+      errors[r] = e.what();
+    }
+  });
+  EXPECT_NE(errors[0].find("rank 1 did not post barrier #1"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("within 1 s of rank 0"), std::string::npos) << errors[0];
+  EXPECT_EQ(errors[1], errors[0]);  // the late rank learns the same reason when it posts
+  EXPECT_EQ(daemon.stats().jobs_failed, 1u);
+  daemon.stop();
 }
 
 TEST(Nicd, NoDaemonFailsNamingTheSocket) {
