@@ -195,3 +195,15 @@ def test_a_second_daemon_on_a_socket_in_use_is_refused():
         assert res.returncode == 1
         assert f"another nicd daemon listens on {d.sockets[0]}" in res.stderr, res.stderr
         assert d.procs[0].poll() is None
+
+
+def test_run_nicd_starts_a_daemon_for_the_ranks_and_stops_it():
+    code = (
+        "import numpy as np, smartcoll\nc = smartcoll.init()\n"
+        "print('engine', c.options['engine'], 'sum', int(c.allreduce(np.full(4, c.rank + 1, np.int64))[0]))\n"
+        "c.close()\n"
+    )
+    res = run_cli("run", "--nicd", "-n", "3", "--timeout", "60", "--", sys.executable, "-c", code, timeout=90)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("engine nicd sum 6") == 3, res.stdout
+    assert "formed: ranks 0, 1, 2 of 3 on host 0 of 1" in res.stderr and "smartcoll nicd: stopped" in res.stderr
