@@ -491,8 +491,7 @@ void Server::stop() {
 
 ServerStats Server::stats() const {
   std::lock_guard lock(stats_mu_);
-  ServerStats s = stats_;
-  return s;
+  return stats_;
 }
 
 std::vector<std::string> Server::take_events() {
