@@ -106,7 +106,9 @@ Client::Client(const std::string& path, const Hello& hello) : path_(path), timeo
 }
 
 Client::~Client() {
-  // Calls still running finish first (as the in-process engine's close does), each within the timeout.
+  // Calls still running finish first, as the in-process engine's close lets them: the daemon may write into
+  // their buffers until it answers. Each ends: the daemon's own timeouts bound its calls, and the reader fails
+  // them when the daemon goes away or falls silent.
   std::vector<std::shared_ptr<Request>> running;
   {
     std::lock_guard lock(mu_);
@@ -114,7 +116,7 @@ Client::~Client() {
   }
   for (auto& req : running) {
     try {
-      req->wait(std::chrono::duration<double>(timeout_));
+      req->wait();
     } catch (const CommError&) {  // its error belongs to whoever waits on it
     }
   }
@@ -158,13 +160,14 @@ std::shared_ptr<Request> Client::post(const Post& p) {
 
 void Client::abort(const std::string& reason) {
   std::lock_guard lock(mu_);
-  if (broken_.empty()) {
-    try {
-      send_message(fd_.get(), encode(Abort{reason}));
-    } catch (const CommError&) {  // the daemon is gone; the other ranks learn of it from their own daemons
-    }
+  if (!broken_.empty()) return;
+  broken_ = reason;  // later calls fail at once
+  try {
+    // The daemon fails the job and answers the pending calls once it no longer touches their buffers.
+    send_message(fd_.get(), encode(Abort{reason}));
+  } catch (const CommError&) {  // the daemon is gone: nothing touches the buffers any more
+    fail_all(reason);
   }
-  fail_all(reason);
 }
 
 void Client::read_loop() {

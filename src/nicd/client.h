@@ -34,7 +34,8 @@ class Client {
   // Posts call number `seq`; the request completes when the daemon says so, or fails when the daemon goes away
   // or stays silent for the timeout.
   std::shared_ptr<Request> post(const Post& p);
-  // Tells the daemon, which fails the job on every rank; fails this rank's pending calls at once.
+  // Tells the daemon, which fails the job on every rank and answers this rank's pending calls with the reason
+  // (once it no longer touches their buffers); later calls fail at once.
   void abort(const std::string& reason);
   int daemon_pid() const { return daemon_pid_; }
 

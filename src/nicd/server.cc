@@ -98,6 +98,7 @@ struct Member {
 struct Job {
   Job(Server& server, std::string key, Hello first, std::vector<int> cpus, double post_timeout);
   void fail(const std::string& why);  // mu held
+  void answer_running(const std::string& error);  // mu held
   void run();
   void form();
   bool next_call(std::vector<Member>& members);
@@ -118,6 +119,10 @@ struct Job {
   std::condition_variable cv;
   std::map<int, Slot> slots;  // the ranks of this host
   std::string failed;
+  std::atomic<bool> stopping{false};  // failed is set: the call being run stops before its next transfer
+  // The front post of every slot is being run: only the worker answers it, once it no longer touches the ranks'
+  // memory (a rank may free a buffer as soon as its call is answered).
+  bool running = false;
   std::unique_ptr<Communicator> inter;  // among the daemons of the job's hosts; null with one host
   std::vector<char> stage;
   std::thread worker;
@@ -137,12 +142,13 @@ Job::Job(Server& s, std::string k, Hello first, std::vector<int> c, double t)
 void Job::fail(const std::string& why) {
   if (!failed.empty()) return;
   failed = why;
+  stopping = true;
   for (auto& [rank, s] : slots) {
-    if (s.fd < 0) continue;
     if (!s.ready_sent) send_to(s.fd, encode(Ready{why}));
     s.ready_sent = true;
-    for (const Post& p : s.posts) send_to(s.fd, encode(Done{p.seq, why}));
-    s.posts.clear();
+    const size_t keep = running && !s.posts.empty() ? 1 : 0;
+    for (size_t i = keep; i < s.posts.size(); ++i) send_to(s.fd, encode(Done{s.posts[i].seq, why}));
+    s.posts.resize(keep);
   }
   if (inter) inter->abort(why);  // the other hosts' daemons fail the job too
   cv.notify_all();
@@ -153,7 +159,17 @@ void Job::fail(const std::string& why) {
   server.event(name() + " failed: " + why);
 }
 
+void Job::answer_running(const std::string& error) {
+  running = false;
+  for (auto& [rank, s] : slots) {
+    if (s.posts.empty()) continue;
+    send_to(s.fd, encode(Done{s.posts.front().seq, error}));
+    s.posts.pop_front();
+  }
+}
+
 void Job::transfer(bool write, const Member& m, uint64_t remote, char* local, size_t len) {
+  if (stopping) throw CommError("the job failed");  // the reason is the job's, already given
   if (write && m.pidfd >= 0) {
     // A pid is only reused after its process is gone; a gone process is never written to.
     pollfd p{m.pidfd, POLLIN, 0};
@@ -278,6 +294,7 @@ bool Job::next_call(std::vector<Member>& ms) {
   }
   ms.clear();
   for (const auto& [rank, s] : slots) ms.push_back({rank, s.pid, s.pidfd, s.posts.front()});
+  running = true;
   return true;
 }
 
@@ -415,17 +432,16 @@ void Job::run() {
     while (next_call(ms)) {
       execute(ms);
       std::lock_guard lock(mu);
+      answer_running(failed);
       if (!failed.empty()) break;
-      for (auto& [rank, s] : slots) {
-        send_to(s.fd, encode(Done{s.posts.front().seq, ""}));
-        s.posts.pop_front();
-      }
       std::lock_guard stats(server.stats_mu_);
       ++server.stats_.calls;
     }
   } catch (const std::exception& e) {
     std::lock_guard lock(mu);
-    fail(e.what());
+    if (running && !failed.empty()) answer_running(failed);
+    running = false;
+    fail(e.what());  // answers every post, the ones that were running too, unless the job had failed already
   }
   std::unique_ptr<Communicator> done;
   {

@@ -136,6 +136,27 @@ TEST(Nicd, ARankThatDoesNotPostFailsTheCallWithinTheTimeoutNamingIt) {
   daemon.stop();
 }
 
+TEST(Nicd, AbortFailsThePeersPendingCallWithTheReason) {
+  nicd::Server daemon({socket_path("abort"), {}, 20});
+  daemon.start();
+  std::vector<std::string> errors(2);
+  run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 2, std::move(store), nicd_options(daemon.path()));
+    comm.barrier()->wait();
+    if (r == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // rank 0's barrier is pending by now
+      comm.abort("stop here");
+    }
+    try {
+      comm.barrier()->wait();
+    } catch (const CommError& e) {
+      errors[r] = e.what();
+    }
+  });
+  for (const std::string& e : errors) EXPECT_EQ(e, "rank 1 aborted: stop here");
+  daemon.stop();
+}
+
 TEST(Nicd, NoDaemonFailsNamingTheSocket) {
   std::vector<std::string> errors(2);
   const std::string path = socket_path("none");
