@@ -471,6 +471,13 @@ Server::Server(ServerOptions options) : options_(std::move(options)) {
                           std::to_string(sizeof addr.sun_path - 1) + " bytes");
   std::memcpy(addr.sun_path, path.data(), path.size());
   if (!(options_.timeout > 0)) throw InvalidArgument("--timeout must be positive");
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  ::sched_getaffinity(0, sizeof allowed, &allowed);
+  for (int c : options_.cpus)
+    if (c < 0 || c >= CPU_SETSIZE || !CPU_ISSET(c, &allowed))
+      throw InvalidArgument("--cpus: CPU " + std::to_string(c) + " does not exist or is not one this process may "
+                            "use");
   listener_ = net::Fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
   if (!listener_) throw CommError(std::string("cannot make a Unix socket: ") + std::strerror(errno));
   auto* sa = reinterpret_cast<sockaddr*>(&addr);
