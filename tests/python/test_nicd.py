@@ -206,10 +206,14 @@ def test_run_nicd_starts_a_daemon_for_the_ranks_and_stops_it():
     res = run_cli("run", "--nicd", "-n", "3", "--timeout", "60", "--", sys.executable, "-c", code, timeout=90)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("engine nicd sum 6") == 3, res.stdout
-    assert "formed: ranks 0, 1, 2 of 3 on host 0 of 1" in res.stderr and "smartcoll nicd: stopped" in res.stderr
+    assert (
+        "formed: ranks 0, 1, 2 of 3 on host 0 of 1" in res.stderr and "smartcoll nicd: stopped" in res.stderr
+    )
 
 
 def test_cpus_the_daemon_may_not_use_are_refused(tmp_path):
-    res = run_cli("nicd", "--socket", str(tmp_path / "n.sock"), "--cpus", "1000", "--duration", "1", timeout=30)
+    res = run_cli(
+        "nicd", "--socket", str(tmp_path / "n.sock"), "--cpus", "1000", "--duration", "1", timeout=30
+    )
     assert res.returncode == 1
     assert "--cpus: CPU 1000 does not exist or is not one this process may use" in res.stderr, res.stderr
