@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <sstream>
 #include <utility>
@@ -105,7 +106,9 @@ struct Job {
   void execute(const std::vector<Member>& ms);
   void transfer(bool write, const Member& m, uint64_t remote, char* local, size_t len);
   void local_reduce(const std::vector<Member>& ms, const Post& p, size_t from, size_t count, char* acc);
-  void allreduce(const std::vector<Member>& ms, const Post& p, size_t count, char* acc);
+  // acc = the allreduce of every rank's input; done(from, count) is told of each chunk as soon as it is final.
+  void allreduce(const std::vector<Member>& ms, const Post& p, size_t count, char* acc,
+                 const std::function<void(size_t, size_t)>& done = {});
   std::string name() const { return "job '" + hello.job_id + "'"; }
 
   Server& server;
@@ -324,14 +327,22 @@ void Job::local_reduce(const std::vector<Member>& ms, const Post& p, size_t from
   }
 }
 
-void Job::allreduce(const std::vector<Member>& ms, const Post& p, size_t count, char* acc) {
+void Job::allreduce(const std::vector<Member>& ms, const Post& p, size_t count, char* acc,
+                    const std::function<void(size_t, size_t)>& done) {
   const auto dt = static_cast<DataType>(p.dtype);
   const auto op = static_cast<ReduceOp>(p.op);
   const size_t esize = dtype_size(dt), chunk = kChunkBytes / esize;
   const Codec codec = Codec::parse(p.codec);
   // Chunk by chunk: the daemons' engine carries one chunk between hosts while the next is read and reduced here.
   // avg combines as sum everywhere and divides once, by the whole world, as the in-process engine does.
+  // Every chunk is read before any is finished, so that results written back never overwrite an input (in
+  // place) that is still to be read; each is written back while the later ones are still between hosts.
   std::vector<std::shared_ptr<Request>> inflight;
+  auto finish = [&](size_t at) {
+    const size_t k = std::min(chunk, count - at);
+    if (op == ReduceOp::avg) scale_divide(dt, acc + at * esize, k, hello.size);
+    if (done) done(at, k);
+  };
   try {
     for (size_t at = 0; at < count; at += chunk) {
       const size_t k = std::min(chunk, count - at);
@@ -340,7 +351,10 @@ void Job::allreduce(const std::vector<Member>& ms, const Post& p, size_t count, 
         inflight.push_back(inter->allreduce(acc + at * esize, acc + at * esize, k, dt,
                                             op == ReduceOp::avg ? ReduceOp::sum : op, Algorithm::automatic, codec));
     }
-    for (const auto& req : inflight) wait_between_hosts(req);
+    for (size_t at = 0, i = 0; at < count; at += chunk, ++i) {
+      if (inter) wait_between_hosts(inflight[i]);
+      finish(at);
+    }
   } catch (const std::exception& e) {
     // No chunk may still be in flight when its buffer goes: fail the others and let them finish first.
     if (inter) inter->abort(e.what());
@@ -352,7 +366,6 @@ void Job::allreduce(const std::vector<Member>& ms, const Post& p, size_t count, 
     }
     throw;
   }
-  if (op == ReduceOp::avg) scale_divide(dt, acc, count, hello.size);
 }
 
 void Job::execute(const std::vector<Member>& ms) {
@@ -371,8 +384,9 @@ void Job::execute(const std::vector<Member>& ms) {
   switch (coll) {
     case Collective::allreduce:
       buf.resize(block);
-      allreduce(ms, p, p.count, buf.data());
-      for (const Member& m : ms) transfer(true, m, m.post.out, buf.data(), block);
+      allreduce(ms, p, p.count, buf.data(), [&](size_t at, size_t k) {
+        for (const Member& m : ms) transfer(true, m, m.post.out + at * esize, buf.data() + at * esize, k * esize);
+      });
       break;
     case Collective::reduce_scatter:  // the whole vector reduced; each rank gets its block
       buf.resize(n * block);
