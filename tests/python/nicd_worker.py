@@ -81,6 +81,15 @@ def second_call_error(comm) -> dict:
         return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
 
 
+def all_finished_the_first_call(comm, out: Path) -> None:
+    """Marks this rank's first call done and waits (at most 30 s) for every rank's mark: a failure injected
+    after this cannot reach a rank still reading its first answer."""
+    (out / f"first{comm.rank}").touch()
+    deadline = time.monotonic() + 30
+    while not all((out / f"first{r}").exists() for r in range(comm.size)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     comm = smartcoll.init()
@@ -88,11 +97,13 @@ def main() -> None:
         calls(comm, out)
     elif scenario == "leave":
         comm.allreduce(np.ones(1000, np.float32))
+        all_finished_the_first_call(comm, out)
         if comm.rank == comm.size - 1:
             os.kill(os.getpid(), signal.SIGKILL)
         (out / f"rank{comm.rank}.json").write_text(json.dumps(second_call_error(comm)))
     elif scenario == "daemon_gone":
         comm.allreduce(np.ones(1000, np.float32))
+        all_finished_the_first_call(comm, out)
         if comm.rank == 0:
             os.kill(int(os.environ["NICD_PID"]), getattr(signal, "SIG" + os.environ["NICD_SIGNAL"]))
         (out / f"rank{comm.rank}.json").write_text(json.dumps(second_call_error(comm)))
