@@ -21,6 +21,8 @@
 #include "smartcoll/reduce.h"
 #include "smartcoll/store.h"
 #include "switch/query.h"
+#include "nicd/protocol.h"
+#include "nicd/server.h"
 #include "switch/server.h"
 
 namespace nb = nanobind;
@@ -261,6 +263,29 @@ NB_MODULE(_core, m) {
     return sw::query_stats(host, static_cast<uint16_t>(port), timeout);
   }, "host"_a, "port"_a, "timeout"_a = 2.0,
      "The open counters of the aggregation switch at host:port (a stats query over UDP), as JSON text.");
+  // The offload daemon (`smartcoll nicd`): serves on its own threads; the CLI polls stats() and take_events().
+  nb::class_<nicd::Server>(m, "Nicd")
+      .def("__init__", [](nicd::Server* self, const std::string& socket, const std::vector<int>& cpus,
+                          double timeout) {
+        new (self) nicd::Server({socket, cpus, timeout});
+      }, "socket"_a, "cpus"_a = std::vector<int>{}, "timeout"_a = 60.0)
+      .def_prop_ro("path", &nicd::Server::path)
+      .def("start", &nicd::Server::start)
+      .def("stop", [](nicd::Server& s) {
+        nb::gil_scoped_release release;
+        s.stop();
+      })
+      .def("take_events", &nicd::Server::take_events)
+      .def("stats", [](const nicd::Server& s) {
+        const nicd::ServerStats st = s.stats();
+        return std::map<std::string, uint64_t>{
+            {"connections", st.connections}, {"refused", st.refused},       {"jobs_formed", st.jobs_formed},
+            {"jobs_failed", st.jobs_failed}, {"jobs_now", st.jobs_now},     {"calls", st.calls},
+            {"bytes_read", st.bytes_read},   {"bytes_written", st.bytes_written}};
+      }, "Counters: connections accepted and refused, jobs formed, failed and running, calls run, bytes read from "
+         "and written into the ranks' memory.");
+  m.def("nicd_default_socket", &nicd::default_socket,
+        "Where ranks and the daemon meet when nicd_socket is empty.");
 
   nb::class_<Request>(m, "Request")
       .def("test", &Request::test)

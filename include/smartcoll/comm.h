@@ -38,6 +38,9 @@ class Local;
 namespace sw {
 struct Path;
 }
+namespace nicd {
+class Client;
+}
 
 enum class Collective : uint8_t { allreduce, reduce_scatter, allgather, broadcast, reduce, alltoall, barrier };
 inline constexpr int kCollectives = 7;
@@ -62,6 +65,7 @@ class Request {
  private:
   friend class Engine;
   friend class Communicator;
+  friend class nicd::Client;
   void finish(std::string error);
   std::mutex mu_;
   std::condition_variable cv_;
@@ -165,6 +169,7 @@ class Communicator {
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<cma::Local> cma_;
   std::unique_ptr<sw::Path> switch_;  // the aggregation switches (switch knob), joined at start-up
+  std::unique_ptr<nicd::Client> nicd_;  // engine=nicd: the host's offload daemon runs every call
   bool cma_usable_ = false;  // fixed at construction, so callers may read it while another thread closes
   std::string cma_reason_;
   std::shared_ptr<Engine> engine_;

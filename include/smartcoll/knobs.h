@@ -104,6 +104,13 @@ inline constexpr Knob kKnobs[] = {
      "UDP segmentation offload for switch datagrams: on (equal datagrams to one switch port leave in one "
      "message with UDP_SEGMENT, and the kernel may join received ones, UDP_GRO; either falls back to one "
      "datagram at a time where the kernel refuses) or off (one datagram per message). The wire is the same"},
+    {"engine", "inprocess", "choice:inprocess|nicd", 0, 0, true,
+     "who runs the collectives: inprocess (this process's progress engine) or nicd (the host's offload daemon, "
+     "smartcoll nicd, reads and writes this rank's buffers and runs the inter-host part; allreduce, reduce, "
+     "reduce_scatter, broadcast, allgather and barrier)"},
+    {"nicd_socket", "", "str", 0, 0, false,
+     "Unix socket of the offload daemon (engine=nicd); empty: $XDG_RUNTIME_DIR/smartcoll-nicd.sock, or "
+     "/tmp/smartcoll-nicd-UID.sock without XDG_RUNTIME_DIR (the daemon's default too)"},
     {"log", "warn", "choice:error|warn|info|debug", 0, 0, false,
      "log level of messages on stderr (each line names the rank and the collective)"},
 };

@@ -19,7 +19,13 @@ class Store {
   virtual void set(const std::string& key, const std::string& value) = 0;
   // Waits until the key exists; throws CommError naming the key after `timeout`.
   virtual std::string get(const std::string& key, std::chrono::milliseconds timeout) = 0;
+  // How another process can reach this store ("tcp IP PORT SECRET", "file DIR"; open_store() reads it), for the
+  // offload daemon (engine=nicd); empty for stores only this process can reach.
+  virtual std::string locator() const { return ""; }
 };
+
+// The store a locator names, as a client; throws InvalidArgument for a locator it cannot read.
+std::shared_ptr<Store> open_store(const std::string& locator, std::chrono::milliseconds connect_timeout);
 
 // Puts every key under `prefix`: jobs, and communicators of one job, that share a store never see each other's
 // keys.
@@ -55,6 +61,7 @@ class FileStore : public Store {
   explicit FileStore(std::string dir);
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key, std::chrono::milliseconds timeout) override;
+  std::string locator() const override { return "file " + dir_; }
 
  private:
   std::string path_of(const std::string& key) const;
@@ -103,6 +110,7 @@ class TcpStore : public Store {
   ~TcpStore() override;
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key, std::chrono::milliseconds timeout) override;
+  std::string locator() const override { return "tcp " + ip_ + " " + std::to_string(port_) + " " + secret_; }
   // The port served (when serving with port 0, the one the kernel chose) or connected to.
   uint16_t port() const { return port_; }
   // The server's counters; all zero when this store only connects.

@@ -12,6 +12,7 @@
 #include "core/config.h"
 #include "core/engine.h"
 #include "core/log.h"
+#include "nicd/client.h"
 #include "smartcoll/comm.h"
 #include "switch/client.h"
 #include "transport/cma.h"
@@ -139,6 +140,7 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
   // Every key this communicator writes lives under its job's id, and every hello carries it: ranks of another
   // job that reach the same store or ports are never joined.
   config_->job_id = resolve_job_id(config_->job_id, *store_, rank, limit);
+  const std::string store_locator = store_->locator();  // engine=nicd: where the daemons meet
   store_ = std::make_shared<PrefixStore>(std::move(store_), "job/" + config_->job_id + "/");
   // Each process claims its rank with a fresh nonce; rank 0's start-up verdict names the claim it accepted for
   // every rank, and addresses are published per claim. A second process claiming the same rank (two jobs on one
@@ -162,12 +164,18 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
   const char* local = std::getenv("LOCAL_WORLD_SIZE");
   const int host_count = coll::host_layout_shape(hosts_).first;
   const bool spans_hosts = host_count > 1 || (local && std::atoi(local) > 0 && std::atoi(local) < size);
-  if (size > 1 && config_->cma && !spans_hosts) cma_ = std::make_unique<cma::Local>(*transport_);
+  if (size > 1 && config_->nicd)
+    nicd_ = std::make_unique<nicd::Client>(config_->nicd_socket, nicd::Hello{rank, size, config_->timeout,
+        config_->connect_timeout, config_->job_id, store_locator, route_hint, Config::must_match(options_),
+        std::vector<int32_t>(hosts_.begin(), hosts_.end())});
+  if (size > 1 && config_->cma && !spans_hosts && !nicd_) cma_ = std::make_unique<cma::Local>(*transport_);
   cma_usable_ = cma_ && cma_->usable();
   if (size == 1)
     cma_reason_ = "";
   else if (!config_->cma)
     cma_reason_ = "disabled (cma=off)";
+  else if (nicd_)
+    cma_reason_ = "engine=nicd (the daemon reads the buffers)";
   else if (host_count > 1)
     cma_reason_ = "ranks span " + std::to_string(host_count) + " hosts";
   else if (spans_hosts)
@@ -254,7 +262,9 @@ StartUpVerdict Communicator::agree_on_settings(const std::string& claim) {
 void Communicator::abort(const std::string& reason) {
   if (forked_since(forks_)) return;  // a forked child's copy: the parent owns the job
   std::lock_guard closing(close_mu_);
-  if (engine_) engine_->abort("rank " + std::to_string(rank_) + " aborted: " + reason);
+  const std::string why = "rank " + std::to_string(rank_) + " aborted: " + reason;
+  if (nicd_) nicd_->abort(why);
+  if (engine_) engine_->abort(why);
 }
 
 void Communicator::join_switches() {
@@ -323,10 +333,12 @@ void Communicator::close() {
     new std::shared_ptr<Engine>(std::move(engine_));
     (void)cma_.release();
     (void)switch_.release();
+    (void)nicd_.release();
     (void)transport_.release();
     (void)history_.release();
     return;
   }
+  nicd_.reset();  // waits for its calls, then says bye to the daemon
   if (engine_) engine_->stop();
   engine_.reset();
   switch_.reset();  // leaves the switches, which free the job's slots
@@ -423,6 +435,16 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
     ++seq_;
     last_posted_ = req;
     req->finish("");
+    return req;
+  }
+  if (nicd_) {
+    nicd::check_supported(call.coll, call.codec);
+    std::lock_guard lock(submit_mu_);
+    check_one_poster();
+    last_posted_ = req = nicd_->post({seq_++, static_cast<uint8_t>(call.coll), static_cast<uint8_t>(call.dt),
+                                      static_cast<uint8_t>(call.op), call.root, call.count,
+                                      reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out),
+                                      call.codec.name()});
     return req;
   }
   auto task = std::make_unique<Task>();

@@ -10,6 +10,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "nicd/protocol.h"
 #include "smartcoll/types.h"
 
 namespace smartcoll {
@@ -146,6 +147,8 @@ Config Config::from(const Options& o) {
                           ": expected a multiple of 8 (whole elements of every dtype)");
   c.switch_full_auth = o.str("switch_auth") == "full";
   c.switch_offload = o.str("switch_offload") == "on";
+  c.nicd = o.str("engine") == "nicd";
+  c.nicd_socket = o.str("nicd_socket").empty() ? nicd::default_socket() : o.str("nicd_socket");
   constexpr std::string_view levels[] = {"error", "warn", "info", "debug"};
   for (int i = 0; i < 4; ++i)
     if (o.str("log") == levels[i]) c.log = static_cast<LogLevel>(i);

@@ -39,6 +39,8 @@ struct Config {
   uint32_t switch_slots = 128, switch_packet = 1408;
   bool switch_full_auth = false;
   bool switch_offload = true;
+  bool nicd = false;        // engine=nicd
+  std::string nicd_socket;  // resolved: never empty
   LogLevel log = LogLevel::warn;
 
   // Throws InvalidArgument naming the knob for a value that cannot be used (a bad codec, an unknown CPU).

@@ -106,6 +106,21 @@ TcpStore::TcpStore(const std::string& host, int port, bool serve, std::chrono::m
   fd_ = connect_and_greet(net::Clock::now() + connect_timeout);
 }
 
+std::shared_ptr<Store> open_store(const std::string& locator, std::chrono::milliseconds connect_timeout) {
+  std::istringstream in(locator);
+  std::string kind, where;
+  in >> kind >> std::ws;
+  if (kind == "file" && std::getline(in, where) && !where.empty()) return std::make_shared<FileStore>(where);
+  int port = -1;
+  if (kind == "tcp" && in >> where >> port) {
+    std::string secret;
+    std::getline(in >> std::ws, secret);
+    return std::make_shared<TcpStore>(where, port, false, connect_timeout, secret);
+  }
+  throw InvalidArgument("cannot read a store locator of kind '" + kind +  // the rest may hold a secret
+                        "': expected 'tcp IP PORT SECRET' or 'file DIR'");
+}
+
 TcpStore::~TcpStore() {
   disconnect();
   server_.reset();

@@ -42,6 +42,7 @@ constexpr Target kTargets[] = {
     {"start_up_verdict", start_up_verdict, start_up_verdict_seeds},
     {"switch_packet", switch_packet, switch_packet_seeds},
     {"model_profile", model_profile, model_profile_seeds},
+    {"nicd_message", nicd_message, nicd_message_seeds},
 };
 // ---- End of registry. ----
 

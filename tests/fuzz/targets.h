@@ -44,5 +44,8 @@ Seeds switch_packet_seeds();
 // The cost model's profile (coll/cost.h): parsed or refused with InvalidArgument; canonical JSON parses back.
 void model_profile(const uint8_t* data, size_t size);
 Seeds model_profile_seeds();
+// A message from a rank to the offload daemon, or back (nicd/protocol.h): decoded within range, or refused.
+void nicd_message(const uint8_t* data, size_t size);
+Seeds nicd_message_seeds();
 
 }  // namespace smartcoll::fuzz

@@ -37,3 +37,17 @@ def test_overlap_run_reports_every_size(tmp_path):
         assert r["t_pure"] > 0 and r["t_compute"] > 0 and r["t_total"] > 0
         assert 0.0 <= r["overlap_pct"] <= 100.0
         assert r["overlap_pct"] == pytest.approx(overlap_pct(r["t_pure"], r["t_compute"], r["t_total"]))
+
+
+def test_overlap_run_times_the_nicd_daemon_next_to_the_inprocess_engine(tmp_path):
+    """`--nicd`: a daemon started for the run, measured as the engine 'smartcoll-nicd' on the same sizes."""
+    out = tmp_path / "overlap.json"
+    cmd = [sys.executable, "-m", "smartcoll.tools.cli", "bench", "overlap", "allreduce", "-n", "2",
+           "--sizes", "64K", "--iters", "3", "--warmup", "1", "--nicd", "--json", str(out)]
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "formed: ranks 0, 1 of 2" in proc.stderr, proc.stderr  # the ranks' calls went through the daemon
+    results = json.loads(out.read_text())["results"]
+    assert sorted(results) == ["smartcoll", "smartcoll-nicd"]
+    for r in results["smartcoll-nicd"]:
+        assert r["count"] * 4 == 65536 and r["t_pure"] > 0 and 0.0 <= r["overlap_pct"] <= 100.0

@@ -1,4 +1,4 @@
-"""The `smartcoll` command: run, info, bench, demo, cluster, switch, model.
+"""The `smartcoll` command: run, info, bench, demo, cluster, switch, nicd, model.
 
 Each subcommand lives in its own module with add_arguments(parser) and main(args) -> exit status; this file
 only wires them into one argparse tree.
@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from . import bench, demo, info, launcher, model, netemu, switch
+from . import bench, demo, info, launcher, model, netemu, nicd, switch
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -89,6 +89,18 @@ _SUBCOMMANDS = {
         "  smartcoll switch --listen 0.0.0.0:7000 --threads 2\n"
         "  SMARTCOLL_SWITCH=127.0.0.1:7000 smartcoll run -n 4 -- python train.py\n"
         "  smartcoll bench allreduce -n 4 --sizes 16M:64M --algo switch --switch 127.0.0.1:7000",
+    ),
+    "nicd": (
+        nicd.add_arguments,
+        nicd.main,
+        "the offload daemon, one per host: runs the collectives of the ranks started with engine=nicd",
+        "Ranks with SMARTCOLL_ENGINE=nicd post their collectives to it over a Unix socket and only wait;\n"
+        "it reads their buffers (process_vm_readv), combines them in rank order, runs the inter-host part\n"
+        "with the other hosts' daemons of the job on --cpus, and writes the results back. docs/nicd.md.\n\n"
+        "examples:\n"
+        "  smartcoll nicd --socket /tmp/nicd.sock --cpus 3\n"
+        "  SMARTCOLL_ENGINE=nicd SMARTCOLL_NICD_SOCKET=/tmp/nicd.sock smartcoll run -n 2 -- python train.py\n"
+        "  smartcoll run --nicd --nicd-cpus 3 -n 2 -- python train.py",
     ),
     "cluster": (
         netemu.add_arguments,

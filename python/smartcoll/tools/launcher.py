@@ -15,6 +15,7 @@ address and SMARTCOLL_IFNAME to the host's interface, so rendezvous and data go 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import hmac
 import os
@@ -424,6 +425,21 @@ def _supervise(procs: Sequence[subprocess.Popen], timeout: Optional[float], grac
     return 0
 
 
+def _launch_with_daemons(cmd: Sequence[str], nprocs: int, args: argparse.Namespace, hooks: dict) -> int:
+    """launch() with one nicd daemon per host that the ranks use (--nicd)."""
+    from . import nicd
+
+    per_host = args.ranks_per_host if getattr(args, "cluster", None) else nprocs
+    with contextlib.ExitStack() as stack:
+        try:
+            hooks = nicd.with_daemons(stack, hooks, nprocs, per_host, args.nicd_cpus)
+        except RuntimeError as e:
+            _message(str(e))
+            return EXIT_CANNOT_START
+        return launch(cmd, nprocs, timeout=args.timeout, prefix=args.prefix, master_port=args.master_port,
+                      grace=args.grace, **hooks)
+
+
 def _ranks(ranks: Sequence[int]) -> str:
     """'rank 2' or 'ranks 0, 1'."""
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
@@ -451,6 +467,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="with --cluster: K ranks per host (ranks 0..K-1 on host 0, K..2K-1 on host 1, ...), each told "
         "LOCAL_RANK and LOCAL_WORLD_SIZE (default: %(default)s); -n defaults to hosts x K",
+    )
+    parser.add_argument(
+        "--nicd",
+        action="store_true",
+        help="start one offload daemon (smartcoll nicd) per host before the ranks (inside each host's "
+        "namespace with --cluster), run the ranks with engine=nicd on it, and stop it after them",
+    )
+    parser.add_argument(
+        "--nicd-cpus",
+        default="",
+        metavar="LIST",
+        help="with --nicd: the CPUs set aside for each daemon (its --cpus), e.g. 3 or 2-3",
     )
     parser.add_argument(
         "--master-port",
@@ -509,6 +537,8 @@ def main(args: argparse.Namespace) -> int:
     if nprocs < 1:
         _message(f"-n must be at least 1, got {nprocs}")
         return 2
+    if getattr(args, "nicd", False):
+        return _launch_with_daemons(cmd, nprocs, args, hooks)
     return launch(
         cmd,
         nprocs,

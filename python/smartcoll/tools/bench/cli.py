@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -165,6 +166,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the collective runs, for smartcoll and each --vs peer (gloo async_op, MPI's I-collectives)",
     )
     parser.add_argument(
+        "--nicd",
+        action="store_true",
+        help="with --overlap: also time the offload daemon (smartcoll nicd, one per host, started for the "
+        "run) as one more engine, 'smartcoll-nicd' next to the in-process 'smartcoll', on the same buffers",
+    )
+    parser.add_argument(
+        "--nicd-cpus",
+        default="",
+        metavar="LIST",
+        help="with --nicd: the CPUs set aside for each daemon, e.g. 1 (default: not pinned)",
+    )
+    parser.add_argument(
         "--iter-bytes",
         type=_size_arg,
         metavar="SIZE",
@@ -297,6 +310,10 @@ def _validate(args: argparse.Namespace) -> Optional[str]:
         return "--rounds must be at least 1"
     if COLLECTIVES[args.collective].rooted and not 0 <= args.root < args.nprocs:
         return f"--root {args.root} is not a rank of {args.nprocs}"
+    if getattr(args, "nicd", False) and not getattr(args, "overlap", False):
+        return "--nicd applies to the overlap mode (smartcoll bench overlap COLLECTIVE --nicd)"
+    if getattr(args, "nicd", False) and args.collective == "alltoall":
+        return "--nicd: the nicd daemon does not run alltoall"
     if args.algo != "auto" and args.collective != "allreduce":
         return f"--algo applies to allreduce only, not {args.collective}"
     return None
@@ -359,6 +376,7 @@ def main(args: argparse.Namespace) -> int:
         "world_size": args.nprocs,
         "timeout": args.time_limit,
         "overlap": bool(getattr(args, "overlap", False)),
+        "nicd": bool(getattr(args, "nicd", False)),
     }
     link = measure_link(c, getattr(args, "iperf", True)) if c else None
     where = f" on cluster {c.name} (one per host)" if c else ""
@@ -368,14 +386,25 @@ def main(args: argparse.Namespace) -> int:
         status(
             f"{args.nprocs} ranks{where}: smartcoll{' and gloo' if 'gloo' in vs else ''}, {len(counts)} sizes"
         )
-        rc = launcher.launch(
-            [sys.executable, "-m", "smartcoll.tools.bench", "--worker", str(workdir)],
-            args.nprocs,
-            timeout=args.time_limit,
-            # MASTER_PORT for smartcoll, MASTER_PORT+1 for gloo's store
-            master_port=launcher.free_port(count=2),
-            **hooks,
-        )
+        with contextlib.ExitStack() as stack:
+            if cfg["nicd"]:
+                from .. import nicd
+
+                per_host = getattr(args, "ranks_per_host", 1) if c else args.nprocs
+                # engine=nicd only for the second communicator the ranks make (runners.worker_main)
+                try:
+                    hooks = nicd.with_daemons(stack, hooks, args.nprocs, per_host, args.nicd_cpus, False)
+                except RuntimeError as e:
+                    print(f"smartcoll bench: {e}", file=sys.stderr)
+                    return 1
+            rc = launcher.launch(
+                [sys.executable, "-m", "smartcoll.tools.bench", "--worker", str(workdir)],
+                args.nprocs,
+                timeout=args.time_limit,
+                # MASTER_PORT for smartcoll, MASTER_PORT+1 for gloo's store, MASTER_PORT+2 for engine=nicd's
+                master_port=launcher.free_port(count=3),
+                **hooks,
+            )
         if rc != 0:
             print(f"smartcoll bench: the benchmark ranks failed (status {rc}); no results", file=sys.stderr)
             return rc
@@ -392,7 +421,8 @@ def main(args: argparse.Namespace) -> int:
                 mpi_failure = f"the MPI part failed (status {rc}); its columns are left out"
                 status(mpi_failure)
         if cfg["overlap"]:
-            return _overlap_report(args, cfg, workdir, ["smartcoll"] + [p for p in vs if p in measured])
+            engines = ["smartcoll", "smartcoll-nicd"] if cfg["nicd"] else ["smartcoll"]
+            return _overlap_report(args, cfg, workdir, engines + [p for p in vs if p in measured])
     shown = [p for p in vs if measured.get(p)]
     measured = {impl: data for impl, data in measured.items() if data}
     rows = build_rows(cfg, measured, link["GBps"] if link else None)

@@ -5,7 +5,9 @@ rank of it."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -381,8 +383,15 @@ def worker_main(argv: Sequence[str]) -> int:
 
     import smartcoll
 
-    with smartcoll.init(**cfg["knobs"]) as comm:
+    with smartcoll.init(**cfg["knobs"]) as comm, contextlib.ExitStack() as stack:
         runners = [SmartcollRunner(comm, cfg)]
+        if cfg.get("nicd"):
+            # The same job through the host's offload daemon: a second communicator, on its own rendezvous
+            # port.
+            address = f"tcp://{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT']) + 2}"
+            nicd = stack.enter_context(smartcoll.init(address, **{**cfg["knobs"], "engine": "nicd"}))
+            runners.append(SmartcollRunner(nicd, cfg))
+            runners[-1].name = "smartcoll-nicd"
         if "gloo" in cfg["peers"]:
             # Imported here: peers imports this module, and torch is only needed with --vs gloo.
             from .peers import GlooRunner
@@ -397,5 +406,6 @@ def worker_main(argv: Sequence[str]) -> int:
                 run_sizes(runners, cfg, comm.rank, comm.size, workdir)
         finally:
             for runner in runners[1:]:
-                runner.close()
+                if not isinstance(runner, SmartcollRunner):
+                    runner.close()
     return 0

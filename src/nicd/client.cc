@@ -1,0 +1,213 @@
+#include "nicd/client.h"
+
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+
+namespace smartcoll::nicd {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void send_message(int fd, const std::string& msg) {
+  while (::send(fd, msg.data(), msg.size(), MSG_NOSIGNAL) < 0)
+    if (errno != EINTR) throw CommError(std::strerror(errno));
+}
+
+std::string seconds(double s) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", s);
+  return text;
+}
+
+}  // namespace
+
+void check_supported(Collective coll, const Codec& codec) {
+  if (coll == Collective::alltoall)
+    throw InvalidArgument("engine=nicd runs allreduce, reduce, reduce_scatter, broadcast, allgather and barrier; "
+                          "alltoall is not supported there: use engine=inprocess for it");
+  if (codec.kind() != CodecKind::identity && coll != Collective::allreduce)
+    throw InvalidArgument("engine=nicd compresses only allreduce between hosts; " +
+                          std::string(collective_name(coll)) + " with codec '" + codec.name() +
+                          "' is not supported there: pass no codec, or use engine=inprocess");
+}
+
+std::string Client::where() const {
+  return "the nicd daemon" + (daemon_pid_ ? " (pid " + std::to_string(daemon_pid_) + ")" : std::string()) +
+         " at " + path_;
+}
+
+Client::Client(const std::string& path, const Hello& hello) : path_(path), timeout_(hello.timeout) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof addr.sun_path)
+    throw InvalidArgument("nicd_socket '" + path + "': a Unix socket path needs 1 to " +
+                          std::to_string(sizeof addr.sun_path - 1) + " bytes");
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  // The launcher starts the daemon before the ranks; a little patience covers a daemon that is still binding.
+  const auto deadline = Clock::now() + std::chrono::duration<double>(std::min(hello.connect_timeout, 10.0));
+  for (;;) {
+    fd_ = net::Fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    if (!fd_) throw CommError(std::string("cannot make a Unix socket: ") + std::strerror(errno));
+    if (::connect(fd_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) break;
+    const int err = errno;
+    if ((err != ENOENT && err != ECONNREFUSED && err != EAGAIN) || Clock::now() >= deadline)
+      throw CommError("engine=nicd: cannot connect to the nicd daemon at " + path + ": " + std::strerror(err) +
+                      " (start one per host with `smartcoll nicd --socket " + path +
+                      "`, or launch with `smartcoll run --nicd`)");
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  if (::getsockopt(fd_.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) daemon_pid_ = cred.pid;
+  // Under Yama ptrace_scope=1 only ancestors may read a process unless it names its reader: the daemon, by the
+  // pid the kernel reports for the socket's other end (never one a message claims).
+  std::ifstream scope("/proc/sys/kernel/yama/ptrace_scope");
+  int yama = 0;
+  if (scope >> yama && yama == 1 && daemon_pid_ > 0) ::prctl(PR_SET_PTRACER, daemon_pid_, 0, 0, 0);
+  try {
+    send_message(fd_.get(), encode(hello));
+  } catch (const CommError& e) {
+    throw CommError("engine=nicd: cannot introduce rank " + std::to_string(hello.rank) + " to " + where() + ": " +
+                    e.what());
+  }
+  // The daemon answers once every local rank has connected and the daemons of every host have met (each within
+  // connect_timeout); a little more lets its answer arrive.
+  const auto ready_by = Clock::now() + std::chrono::duration<double>(hello.connect_timeout + 5);
+  std::string buf(kMaxMessage, '\0');
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(ready_by - Clock::now()).count();
+    pollfd p{fd_.get(), POLLIN, 0};
+    if (left <= 0 || ::poll(&p, 1, static_cast<int>(left)) == 0)
+      throw CommError("engine=nicd: " + where() + " did not form job '" + hello.job_id + "' within " +
+                      seconds(hello.connect_timeout + 5) + " s");
+    const ssize_t n = ::recv(fd_.get(), buf.data(), buf.size(), 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0)
+      throw CommError("engine=nicd: " + where() + " closed the connection before the job was formed");
+    try {
+      const std::string_view msg(buf.data(), static_cast<size_t>(n));
+      if (type_of(msg) == Type::heartbeat) continue;
+      const Ready ready = decode_ready(msg);
+      if (!ready.error.empty()) throw CommError("engine=nicd: " + where() + ": " + ready.error);
+      break;
+    } catch (const ProtocolError& e) {
+      throw CommError("engine=nicd: " + where() + " sent a malformed answer: " + e.what);
+    }
+  }
+  heard_ = Clock::now();
+  reader_ = std::thread([this] { read_loop(); });
+}
+
+Client::~Client() {
+  // Calls still running finish first, as the in-process engine's close lets them: the daemon may write into
+  // their buffers until it answers. Each ends: the daemon's own timeouts bound its calls, and the reader fails
+  // them when the daemon goes away or falls silent.
+  std::vector<std::shared_ptr<Request>> running;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& [seq, req] : pending_) running.push_back(req);
+  }
+  for (auto& req : running) {
+    try {
+      req->wait();
+    } catch (const CommError&) {  // its error belongs to whoever waits on it
+    }
+  }
+  {
+    std::lock_guard lock(mu_);
+    if (broken_.empty()) {
+      try {
+        send_message(fd_.get(), encode(Type::bye));
+      } catch (const CommError&) {  // the daemon is gone: nothing to say bye to
+      }
+    }
+    fail_all("the communicator is closed");
+  }
+  stop_ = true;
+  ::shutdown(fd_.get(), SHUT_RDWR);
+  if (reader_.joinable()) reader_.join();
+}
+
+void Client::fail_all(const std::string& why) {
+  if (broken_.empty()) broken_ = why;
+  for (auto& [seq, req] : pending_) req->finish(why);
+  pending_.clear();
+}
+
+std::shared_ptr<Request> Client::post(const Post& p) {
+  auto req = std::make_shared<Request>();
+  std::lock_guard lock(mu_);
+  if (!broken_.empty()) {
+    req->finish(broken_);
+    return req;
+  }
+  pending_[p.seq] = req;
+  try {
+    send_message(fd_.get(), encode(p));
+  } catch (const CommError& e) {
+    fail_all("engine=nicd: cannot post call #" + std::to_string(p.seq) + " to " + where() + ": " + e.what() +
+             " (the daemon exited or crashed)");
+  }
+  return req;
+}
+
+void Client::abort(const std::string& reason) {
+  std::lock_guard lock(mu_);
+  if (!broken_.empty()) return;
+  broken_ = reason;  // later calls fail at once
+  try {
+    // The daemon fails the job and answers the pending calls once it no longer touches their buffers.
+    send_message(fd_.get(), encode(Abort{reason}));
+  } catch (const CommError&) {  // the daemon is gone: nothing touches the buffers any more
+    fail_all(reason);
+  }
+}
+
+void Client::read_loop() {
+  std::string buf(kMaxMessage, '\0');
+  while (!stop_) {
+    pollfd p{fd_.get(), POLLIN, 0};
+    const int k = ::poll(&p, 1, 100);
+    const auto now = Clock::now();
+    std::lock_guard lock(mu_);
+    if (k > 0) {
+      const ssize_t n = ::recv(fd_.get(), buf.data(), buf.size(), MSG_DONTWAIT);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+      if (n <= 0) {
+        if (!stop_) fail_all("engine=nicd: " + where() + " closed its connection: the daemon exited or crashed");
+        return;
+      }
+      heard_ = now;
+      try {
+        const std::string_view msg(buf.data(), static_cast<size_t>(n));
+        if (type_of(msg) == Type::done) {
+          const Done done = decode_done(msg);
+          auto it = pending_.find(done.seq);
+          if (it == pending_.end()) throw ProtocolError{"an answer to call #" + std::to_string(done.seq) +
+                                                        ", which this rank has not posted"};
+          it->second->finish(done.error);
+          pending_.erase(it);
+        } else if (type_of(msg) != Type::heartbeat) {
+          throw ProtocolError{"an unexpected message of type " + std::to_string(static_cast<int>(type_of(msg)))};
+        }
+      } catch (const ProtocolError& e) {
+        fail_all("engine=nicd: " + where() + " sent a malformed message: " + e.what);
+        return;
+      }
+    }
+    if (!pending_.empty() && now - heard_ > std::chrono::duration<double>(timeout_)) {
+      fail_all("engine=nicd: " + where() + " sent nothing for " + seconds(timeout_) +
+               " s while calls were pending: the daemon is stopped or hung (SMARTCOLL_TIMEOUT)");
+      return;
+    }
+  }
+}
+
+}  // namespace smartcoll::nicd

@@ -1,0 +1,59 @@
+// A rank's side of engine=nicd: the connection to the host's offload daemon (`smartcoll nicd`). The rank only
+// posts its calls (what to run and where its buffers are) and waits; the daemon reads the buffers with
+// process_vm_readv, runs the collective with the other local ranks and the other hosts' daemons, writes the
+// results with process_vm_writev and says "done". A reader thread completes the requests.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "nicd/protocol.h"
+#include "smartcoll/comm.h"
+#include "transport/socket.h"
+
+namespace smartcoll::nicd {
+
+// Throws InvalidArgument naming what engine=nicd runs when it cannot run `coll` (with `codec`).
+void check_supported(Collective coll, const Codec& codec);
+
+class Client {
+ public:
+  // Connects to the daemon at `path`, introduces this rank and waits until the daemon has formed the job (all
+  // local ranks connected, the other hosts' daemons joined). Throws CommError naming the socket and the cause.
+  Client(const std::string& path, const Hello& hello);
+  ~Client();  // says bye (a normal leave, not a failure) and closes
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Posts call number `seq`; the request completes when the daemon says so, or fails when the daemon goes away
+  // or stays silent for the timeout.
+  std::shared_ptr<Request> post(const Post& p);
+  // Tells the daemon, which fails the job on every rank and answers this rank's pending calls with the reason
+  // (once it no longer touches their buffers); later calls fail at once.
+  void abort(const std::string& reason);
+  int daemon_pid() const { return daemon_pid_; }
+
+ private:
+  void read_loop();
+  void fail_all(const std::string& why);  // mu_ held
+  std::string where() const;
+
+  std::string path_;
+  net::Fd fd_;
+  int daemon_pid_ = 0;
+  double timeout_ = 60;
+  std::mutex mu_;
+  std::map<uint64_t, std::shared_ptr<Request>> pending_;
+  std::string broken_;  // why the daemon cannot be used any more; empty while it can
+  std::chrono::steady_clock::time_point heard_;  // when the daemon last sent anything
+  std::atomic<bool> stop_{false};
+  std::thread reader_;
+};
+
+}  // namespace smartcoll::nicd

@@ -1,0 +1,739 @@
+#include "nicd/server.h"
+
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <optional>
+#include <sstream>
+#include <utility>
+
+#include "nicd/protocol.h"
+#include "smartcoll/comm.h"
+#include "smartcoll/reduce.h"
+#include "smartcoll/store.h"
+
+namespace smartcoll::nicd {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr auto kHeartbeat = std::chrono::milliseconds(500);
+constexpr size_t kPieceBytes = 1 << 20;  // the local reduction reads and combines this much at a time
+constexpr size_t kChunkBytes = 4 << 20;  // an allreduce goes between hosts in chunks of this much
+
+void pin(const std::vector<int>& cpus) {
+  if (cpus.empty()) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : cpus) CPU_SET(c, &set);
+  pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+}
+
+bool send_to(int fd, const std::string& msg, int flags = 0) {
+  return fd >= 0 && ::send(fd, msg.data(), msg.size(), MSG_NOSIGNAL | flags) == static_cast<ssize_t>(msg.size());
+}
+
+int open_pidfd(pid_t pid) {
+#ifdef SYS_pidfd_open
+  const long fd = ::syscall(SYS_pidfd_open, pid, 0);
+  return fd < 0 ? -1 : static_cast<int>(fd);
+#else
+  (void)pid;
+  return -1;
+#endif
+}
+
+std::string seconds(double s) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", s);
+  return text;
+}
+
+std::string ranks_text(const std::vector<int>& ranks) {
+  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+
+std::string describe(const Post& p) {
+  return std::string(collective_name(static_cast<Collective>(p.coll))) + " #" + std::to_string(p.seq) +
+         "(count=" + std::to_string(p.count) + ", " + std::string(dtype_name(static_cast<DataType>(p.dtype))) +
+         ", op=" + std::string(op_name(static_cast<ReduceOp>(p.op))) + ", root=" + std::to_string(p.root) +
+         ", codec=" + p.codec + ")";
+}
+
+}  // namespace
+
+// One local rank of a job, as the daemon knows it.
+struct Slot {
+  int fd = -1;  // -1: not connected (yet, or any more)
+  pid_t pid = 0;
+  int pidfd = -1;
+  bool joined = false, left = false, bye = false, ready_sent = false;
+  std::deque<Post> posts;
+  ~Slot() {
+    if (pidfd >= 0) ::close(pidfd);
+  }
+};
+
+// A rank taking part in the call being run, and its post.
+struct Member {
+  int rank;
+  pid_t pid;
+  int pidfd;
+  Post post;
+};
+
+struct Job {
+  Job(Server& server, std::string key, Hello first, std::vector<int> cpus, double post_timeout);
+  void fail(const std::string& why);  // mu held
+  void answer_running(const std::string& error);  // mu held
+  void run();
+  void form();
+  bool next_call(std::vector<Member>& members);
+  void execute(const std::vector<Member>& ms);
+  void transfer(bool write, const Member& m, uint64_t remote, char* local, size_t len);
+  void local_reduce(const std::vector<Member>& ms, const Post& p, size_t from, size_t count, char* acc);
+  // acc = the allreduce of every rank's input; done(from, count) is told of each chunk as soon as it is final.
+  void allreduce(const std::vector<Member>& ms, const Post& p, size_t count, char* acc,
+                 const std::function<void(size_t, size_t)>& done = {});
+  std::string name() const { return "job '" + hello.job_id + "'"; }
+
+  Server& server;
+  const std::string key;
+  const Hello hello;  // the first rank's: every later one must name the same world, layout and store
+  const std::vector<int> cpus;
+  const double post_timeout;
+  int host = 0, host_count = 0;
+  std::vector<std::vector<int>> members;  // [host]: its ranks, ascending
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<int, Slot> slots;  // the ranks of this host
+  std::string failed;
+  std::atomic<bool> stopping{false};  // failed is set: the call being run stops before its next transfer
+  // The front post of every slot is being run: only the worker answers it, once it no longer touches the ranks'
+  // memory (a rank may free a buffer as soon as its call is answered).
+  bool running = false;
+  std::unique_ptr<Communicator> inter;  // among the daemons of the job's hosts; null with one host
+  std::vector<char> stage;
+  std::thread worker;
+  std::atomic<bool> finished{false};
+  Clock::time_point created = Clock::now();
+};
+
+Job::Job(Server& s, std::string k, Hello first, std::vector<int> c, double t)
+    : server(s), key(std::move(k)), hello(std::move(first)), cpus(std::move(c)), post_timeout(t) {
+  host = hello.hosts[static_cast<size_t>(hello.rank)];
+  host_count = *std::max_element(hello.hosts.begin(), hello.hosts.end()) + 1;
+  members.resize(static_cast<size_t>(host_count));
+  for (int r = 0; r < hello.size; ++r) members[static_cast<size_t>(hello.hosts[static_cast<size_t>(r)])].push_back(r);
+  for (int r : members[static_cast<size_t>(host)]) slots[r];
+}
+
+void Job::fail(const std::string& why) {
+  if (!failed.empty()) return;
+  failed = why;
+  stopping = true;
+  for (auto& [rank, s] : slots) {
+    if (!s.ready_sent) send_to(s.fd, encode(Ready{why}));
+    s.ready_sent = true;
+    const size_t keep = running && !s.posts.empty() ? 1 : 0;
+    for (size_t i = keep; i < s.posts.size(); ++i) send_to(s.fd, encode(Done{s.posts[i].seq, why}));
+    s.posts.resize(keep);
+  }
+  if (inter) inter->abort(why);  // the other hosts' daemons fail the job too
+  cv.notify_all();
+  {
+    std::lock_guard lock(server.stats_mu_);
+    ++server.stats_.jobs_failed;
+  }
+  server.event(name() + " failed: " + why);
+}
+
+void Job::answer_running(const std::string& error) {
+  running = false;
+  for (auto& [rank, s] : slots) {
+    if (s.posts.empty()) continue;
+    send_to(s.fd, encode(Done{s.posts.front().seq, error}));
+    s.posts.pop_front();
+  }
+}
+
+void Job::transfer(bool write, const Member& m, uint64_t remote, char* local, size_t len) {
+  if (stopping) throw CommError("the job failed");  // the reason is the job's, already given
+  if (write && m.pidfd >= 0) {
+    // A pid is only reused after its process is gone; a gone process is never written to.
+    pollfd p{m.pidfd, POLLIN, 0};
+    if (::poll(&p, 1, 0) > 0)
+      throw CommError("rank " + std::to_string(m.rank) + " (pid " + std::to_string(m.pid) + ") exited during " +
+                      describe(m.post));
+  }
+  const size_t total = len;
+  while (len > 0) {
+    const size_t step = std::min<size_t>(len, size_t{1} << 30);
+    iovec l{local, step};
+    iovec r{reinterpret_cast<void*>(static_cast<uintptr_t>(remote)), step};
+    const ssize_t k = write ? ::process_vm_writev(m.pid, &l, 1, &r, 1, 0) : ::process_vm_readv(m.pid, &l, 1, &r, 1, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) {
+      const int err = k < 0 ? errno : 0;
+      const std::string hint = err == ESRCH    ? ": the rank exited"
+                               : err == EFAULT ? ": the buffer is not mapped there (freed, or too small)"
+                               : err == EPERM  ? ": permission denied (another user, or Yama ptrace_scope)"
+                                               : "";
+      throw CommError(std::string(write ? "writing the result into" : "reading the input of") + " rank " +
+                      std::to_string(m.rank) + " (pid " + std::to_string(m.pid) + ") for " + describe(m.post) +
+                      " failed: " + (err ? std::strerror(err) : "short transfer") + hint);
+    }
+    local += k;
+    remote += static_cast<uint64_t>(k);
+    len -= static_cast<size_t>(k);
+  }
+  std::lock_guard lock(server.stats_mu_);
+  (write ? server.stats_.bytes_written : server.stats_.bytes_read) += total;
+}
+
+void Job::form() {
+  {
+    std::unique_lock lock(mu);
+    const auto deadline = created + std::chrono::duration<double>(hello.connect_timeout);
+    auto all_joined = [&] {
+      return std::all_of(slots.begin(), slots.end(), [](const auto& s) { return s.second.joined; });
+    };
+    while (failed.empty() && !all_joined()) {
+      if (cv.wait_until(lock, deadline) == std::cv_status::timeout && !all_joined()) {
+        std::vector<int> missing;
+        for (const auto& [rank, s] : slots)
+          if (!s.joined) missing.push_back(rank);
+        fail(ranks_text(missing) + " of " + name() + " did not connect to the nicd daemon of host " +
+             std::to_string(host) + " within " + seconds(hello.connect_timeout) +
+             " s (are they running, with engine=nicd and the same nicd_socket?)");
+      }
+    }
+    if (!failed.empty()) return;
+  }
+  if (host_count > 1) {
+    if (hello.store.empty())
+      throw CommError("engine=nicd across hosts needs a rendezvous store the daemons can reach (env:// or tcp://, "
+                      "or file:// on a shared file system); this job's store is private to its processes");
+    // The ranks' knobs that must match shape the daemons' exchange too; the daemons' own keys live under the
+    // job's id with a suffix, so they never meet the ranks' keys.
+    std::map<std::string, std::string> opts;
+    std::istringstream settings(hello.settings);
+    for (std::string item; settings >> item;)
+      if (const size_t eq = item.find('='); eq != std::string::npos) opts[item.substr(0, eq)] = item.substr(eq + 1);
+    opts["engine"] = "inprocess";
+    opts["job_id"] = hello.job_id + ".nicd";
+    opts["host"] = "nicd-host-" + std::to_string(host);
+    opts["timeout"] = seconds(hello.timeout);
+    opts["connect_timeout"] = seconds(hello.connect_timeout);
+    std::string list;
+    for (int c : cpus) list += (list.empty() ? "" : ",") + std::to_string(c);
+    opts["engine_cpus"] = list;
+    if (!cpus.empty()) opts["engine_threads"] = std::to_string(std::min<size_t>(cpus.size(), 4));
+    auto store = open_store(hello.store, std::chrono::milliseconds(static_cast<int64_t>(hello.connect_timeout * 1e3)));
+    auto comm = std::make_unique<Communicator>(host, host_count, std::move(store), Options::resolve(opts),
+                                               hello.route_hint);
+    std::lock_guard lock(mu);
+    if (!failed.empty()) {
+      comm->abort(failed);  // the job failed while the daemons met: the others learn it now
+      return;
+    }
+    inter = std::move(comm);
+  }
+  std::lock_guard lock(mu);
+  for (auto& [rank, s] : slots) {
+    send_to(s.fd, encode(Ready{}));
+    s.ready_sent = true;
+  }
+  {
+    std::lock_guard stats(server.stats_mu_);
+    ++server.stats_.jobs_formed;
+  }
+  server.event(name() + " formed: " + ranks_text(members[static_cast<size_t>(host)]) + " of " +
+               std::to_string(hello.size) + " on host " + std::to_string(host) + " of " + std::to_string(host_count));
+}
+
+// Waits until every local rank has posted its next call; false when the job is over (failed, or every rank left).
+bool Job::next_call(std::vector<Member>& ms) {
+  std::unique_lock lock(mu);
+  std::optional<Clock::time_point> since;  // when the first local rank posted this call
+  for (;;) {
+    if (!failed.empty()) return false;
+    std::vector<int> posted, missing, closed;
+    for (const auto& [rank, s] : slots) {
+      (s.posts.empty() ? missing : posted).push_back(rank);
+      if (s.left) closed.push_back(rank);
+    }
+    if (closed.size() == slots.size()) return false;
+    if (missing.empty()) break;
+    if (!posted.empty()) {
+      const Post& first = slots[posted[0]].posts.front();
+      if (!closed.empty()) {
+        fail(ranks_text(closed) + " closed the communicator while " + ranks_text(posted) + " posted " +
+             describe(first));
+        return false;
+      }
+      if (!since) since = Clock::now();
+      if (Clock::now() - *since > std::chrono::duration<double>(post_timeout)) {
+        fail(ranks_text(missing) + " did not post " + describe(first) + " within " + seconds(post_timeout) +
+             " s of " + ranks_text(posted) + " (SMARTCOLL_TIMEOUT)");
+        return false;
+      }
+    }
+    cv.wait_for(lock, std::chrono::milliseconds(100));
+  }
+  ms.clear();
+  for (const auto& [rank, s] : slots) ms.push_back({rank, s.pid, s.pidfd, s.posts.front()});
+  running = true;
+  return true;
+}
+
+// Waits for a call of the daemons' communicator; its errors name ranks there, which are host numbers.
+static void wait_between_hosts(const std::shared_ptr<Request>& req) {
+  try {
+    req->wait();
+  } catch (const CommError& e) {
+    throw CommError(std::string("between the hosts' nicd daemons (ranks there are host numbers): ") + e.what());
+  }
+}
+
+// acc[from, from + count) = elements [from, from + count) of every local rank's input, x_0 op x_1 op ... in rank
+// order, piece by piece so that what was just read is combined while it is in cache.
+void Job::local_reduce(const std::vector<Member>& ms, const Post& p, size_t from, size_t count, char* acc) {
+  const auto dt = static_cast<DataType>(p.dtype);
+  const auto op = static_cast<ReduceOp>(p.op);
+  const size_t esize = dtype_size(dt), piece = kPieceBytes / esize;
+  stage.resize(kPieceBytes);
+  for (size_t at = from; at < from + count; at += piece) {
+    const size_t k = std::min(piece, from + count - at);
+    transfer(false, ms[0], ms[0].post.in + at * esize, acc + at * esize, k * esize);
+    for (size_t i = 1; i < ms.size(); ++i) {
+      transfer(false, ms[i], ms[i].post.in + at * esize, stage.data(), k * esize);
+      reduce(dt, op, acc + at * esize, acc + at * esize, stage.data(), k);
+    }
+  }
+}
+
+void Job::allreduce(const std::vector<Member>& ms, const Post& p, size_t count, char* acc,
+                    const std::function<void(size_t, size_t)>& done) {
+  const auto dt = static_cast<DataType>(p.dtype);
+  const auto op = static_cast<ReduceOp>(p.op);
+  const size_t esize = dtype_size(dt), chunk = kChunkBytes / esize;
+  const Codec codec = Codec::parse(p.codec);
+  // Chunk by chunk: the daemons' engine carries one chunk between hosts while the next is read and reduced here.
+  // avg combines as sum everywhere and divides once, by the whole world, as the in-process engine does.
+  // Every chunk is read before any is finished, so that results written back never overwrite an input (in
+  // place) that is still to be read; each is written back while the later ones are still between hosts.
+  std::vector<std::shared_ptr<Request>> inflight;
+  auto finish = [&](size_t at) {
+    const size_t k = std::min(chunk, count - at);
+    if (op == ReduceOp::avg) scale_divide(dt, acc + at * esize, k, hello.size);
+    if (done) done(at, k);
+  };
+  try {
+    for (size_t at = 0; at < count; at += chunk) {
+      const size_t k = std::min(chunk, count - at);
+      local_reduce(ms, p, at, k, acc);
+      if (inter)
+        inflight.push_back(inter->allreduce(acc + at * esize, acc + at * esize, k, dt,
+                                            op == ReduceOp::avg ? ReduceOp::sum : op, Algorithm::automatic, codec));
+    }
+    for (size_t at = 0, i = 0; at < count; at += chunk, ++i) {
+      if (inter) wait_between_hosts(inflight[i]);
+      finish(at);
+    }
+  } catch (const std::exception& e) {
+    // No chunk may still be in flight when its buffer goes: fail the others and let them finish first.
+    if (inter) inter->abort(e.what());
+    for (const auto& req : inflight) {
+      try {
+        req->wait();
+      } catch (const CommError&) {  // the first error is the one reported
+      }
+    }
+    throw;
+  }
+}
+
+void Job::execute(const std::vector<Member>& ms) {
+  const Post& p = ms[0].post;
+  for (const Member& m : ms) {
+    const Post& q = m.post;
+    if (q.seq != p.seq || q.coll != p.coll || q.dtype != p.dtype || q.op != p.op || q.root != p.root ||
+        q.count != p.count || q.codec != p.codec)
+      throw CommError("ranks disagree: rank " + std::to_string(ms[0].rank) + " called " + describe(p) + ", rank " +
+                      std::to_string(m.rank) + " called " + describe(q));
+  }
+  const auto coll = static_cast<Collective>(p.coll);
+  const size_t esize = dtype_size(static_cast<DataType>(p.dtype)), n = static_cast<size_t>(hello.size);
+  const size_t block = static_cast<size_t>(p.count) * esize;
+  std::vector<char> buf;
+  switch (coll) {
+    case Collective::allreduce:
+      buf.resize(block);
+      allreduce(ms, p, p.count, buf.data(), [&](size_t at, size_t k) {
+        for (const Member& m : ms) transfer(true, m, m.post.out + at * esize, buf.data() + at * esize, k * esize);
+      });
+      break;
+    case Collective::reduce_scatter:  // the whole vector reduced; each rank gets its block
+      buf.resize(n * block);
+      allreduce(ms, p, n * p.count, buf.data());
+      for (const Member& m : ms)
+        transfer(true, m, m.post.out, buf.data() + static_cast<size_t>(m.rank) * block, block);
+      break;
+    case Collective::reduce:
+      buf.resize(block);
+      allreduce(ms, p, p.count, buf.data());
+      for (const Member& m : ms)
+        if (m.rank == p.root) transfer(true, m, m.post.out, buf.data(), block);
+      break;
+    case Collective::broadcast: {
+      buf.resize(block);
+      const int root_host = hello.hosts[static_cast<size_t>(p.root)];
+      for (const Member& m : ms)
+        if (m.rank == p.root) transfer(false, m, m.post.out, buf.data(), block);
+      if (inter) wait_between_hosts(inter->broadcast(buf.data(), p.count, static_cast<DataType>(p.dtype), root_host));
+      for (const Member& m : ms)
+        if (m.rank != p.root) transfer(true, m, m.post.out, buf.data(), block);
+      break;
+    }
+    case Collective::allgather: {
+      // Each host contributes its ranks' blocks in rank order, padded to the largest host; the daemons gather
+      // these and put every block at its rank's place.
+      size_t widest = 0;
+      for (const auto& h : members) widest = std::max(widest, h.size());
+      std::vector<char> all(static_cast<size_t>(host_count) * widest * block);
+      char* mine = all.data() + static_cast<size_t>(host) * widest * block;
+      for (size_t j = 0; j < ms.size(); ++j) transfer(false, ms[j], ms[j].post.in, mine + j * block, block);
+      if (inter) {
+        std::vector<char> contribution(mine, mine + widest * block);
+        wait_between_hosts(inter->allgather(contribution.data(), all.data(), widest * block, DataType::u8, Codec()));
+      }
+      buf.resize(n * block);
+      for (size_t h = 0; h < members.size(); ++h)
+        for (size_t j = 0; j < members[h].size(); ++j)
+          std::memcpy(buf.data() + static_cast<size_t>(members[h][j]) * block,
+                      all.data() + (h * widest + j) * block, block);
+      for (const Member& m : ms) transfer(true, m, m.post.out, buf.data(), n * block);
+      break;
+    }
+    case Collective::barrier:
+      if (inter) wait_between_hosts(inter->barrier());
+      break;
+    case Collective::alltoall:
+      throw InvalidArgument("engine=nicd does not run alltoall");
+  }
+}
+
+void Job::run() {
+  pin(cpus);
+  try {
+    form();
+    std::vector<Member> ms;
+    while (next_call(ms)) {
+      execute(ms);
+      std::lock_guard lock(mu);
+      answer_running(failed);
+      if (!failed.empty()) break;
+      std::lock_guard stats(server.stats_mu_);
+      ++server.stats_.calls;
+    }
+  } catch (const std::exception& e) {
+    std::lock_guard lock(mu);
+    if (running && !failed.empty()) answer_running(failed);
+    running = false;
+    fail(e.what());  // answers every post, the ones that were running too, unless the job had failed already
+  }
+  std::unique_ptr<Communicator> done;
+  {
+    std::lock_guard lock(mu);
+    done = std::move(inter);
+  }
+  done.reset();  // closes the daemons' connections
+  finished = true;
+}
+
+// ---- the control thread ----
+
+struct Server::Connection {
+  net::Fd fd;
+  pid_t pid = 0;
+  uid_t uid = 0;
+  std::shared_ptr<Job> job;
+  int rank = -1;
+};
+
+Server::Server(ServerOptions options) : options_(std::move(options)) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string& path = options_.socket;
+  if (path.empty() || path.size() >= sizeof addr.sun_path)
+    throw InvalidArgument("--socket '" + path + "': a Unix socket path needs 1 to " +
+                          std::to_string(sizeof addr.sun_path - 1) + " bytes");
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  if (!(options_.timeout > 0)) throw InvalidArgument("--timeout must be positive");
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  ::sched_getaffinity(0, sizeof allowed, &allowed);
+  for (int c : options_.cpus)
+    if (c < 0 || c >= CPU_SETSIZE || !CPU_ISSET(c, &allowed))
+      throw InvalidArgument("--cpus: CPU " + std::to_string(c) + " does not exist or is not one this process may "
+                            "use");
+  listener_ = net::Fd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (!listener_) throw CommError(std::string("cannot make a Unix socket: ") + std::strerror(errno));
+  auto* sa = reinterpret_cast<sockaddr*>(&addr);
+  if (::bind(listener_.get(), sa, sizeof addr) != 0) {
+    if (errno != EADDRINUSE) throw CommError("cannot bind " + path + ": " + std::strerror(errno));
+    // A socket file left by a daemon that died: replace it, unless a daemon still answers there.
+    net::Fd probe(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    if (::connect(probe.get(), sa, sizeof addr) == 0)
+      throw CommError("another nicd daemon listens on " + path + " (stop it, or give this one another --socket)");
+    ::unlink(path.c_str());
+    if (::bind(listener_.get(), sa, sizeof addr) != 0)
+      throw CommError("cannot bind " + path + ": " + std::strerror(errno));
+  }
+  // Who may connect: a root daemon serves every user (each rank only lets it read and write its own memory);
+  // another daemon only its own user (SO_PEERCRED is checked too).
+  ::chmod(path.c_str(), ::geteuid() == 0 ? 0666 : 0600);
+  if (::listen(listener_.get(), 256) != 0) throw CommError("cannot listen on " + path + ": " + std::strerror(errno));
+}
+
+Server::~Server() { stop(); }
+
+void Server::start() {
+  control_ = std::thread([this] { serve(); });
+}
+
+void Server::stop() {
+  stop_ = true;
+  if (control_.joinable()) control_.join();
+  if (listener_) {
+    listener_.reset();
+    ::unlink(options_.socket.c_str());
+  }
+}
+
+ServerStats Server::stats() const {
+  std::lock_guard lock(stats_mu_);
+  return stats_;
+}
+
+std::vector<std::string> Server::take_events() {
+  std::lock_guard lock(stats_mu_);
+  return std::exchange(events_, {});
+}
+
+void Server::event(std::string text) {
+  std::lock_guard lock(stats_mu_);
+  if (events_.size() < 10000) events_.push_back(std::move(text));
+}
+
+void Server::drop(int fd, const std::string& why) {
+  auto it = connections_.find(fd);
+  if (it == connections_.end()) return;
+  Connection& c = *it->second;
+  if (c.job) {
+    std::lock_guard lock(c.job->mu);
+    Slot& s = c.job->slots[c.rank];
+    s.fd = -1;
+    s.left = true;
+    if (!s.bye)
+      c.job->fail(why.empty() ? "rank " + std::to_string(c.rank) +
+                                    " left the job: its connection to the nicd daemon closed (the process exited "
+                                    "or crashed)"
+                              : why);
+    c.job->cv.notify_all();
+  } else if (!why.empty()) {
+    send_to(fd, encode(Ready{why}), MSG_DONTWAIT);
+    event("refused pid " + std::to_string(c.pid) + ": " + why);
+    std::lock_guard lock(stats_mu_);
+    ++stats_.refused;
+  }
+  connections_.erase(it);
+}
+
+void Server::on_hello(Connection& c, std::string_view msg) {
+  Hello h = decode_hello(msg);
+  const std::string key = std::to_string(c.uid) + "/" + h.job_id;
+  auto it = jobs_.find(key);
+  if (it == jobs_.end()) {
+    for (int g = 0; g <= *std::max_element(h.hosts.begin(), h.hosts.end()); ++g)
+      if (std::find(h.hosts.begin(), h.hosts.end(), g) == h.hosts.end())
+        throw ProtocolError{"a host layout without host " + std::to_string(g)};
+    auto job = std::make_shared<Job>(*this, key, h, options_.cpus, std::min(options_.timeout, h.timeout));
+    it = jobs_.emplace(key, job).first;
+    job->worker = std::thread([job] { job->run(); });
+    std::lock_guard lock(stats_mu_);
+    stats_.jobs_now = jobs_.size();
+  }
+  Job& job = *it->second;
+  const Hello& first = job.hello;
+  if (h.size != first.size || h.hosts != first.hosts || h.store != first.store || h.settings != first.settings)
+    throw ProtocolError{"rank " + std::to_string(h.rank) + " describes " + job.name() +
+                        " differently from rank " + std::to_string(first.rank) +
+                        " (world size, host layout, store or settings)"};
+  if (h.hosts[static_cast<size_t>(h.rank)] != job.host)
+    throw ProtocolError{"rank " + std::to_string(h.rank) + " is on host " +
+                        std::to_string(h.hosts[static_cast<size_t>(h.rank)]) + " of the layout, rank " +
+                        std::to_string(first.rank) + " on host " + std::to_string(job.host) +
+                        ": every rank of one host must use that host's daemon (nicd_socket)"};
+  std::lock_guard lock(job.mu);
+  Slot& s = job.slots[h.rank];
+  if (s.joined)
+    throw ProtocolError{"rank " + std::to_string(h.rank) + " of " + job.name() + " is already connected (pid " +
+                        std::to_string(s.pid) + ")"};
+  s.joined = true;
+  s.fd = c.fd.get();
+  s.pid = c.pid;
+  s.pidfd = open_pidfd(c.pid);
+  c.job = it->second;
+  c.rank = h.rank;
+  if (!job.failed.empty()) {
+    send_to(s.fd, encode(Ready{job.failed}));
+    s.ready_sent = true;
+  }
+  job.cv.notify_all();
+}
+
+void Server::on_message(Connection& c, std::string_view msg) {
+  const Type type = type_of(msg);
+  if (type == Type::hello) {
+    if (c.job) throw ProtocolError{"a second hello"};
+    on_hello(c, msg);
+    return;
+  }
+  if (!c.job) throw ProtocolError{"a message before the hello"};
+  Job& job = *c.job;
+  std::lock_guard lock(job.mu);
+  Slot& s = job.slots[c.rank];
+  switch (type) {
+    case Type::post: {
+      const Post p = decode_post(msg);
+      if (!s.posts.empty() && p.seq <= s.posts.back().seq)
+        throw ProtocolError{"call #" + std::to_string(p.seq) + " posted after #" + std::to_string(s.posts.back().seq)};
+      if (!job.failed.empty()) {
+        send_to(s.fd, encode(Done{p.seq, job.failed}));
+      } else {
+        s.posts.push_back(p);
+        job.cv.notify_all();
+      }
+      return;
+    }
+    case Type::abort:
+      job.fail(decode_abort(msg).reason);
+      return;
+    case Type::bye:
+      s.bye = true;
+      job.cv.notify_all();
+      return;
+    default:
+      throw ProtocolError{"an unexpected message of type " + std::to_string(static_cast<int>(type))};
+  }
+}
+
+void Server::reap() {
+  for (auto it = jobs_.begin(); it != jobs_.end();) {
+    Job& job = *it->second;
+    bool connected = false;
+    {
+      std::lock_guard lock(job.mu);
+      for (const auto& [rank, s] : job.slots) connected = connected || s.fd >= 0;
+    }
+    if (!job.finished || connected) {
+      ++it;
+      continue;
+    }
+    job.worker.join();
+    event(job.name() + " ended");
+    it = jobs_.erase(it);
+    std::lock_guard lock(stats_mu_);
+    stats_.jobs_now = jobs_.size();
+  }
+}
+
+void Server::serve() {
+  pin(options_.cpus);
+  std::string buf(kMaxMessage, '\0');
+  auto beat = Clock::now();
+  while (!stop_) {
+    std::vector<pollfd> fds{{listener_.get(), POLLIN, 0}};
+    for (const auto& [fd, c] : connections_) fds.push_back({fd, POLLIN, 0});
+    if (::poll(fds.data(), fds.size(), 100) < 0 && errno != EINTR) break;
+    if (fds[0].revents & POLLIN) {
+      net::Fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      ucred cred{};
+      socklen_t len = sizeof cred;
+      if (fd && ::getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
+        auto c = std::make_unique<Connection>();
+        c->pid = cred.pid;
+        c->uid = cred.uid;
+        const int raw = fd.get();
+        c->fd = std::move(fd);
+        timeval limit{2, 0};  // a rank that stops reading must not stall the daemon
+        ::setsockopt(raw, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof limit);
+        connections_[raw] = std::move(c);
+        {
+          std::lock_guard lock(stats_mu_);
+          ++stats_.connections;
+        }
+        if (::geteuid() != 0 && cred.uid != ::geteuid())
+          drop(raw, "uid " + std::to_string(cred.uid) + " may not use the nicd daemon of uid " +
+                        std::to_string(::geteuid()));
+      }
+    }
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (!fds[i].revents) continue;
+      const int fd = fds[i].fd;
+      const ssize_t n = ::recv(fd, buf.data(), buf.size(), MSG_DONTWAIT);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+      if (n <= 0) {
+        drop(fd, "");
+        continue;
+      }
+      Connection& c = *connections_.at(fd);
+      try {
+        on_message(c, std::string_view(buf.data(), static_cast<size_t>(n)));
+      } catch (const ProtocolError& e) {
+        drop(fd, (c.rank >= 0 ? "rank " + std::to_string(c.rank) : "pid " + std::to_string(c.pid)) +
+                     " sent the nicd daemon a bad message: " + e.what);
+      } catch (const std::exception& e) {
+        drop(fd, e.what());
+      }
+    }
+    if (Clock::now() - beat >= kHeartbeat) {
+      beat = Clock::now();
+      for (const auto& [fd, c] : connections_)
+        if (c->job) send_to(fd, encode(Type::heartbeat), MSG_DONTWAIT);
+    }
+    reap();
+  }
+  for (auto& [key, job] : jobs_) {
+    std::lock_guard lock(job->mu);
+    job->fail("the nicd daemon is stopping");
+  }
+  for (auto& [key, job] : jobs_) {
+    {
+      std::lock_guard lock(job->mu);
+      for (auto& [rank, s] : job->slots) s.left = true;
+      job->cv.notify_all();
+    }
+    job->worker.join();
+  }
+  jobs_.clear();
+  connections_.clear();
+}
+
+}  // namespace smartcoll::nicd

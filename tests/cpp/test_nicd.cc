@@ -1,0 +1,204 @@
+// The offload daemon (nicd/server.h) with ranks as threads of this process: the daemon reads and writes their
+// buffers with process_vm_readv/writev on this process's own pid, so the whole path runs here (and under the
+// sanitizers). Across "hosts" (the host knob) the daemons meet through a file store.
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <numeric>
+#include <thread>
+
+#include "nicd/protocol.h"
+#include "nicd/server.h"
+#include "ranks.h"
+
+namespace smartcoll {
+namespace {
+
+using harness::run_threads;
+using harness::test_options;
+
+std::string socket_path(const std::string& tag) {
+  return "/tmp/smartcoll-nicd-gtest-" + std::to_string(::getpid()) + "-" + tag + ".sock";
+}
+
+Options nicd_options(const std::string& socket, const std::string& host = "") {
+  return test_options({{"engine", "nicd"}, {"nicd_socket", socket}, {"host", host}});
+}
+
+TEST(Nicd, OneHostEveryCollective) {
+  nicd::Server daemon({socket_path("one"), {}, 20});
+  daemon.start();
+  const int n = 3;
+  std::vector<std::vector<float>> sums(n);
+  run_threads(n, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, n, std::move(store), nicd_options(daemon.path()));
+    std::vector<int32_t> x(1003);
+    std::iota(x.begin(), x.end(), r * 1000);
+    std::vector<int32_t> y(x.size());
+    comm.allreduce(x.data(), y.data(), x.size(), DataType::i32, ReduceOp::sum)->wait();
+    for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(y[i], 3 * static_cast<int32_t>(i) + 3000) << i;
+    std::vector<int64_t> b(17, r == 2 ? 42 : -1);
+    comm.broadcast(b.data(), b.size(), DataType::i64, 2)->wait();
+    for (int64_t v : b) ASSERT_EQ(v, 42);
+    std::vector<int32_t> g(3 * 5);
+    std::vector<int32_t> mine(5, r + 7);
+    comm.allgather(mine.data(), g.data(), 5, DataType::i32)->wait();
+    for (size_t i = 0; i < g.size(); ++i) ASSERT_EQ(g[i], static_cast<int32_t>(i / 5) + 7) << i;
+    std::vector<int32_t> rs(4);
+    std::vector<int32_t> full(12, r + 1);
+    comm.reduce_scatter(full.data(), rs.data(), 4, DataType::i32, ReduceOp::sum)->wait();
+    for (int32_t v : rs) ASSERT_EQ(v, 6);
+    comm.barrier()->wait();
+    std::vector<float> f(5000);
+    for (size_t i = 0; i < f.size(); ++i) f[i] = 0.1f * static_cast<float>(i % 97) + 0.01f * static_cast<float>(r);
+    sums[r].resize(f.size());
+    comm.allreduce(f.data(), sums[r].data(), f.size(), DataType::f32, ReduceOp::sum)->wait();
+    EXPECT_THROW(comm.alltoall(x.data(), y.data(), 1, DataType::i32), InvalidArgument);
+  });
+  for (int r = 1; r < n; ++r) EXPECT_EQ(std::memcmp(sums[r].data(), sums[0].data(), sums[0].size() * 4), 0);
+  EXPECT_EQ(daemon.stats().jobs_formed, 1u);
+  EXPECT_EQ(daemon.stats().jobs_failed, 0u);
+  daemon.stop();
+}
+
+TEST(Nicd, TwoHostsMeetThroughTheJobsStore) {
+  nicd::Server a({socket_path("a"), {}, 20}), b({socket_path("b"), {}, 20});
+  a.start();
+  b.start();
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("smartcoll-nicd-gtest-store-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  auto store = std::make_shared<FileStore>(dir.string());
+  const int n = 4;
+  run_threads(n, [&](int r, std::shared_ptr<Store>) {
+    const bool first = r < 2;
+    Communicator comm(r, n, store, nicd_options(first ? a.path() : b.path(), first ? "a" : "b"));
+    ASSERT_EQ(comm.hosts(), (std::vector<int>{0, 0, 1, 1}));
+    std::vector<int64_t> x(600011, r + 1), y(x.size());  // two chunks between the hosts
+    comm.allreduce(x.data(), y.data(), x.size(), DataType::i64, ReduceOp::prod)->wait();
+    for (int64_t v : y) ASSERT_EQ(v, 24);
+    std::vector<int32_t> g(4 * 3), mine(3, 10 * r);
+    comm.allgather(mine.data(), g.data(), 3, DataType::i32)->wait();
+    for (size_t i = 0; i < g.size(); ++i) ASSERT_EQ(g[i], 10 * static_cast<int32_t>(i / 3)) << i;
+    std::vector<int32_t> bc(9, r == 3 ? 5 : 0);
+    comm.broadcast(bc.data(), bc.size(), DataType::i32, 3)->wait();
+    for (int32_t v : bc) ASSERT_EQ(v, 5);
+  });
+  EXPECT_EQ(a.stats().jobs_formed, 1u);
+  EXPECT_EQ(b.stats().jobs_formed, 1u);
+  a.stop();
+  b.stop();
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Nicd, AcrossHostsAPrivateStoreIsRefusedByName) {
+  nicd::Server a({socket_path("pa"), {}, 20}), b({socket_path("pb"), {}, 20});
+  a.start();
+  b.start();
+  std::vector<std::string> errors(2);
+  run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    try {
+      Communicator comm(r, 2, std::move(store), nicd_options(r ? b.path() : a.path(), r ? "b" : "a"));
+    } catch (const CommError& e) {
+      errors[r] = e.what();
+    }
+  });
+  for (const std::string& e : errors)
+    EXPECT_NE(e.find("needs a rendezvous store the daemons can reach"), std::string::npos) << e;
+  a.stop();
+  b.stop();
+}
+
+TEST(Nicd, ARankThatDoesNotPostFailsTheCallWithinTheTimeoutNamingIt) {
+  nicd::Server daemon({socket_path("late"), {}, 20});
+  daemon.start();
+  std::vector<std::string> errors(2);
+  run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 2, std::move(store),
+                      test_options({{"engine", "nicd"}, {"nicd_socket", daemon.path()}, {"timeout", "1"}}));
+    comm.barrier()->wait();
+    if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // stalls past the timeout
+    try {
+      comm.barrier()->wait();
+    } catch (const CommError& e) {
+      errors[r] = e.what();
+    }
+  });
+  EXPECT_NE(errors[0].find("rank 1 did not post barrier #1"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("within 1 s of rank 0"), std::string::npos) << errors[0];
+  EXPECT_EQ(errors[1], errors[0]);  // the late rank learns the same reason when it posts
+  EXPECT_EQ(daemon.stats().jobs_failed, 1u);
+  daemon.stop();
+}
+
+TEST(Nicd, AbortFailsThePeersPendingCallWithTheReason) {
+  nicd::Server daemon({socket_path("abort"), {}, 20});
+  daemon.start();
+  std::vector<std::string> errors(2);
+  run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 2, std::move(store), nicd_options(daemon.path()));
+    comm.barrier()->wait();
+    if (r == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // rank 0's barrier is pending by now
+      comm.abort("stop here");
+    }
+    try {
+      comm.barrier()->wait();
+    } catch (const CommError& e) {
+      errors[r] = e.what();
+    }
+  });
+  for (const std::string& e : errors) EXPECT_EQ(e, "rank 1 aborted: stop here");
+  daemon.stop();
+}
+
+TEST(Nicd, NoDaemonFailsNamingTheSocket) {
+  std::vector<std::string> errors(2);
+  const std::string path = socket_path("none");
+  run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    try {
+      Communicator comm(r, 2, std::move(store),
+                        test_options({{"engine", "nicd"}, {"nicd_socket", path}, {"connect_timeout", "0.5"}}));
+    } catch (const CommError& e) {
+      errors[r] = e.what();
+    }
+  });
+  for (const std::string& e : errors) {
+    EXPECT_NE(e.find("cannot connect to the nicd daemon at " + path), std::string::npos) << e;
+    EXPECT_NE(e.find("smartcoll nicd --socket"), std::string::npos) << e;
+  }
+}
+
+TEST(Nicd, AMalformedMessageIsRefusedAndTheDaemonServesOn) {
+  nicd::Server daemon({socket_path("bad"), {}, 20});
+  daemon.start();
+  const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, daemon.path().data(), daemon.path().size());
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  const std::string garbage = "GET / HTTP/1.0";
+  ASSERT_GT(::send(fd, garbage.data(), garbage.size(), 0), 0);
+  std::string reply(nicd::kMaxMessage, '\0');
+  const ssize_t k = ::recv(fd, reply.data(), reply.size(), 0);
+  ASSERT_GT(k, 0);
+  const nicd::Ready ready = nicd::decode_ready(std::string_view(reply.data(), static_cast<size_t>(k)));
+  EXPECT_NE(ready.error.find("sent the nicd daemon a bad message: not a nicd message"), std::string::npos)
+      << ready.error;
+  ::close(fd);
+  run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 2, std::move(store), nicd_options(daemon.path()));
+    comm.barrier()->wait();
+  });
+  EXPECT_EQ(daemon.stats().refused, 1u);
+  EXPECT_EQ(daemon.stats().jobs_formed, 1u);
+  daemon.stop();
+}
+
+}  // namespace
+}  // namespace smartcoll
