@@ -146,6 +146,10 @@ def test_up_down_idempotent_and_stale_replaced():
         c1 = cl.up(hosts=2, link="200mbit", name=name)
         assert sorted(_ns_of(name)) == sorted(c1.namespaces)
         sleeper = c1.popen(0, ["sleep", "60"])
+        # `ip netns exec` enters the namespace after it starts: on a busy machine that takes a moment.
+        deadline = time.monotonic() + 10
+        while sleeper.pid not in c1.pids(0) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert sleeper.pid in c1.pids(0)
 
         c2 = cl.up(hosts=3, link="1gbit", name=name)  # replaces the stale cluster, and its processes
