@@ -1,7 +1,9 @@
 #include "coll/schedule.h"
 
 #include <algorithm>
+#include <cstring>
 #include <map>
+#include <string>
 
 #include "core/engine.h"
 #include "smartcoll/reduce.h"
@@ -35,7 +37,7 @@ int32_t Builder::add(int stream, Op op, std::initializer_list<int32_t> deps) {
   size_t k = 0;
   for (int32_t d : deps)
     if (d >= 0) op.deps[k++] = d;  // at most two: join() gathers more
-  if (op.kind != Op::Kind::compute) {
+  if (op.kind == Op::Kind::send || op.kind == Op::Kind::recv) {
     uint8_t& said = said_[(static_cast<size_t>(op.peer) * cx.streams + stream) * 2 + (op.kind == Op::Kind::send)];
     op.header = task_.check && !said;
     said = 1;
@@ -77,6 +79,15 @@ int32_t Builder::compute(int stream, std::function<void()> fn, std::initializer_
   return add(stream, op, deps);
 }
 
+int32_t Builder::copy(int stream, char* dst, const char* src, size_t bytes, std::initializer_list<int32_t> deps) {
+  Op op;
+  op.kind = Op::Kind::copy;
+  op.dst = dst;
+  op.local = src;
+  op.len = bytes;
+  return add(stream, op, deps);
+}
+
 int32_t Builder::join(int stream, const std::vector<int32_t>& ops) {
   int32_t last = -1;
   for (int32_t op : ops) last = compute(stream, [] {}, {last, op});
@@ -105,6 +116,15 @@ void after_receive(const void* ctx, const Op& op, const char* data) {
     case kCodecReduce:
     case kCodecReduceShare: codec.decode_add(wire, op.elems, local, dst); break;
     case kCodecDecode: codec.decode(wire, op.elems, dst); break;
+    case kCheckCount: {
+      uint64_t sent;
+      std::memcpy(&sent, data, sizeof sent);
+      if (sent != op.elems)
+        throw CommError("alltoallv: rank " + std::to_string(op.peer) + " sends " + std::to_string(sent) +
+                        " elements to this rank, whose recvcounts[" + std::to_string(op.peer) + "] is " +
+                        std::to_string(op.elems) + "; rank i's sendcounts[j] must equal rank j's recvcounts[i]");
+      break;
+    }
     default: break;
   }
   if (op.divide) scale_divide(spec.dtype, op.dst, op.elems, spec.divisor);

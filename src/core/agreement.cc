@@ -1,6 +1,7 @@
 #include "core/agreement.h"
 
 #include <charconv>
+#include <cstdio>
 #include <map>
 #include <sstream>
 
@@ -101,6 +102,11 @@ std::string describe(const Descriptor& d) {
       s += std::string(", codec_mode=") + (d.codec_owner ? "owner" : "hop");
   }
   if (coll == Collective::broadcast || coll == Collective::reduce) s += ", root=" + std::to_string(d.root);
+  if (static_cast<CodecKind>(d.codec) == CodecKind::identity && d.codec_block) {
+    char digest[16];
+    std::snprintf(digest, sizeof digest, "%08x", d.codec_block);
+    s += std::string(", a list of counts digest ") + digest;
+  }
   return s + ")";
 }
 

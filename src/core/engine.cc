@@ -318,7 +318,7 @@ bool Engine::progress(Worker& w) {
     lane->left = lane->ops.size();
     for (uint32_t i = 0; i < lane->ops.size(); ++i) {
       const Op& op = lane->ops[i];
-      if (op.kind == Op::Kind::compute) {
+      if (op.kind == Op::Kind::compute || op.kind == Op::Kind::copy) {
         lane->computes.push_back(i);
         continue;
       }
@@ -421,7 +421,10 @@ bool Engine::progress(Worker& w) {
       Op& op = lane->ops[lane->computes[lane->next_compute]];
       if (!ready(*lane, op)) break;
       w.doing = task;
-      task->computes[op.compute]();
+      if (op.kind == Op::Kind::copy)
+        std::memmove(op.dst, op.local, op.len);
+      else
+        task->computes[op.compute]();
       ++lane->next_compute;
       op.done = true;
       --lane->left;

@@ -34,7 +34,8 @@ struct Descriptor {
 static_assert(sizeof(Descriptor) == 32, "the descriptor is a wire format: no padding");
 
 struct Op {
-  enum class Kind : uint8_t { send, recv, compute };
+  // copy: len bytes from `local` to `dst` (memmove), a compute whose addresses a schedule can still rewrite
+  enum class Kind : uint8_t { send, recv, compute, copy };
   Kind kind = Kind::send;
   bool header = false;  // send: the call's descriptor goes first; recv: it comes first and is checked
   bool divide = false;  // recv: avg divides by the world size after this reduction (read by Lane::after)

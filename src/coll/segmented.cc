@@ -1,0 +1,118 @@
+#include "coll/segmented.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "coll/schedule.h"
+#include "smartcoll/types.h"
+
+namespace smartcoll::coll {
+
+Segmented::Segmented(std::vector<Piece> pieces) {
+  for (const Piece& p : pieces) {
+    if (p.bytes == 0) continue;
+    starts_.push_back(bytes_);
+    pieces_.push_back(p);
+    bytes_ += p.bytes;
+  }
+  // Reserved, never mapped: addresses no buffer of this process can have, whatever the algorithm adds to them.
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  reserved_ = std::max<size_t>(page, (bytes_ + page - 1) / page * page);
+  void* at = ::mmap(nullptr, reserved_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (at == MAP_FAILED)
+    throw InvalidArgument("cannot reserve " + std::to_string(reserved_) + " bytes of address space for a list of " +
+                          std::to_string(pieces_.size()) + " buffers: " + std::strerror(errno));
+  base_ = static_cast<char*>(at);
+}
+
+Segmented::~Segmented() { ::munmap(base_, reserved_); }
+
+std::pair<char*, size_t> Segmented::locate(const char* p) const {
+  const size_t off = static_cast<size_t>(p - base_);
+  const size_t i = static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), off) - starts_.begin()) - 1;
+  const size_t in = off - starts_[i];
+  return {pieces_[i].data + in, pieces_[i].bytes - in};
+}
+
+void copy_view(const Segmented& dst, const Segmented& src) {
+  for (size_t off = 0; off < src.bytes();) {
+    const auto [to, room] = dst.locate(dst.base() + off);
+    const auto [from, left] = src.locate(src.base() + off);
+    const size_t n = std::min(room, left);
+    std::memmove(to, from, n);
+    off += n;
+  }
+}
+
+namespace {
+
+const Segmented* view_of(std::span<const Segmented* const> views, const char* p) {
+  for (const Segmented* v : views)
+    if (v->contains(p)) return v;
+  return nullptr;
+}
+
+}  // namespace
+
+void resolve(Task& task, std::span<const Segmented* const> views, size_t esize) {
+  for (Lane& lane : task.lanes) {
+    std::vector<Op> ops;
+    ops.reserve(lane.ops.size());
+    std::vector<int32_t> last(lane.ops.size(), -1);  // old index -> index of its last part
+    for (size_t i = 0; i < lane.ops.size(); ++i) {
+      Op op = lane.ops[i];
+      for (int32_t& d : op.deps)
+        if (d >= 0) d = last[static_cast<size_t>(d)];
+      // The addresses the op walks in step, byte for byte.
+      char* Op::*fields[3];
+      int n = 0;
+      const bool reduces = op.finish == kReduce || op.finish == kReduceFromLeft;
+      if (op.kind == Op::Kind::send || op.kind == Op::Kind::recv) fields[n++] = &Op::buf;
+      if (op.kind == Op::Kind::copy || reduces) fields[n++] = &Op::dst;
+      const char* start[3];
+      bool any = false;
+      for (int f = 0; f < n; ++f) any |= view_of(views, start[f] = op.*fields[f]) != nullptr;
+      const bool local_field = op.kind == Op::Kind::copy || reduces;
+      any |= local_field && view_of(views, op.local);
+      if (op.kind == Op::Kind::recv && op.finish != kNone && !reduces &&
+          (view_of(views, op.buf) || view_of(views, op.dst) || view_of(views, op.local)))
+        throw InvalidArgument(task.name + ": a list call cannot use a codec (its blocks would straddle the list's "
+                              "buffers); call it without one");
+      if (!any) {
+        ops.push_back(op);
+        last[i] = static_cast<int32_t>(ops.size() - 1);
+        continue;
+      }
+      auto real = [&](const char* p, size_t off, size_t& room) -> char* {
+        if (!p) return nullptr;
+        const Segmented* v = view_of(views, p + off);
+        if (!v && !view_of(views, p)) return const_cast<char*>(p) + off;
+        if (!v) throw InvalidArgument(task.name + ": an op runs past the end of a list's buffers");
+        const auto [at, left] = v->locate(p + off);
+        room = std::min(room, left);
+        return at;
+      };
+      const size_t total = op.len;
+      size_t off = 0;
+      do {
+        size_t step = total - off;
+        Op part = op;
+        for (int f = 0; f < n; ++f) part.*fields[f] = total ? real(start[f], off, step) : nullptr;
+        if (local_field) part.local = total ? real(op.local, off, step) : nullptr;
+        part.len = step;
+        if (reduces) part.elems = step / esize;
+        part.header = op.header && off == 0;
+        ops.push_back(part);
+        off += step;
+      } while (off < total);
+      last[i] = static_cast<int32_t>(ops.size() - 1);
+    }
+    lane.ops = std::move(ops);
+  }
+}
+
+}  // namespace smartcoll::coll

@@ -1,0 +1,54 @@
+// Segmented views: a list of buffers that the algorithms address as one vector (docs/vectored.md).
+//
+// A view reserves an address range as long as the list (PROT_NONE: nothing is ever read or written there) and
+// hands its start to an algorithm as if it were a buffer. Once the schedule is built, resolve() rewrites every
+// send, receive, reduction and copy that points into a view so that it points at the list's own buffers instead,
+// cutting an op that spans several of them into one op per piece. A stream carries bytes, not messages, so the
+// sender may cut a range differently from the receiver. No algorithm knows about lists; none copies them into
+// one buffer. An algorithm that touched a view from a compute (codecs, the switch, the same-host path) would
+// fault on the reserved range rather than read stray memory: list calls never choose those.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "core/task.h"
+
+namespace smartcoll::coll {
+
+struct Piece {
+  char* data;
+  size_t bytes;
+};
+
+class Segmented {
+ public:
+  explicit Segmented(std::vector<Piece> pieces);  // empty pieces are dropped
+  ~Segmented();
+  Segmented(const Segmented&) = delete;
+  Segmented& operator=(const Segmented&) = delete;
+
+  char* base() const { return base_; }
+  size_t bytes() const { return bytes_; }
+  bool contains(const char* p) const { return p >= base_ && p < base_ + bytes_; }
+  // The real address of view address p (contains(p)) and how many bytes of its piece follow it.
+  std::pair<char*, size_t> locate(const char* p) const;
+  const std::vector<Piece>& pieces() const { return pieces_; }
+
+ private:
+  std::vector<Piece> pieces_;
+  std::vector<size_t> starts_;  // [i]: offset of piece i in the view
+  char* base_ = nullptr;
+  size_t bytes_ = 0, reserved_ = 0;
+};
+
+// Rewrites the ops of `task` that address `views` (see above). esize: bytes per element of the call's reductions.
+// Throws InvalidArgument for an op it cannot split (a codec's), before anything runs.
+void resolve(Task& task, std::span<const Segmented* const> views, size_t esize);
+
+// dst = src piece by piece: views of the same length (the size-1 world's list calls).
+void copy_view(const Segmented& dst, const Segmented& src);
+
+}  // namespace smartcoll::coll
