@@ -9,6 +9,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "codec_bindings.h"
@@ -312,6 +313,30 @@ NB_MODULE(_core, m) {
         return c.alltoall(i.data, o.data, i.count / static_cast<size_t>(c.size()), i.dtype);
       })
       .def("barrier", [](Communicator& c) { return c.barrier(); })
+      // List forms and alltoallv (docs/vectored.md): addresses and counts, which smartcoll._vectored takes from
+      // the arrays it checked and keeps alive.
+      .def("list_call", [](Communicator& c, const std::string& collective, const std::vector<uintptr_t>& ins,
+                           const std::vector<uintptr_t>& outs, const std::vector<size_t>& counts,
+                           const std::string& dtype, const std::string& op, const std::string& algo, int root) {
+        std::vector<void*> o(outs.size());
+        std::vector<const void*> i(ins.size());
+        std::transform(outs.begin(), outs.end(), o.begin(), [](uintptr_t a) { return reinterpret_cast<void*>(a); });
+        std::transform(ins.begin(), ins.end(), i.begin(), [](uintptr_t a) { return reinterpret_cast<void*>(a); });
+        const DataType dt = parse_dtype(dtype);
+        if (collective == "allreduce")
+          return c.allreduce(o, counts, dt, parse_op(op), parse_algorithm(algo, Collective::allreduce));
+        if (collective == "broadcast") return c.broadcast(o, counts, dt, root, parse_algorithm(algo, Collective::broadcast));
+        if (collective == "reduce_scatter")
+          return c.reduce_scatter(i, o, counts, dt, parse_op(op), parse_algorithm(algo, Collective::reduce_scatter));
+        if (collective == "allgather") return c.allgather(i, o, counts, dt, parse_algorithm(algo, Collective::allgather));
+        throw nb::value_error(("no list form of '" + collective + "'").c_str());
+      })
+      .def("alltoallv", [](Communicator& c, InArray in, Array out, const std::vector<size_t>& sendcounts,
+                           const std::vector<size_t>& sdispls, const std::vector<size_t>& recvcounts,
+                           const std::vector<size_t>& rdispls) {
+        Buffer i = buffer(in), o = buffer(out);
+        return c.alltoallv(i.data, sendcounts, sdispls, o.data, recvcounts, rdispls, i.dtype);
+      })
       .def("close", [](Communicator& c) {
         nb::gil_scoped_release release;
         c.close();
