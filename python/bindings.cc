@@ -14,6 +14,7 @@
 
 #include "codec_bindings.h"
 
+#include "coll/segmented.h"
 #include "coll/table.h"
 
 #include "smartcoll/comm.h"
@@ -133,6 +134,15 @@ NB_MODULE(_core, m) {
              all += ", " + std::string(algorithm_name(a.algo));
            return all;
          }()},
+        {"collectives", [] {  // each with its algorithms (coll/table.cc)
+           std::string all;
+           for (int c = 0; c < kCollectives; ++c) {
+             all += (c ? "; " : "") + std::string(collective_name(static_cast<Collective>(c))) + ":";
+             for (const coll::AlgorithmInfo& a : coll::algorithms(static_cast<Collective>(c)))
+               all += " " + std::string(algorithm_name(a.algo));
+           }
+           return all;
+         }()},
         {"transports", "tcp, cma (same host), udp (switch protocol)"},
         {"codecs", [] {
            std::string all;
@@ -154,6 +164,22 @@ NB_MODULE(_core, m) {
     nb::gil_scoped_release release;
     reduce(d.dtype, parse_op(op), d.data, x.data, y.data, d.count);
   }, "dst = a op b with the engine's kernels (for tests and benchmarks).");
+  m.def("time_copy_view", [](Array base, nb::ndarray<const uint64_t, nb::ndim<1>, nb::device::cpu> offsets,
+                             nb::ndarray<const uint64_t, nb::ndim<1>, nb::device::cpu> sizes, Array packed, bool gather,
+                             int repeat) {
+    size_t total = 0;
+    bool inside = offsets.size() == sizes.size();
+    for (size_t k = 0; inside && k < offsets.size(); ++k) {
+      inside = offsets(k) <= base.nbytes() && sizes(k) <= base.nbytes() - offsets(k);
+      total += sizes(k);
+    }
+    if (!inside || total > packed.nbytes())
+      throw nb::value_error("time_copy_view: every piece must lie inside base and their sizes fit in packed");
+    const coll::CopyTimes t = coll::time_copy_view(static_cast<char*>(base.data()), {offsets.data(), offsets.size()},
+                                                   {sizes.data(), sizes.size()}, static_cast<char*>(packed.data()),
+                                                   gather, repeat);
+    return std::map<std::string, double>{{"segmented", t.segmented}, {"memcpy", t.memcpy}};
+  }, "Best seconds of the engine's gather (or scatter) of pieces and of one memcpy of the same bytes.");
   m.def("dtype_size", [](const std::string& name) { return dtype_size(parse_dtype(name)); });
 
   nb::class_<Store>(m, "Store");

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <utility>
 #include <vector>
@@ -50,5 +51,14 @@ void resolve(Task& task, std::span<const Segmented* const> views, size_t esize);
 
 // dst = src piece by piece: views of the same length (the size-1 world's list calls).
 void copy_view(const Segmented& dst, const Segmented& src);
+
+// `smartcoll bench gather|scatter`: best seconds of `repeat` copy_view runs between the pieces (base + offsets[k],
+// sizes[k]) and the contiguous `packed` (gather: pieces -> packed; scatter: the reverse), and of one memcpy of
+// the same bytes between contiguous buffers.
+struct CopyTimes {
+  double segmented, memcpy;
+};
+CopyTimes time_copy_view(char* base, std::span<const uint64_t> offsets, std::span<const uint64_t> sizes,
+                         char* packed, bool gather, int repeat);
 
 }  // namespace smartcoll::coll

@@ -102,6 +102,10 @@ def test_list_of_torch_tensors_in_place():
     run_pair(body)
 
 
+def test_info_lists_alltoallv():
+    assert "alltoallv: direct" in smartcoll.build_info()["collectives"]
+
+
 def test_list_arguments_are_refused_naming_the_entry():
     with smartcoll.init(f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1) as comm:
         mixed = [np.zeros(3, np.float32), np.zeros(2, np.float32), np.zeros(4, np.float64)]
