@@ -343,17 +343,20 @@ NB_MODULE(_core, m) {
       // the arrays it checked and keeps alive.
       .def("list_call", [](Communicator& c, const std::string& collective, const std::vector<uintptr_t>& ins,
                            const std::vector<uintptr_t>& outs, const std::vector<size_t>& counts,
-                           const std::string& dtype, const std::string& op, const std::string& algo, int root) {
+                           const std::string& dtype, const std::string& op, const std::string& algo, int root,
+                           const std::string& codec) {
         std::vector<void*> o(outs.size());
         std::vector<const void*> i(ins.size());
         std::transform(outs.begin(), outs.end(), o.begin(), [](uintptr_t a) { return reinterpret_cast<void*>(a); });
         std::transform(ins.begin(), ins.end(), i.begin(), [](uintptr_t a) { return reinterpret_cast<void*>(a); });
         const DataType dt = parse_dtype(dtype);
         if (collective == "allreduce")
-          return c.allreduce(o, counts, dt, parse_op(op), parse_algorithm(algo, Collective::allreduce));
+          return c.allreduce(o, counts, dt, parse_op(op), parse_algorithm(algo, Collective::allreduce),
+                             parse_codec(codec));
         if (collective == "broadcast") return c.broadcast(o, counts, dt, root, parse_algorithm(algo, Collective::broadcast));
         if (collective == "reduce_scatter")
-          return c.reduce_scatter(i, o, counts, dt, parse_op(op), parse_algorithm(algo, Collective::reduce_scatter));
+          return c.reduce_scatter(i, o, counts, dt, parse_op(op), parse_algorithm(algo, Collective::reduce_scatter),
+                                  parse_codec(codec));
         if (collective == "allgather") return c.allgather(i, o, counts, dt, parse_algorithm(algo, Collective::allgather));
         throw nb::value_error(("no list form of '" + collective + "'").c_str());
       })

@@ -40,7 +40,7 @@ namespace sw {
 struct Path;
 }
 namespace coll {
-class Segmented;
+struct Views;
 struct Displacements;
 }  // namespace coll
 
@@ -126,13 +126,16 @@ class Communicator {
 
   // Lists of buffers (docs/vectored.md), all of dtype dt: one call, one pipeline over the whole list, each buffer
   // read and written where it is (no copy into one buffer). counts[i]: elements of list entry i. Every rank must
-  // pass lists of the same counts (checked). No codec; the same-host path is not used.
+  // pass lists of the same counts (checked). The same-host path is not used. Codecs as for one buffer, in
+  // codec_mode hop only (allreduce, reduce_scatter).
   std::shared_ptr<Request> allreduce(std::span<void* const> bufs, std::span<const size_t> counts, DataType dt,
-                                     ReduceOp op, Algorithm algo = Algorithm::automatic);  // in place
+                                     ReduceOp op, Algorithm algo = Algorithm::automatic,
+                                     std::optional<Codec> codec = std::nullopt);  // in place
   // ins[i]: size * counts[i] elements; outs[i]: counts[i] (this rank's block of ins[i], reduced).
   std::shared_ptr<Request> reduce_scatter(std::span<const void* const> ins, std::span<void* const> outs,
                                           std::span<const size_t> counts, DataType dt, ReduceOp op,
-                                          Algorithm algo = Algorithm::automatic);
+                                          Algorithm algo = Algorithm::automatic,
+                                          std::optional<Codec> codec = std::nullopt);
   // ins[i]: counts[i] elements; outs[i]: size * counts[i], rank j's block at j * counts[i].
   std::shared_ptr<Request> allgather(std::span<const void* const> ins, std::span<void* const> outs,
                                      std::span<const size_t> counts, DataType dt,
@@ -180,7 +183,7 @@ class Communicator {
   };
   // views: the segmented views (list calls) that in and out point into.
   std::shared_ptr<Request> submit(const Call& call, const void* in, void* out,
-                                  std::span<const coll::Segmented* const> views = {});
+                                  std::shared_ptr<const coll::Views> views = nullptr);
   // A list call: in and out as views of these buffers (docs/vectored.md).
   std::shared_ptr<Request> submit_list(Call call, const std::vector<std::pair<const void*, size_t>>& in,
                                        const std::vector<std::pair<const void*, size_t>>& out);

@@ -2,7 +2,8 @@
 
 A list call runs as one collective over the whole list, reading and writing every array where it is. All arrays
 of one list call share one dtype: a list that mixes dtypes is refused, naming the first entry that differs (make
-one call per dtype). The Request keeps every array alive until the call is done."""
+one call per dtype). allreduce and reduce_scatter lists take codecs (codec_mode hop); allgather lists travel raw.
+The Request keeps every array alive until the call is done."""
 
 from __future__ import annotations
 
@@ -45,30 +46,24 @@ def _check_lengths(xs: Sequence[Any], outs: Sequence[Any], ratio: float, collect
     return [_numel(out) for out in outs]
 
 
-def _no_codec(codec: Optional[str], collective: str) -> None:
-    if codec:
-        raise ValueError(f"{collective}: list calls take no codec (got '{codec}'); call it without one")
-
-
 def iallreduce(comm: Any, xs: Sequence[Any], op: str, out: Any, algo: Optional[str], codec: Optional[str]) -> Request:
     if out is not None:
         raise ValueError("allreduce of a list works in place: leave out unset")
-    _no_codec(codec, "allreduce")
     dtype = _check_list(xs, "x", "allreduce", writable=True)
     counts = [_numel(x) for x in xs]
-    req = comm._core.list_call("allreduce", [], [_address(x) for x in xs], counts, dtype, op, algo or "auto", -1)
+    req = comm._core.list_call("allreduce", [], [_address(x) for x in xs], counts, dtype, op, algo or "auto", -1,
+                               codec or "")
     return Request(req, xs, tuple(xs), comm._core)
 
 
 def ibroadcast(comm: Any, xs: Sequence[Any], root: int) -> Request:
     dtype = _check_list(xs, "x", "broadcast", writable=True)
     counts = [_numel(x) for x in xs]
-    req = comm._core.list_call("broadcast", [], [_address(x) for x in xs], counts, dtype, "sum", "auto", root)
+    req = comm._core.list_call("broadcast", [], [_address(x) for x in xs], counts, dtype, "sum", "auto", root, "")
     return Request(req, xs, tuple(xs), comm._core)
 
 
 def ireduce_scatter(comm: Any, xs: Sequence[Any], outs: Sequence[Any], op: str, codec: Optional[str]) -> Request:
-    _no_codec(codec, "reduce_scatter")
     dtype = _check_list(xs, "x", "reduce_scatter", writable=False)
     _check_list(outs, "out", "reduce_scatter", writable=True, dtype=dtype)
     for i, x in enumerate(xs):
@@ -76,17 +71,18 @@ def ireduce_scatter(comm: Any, xs: Sequence[Any], outs: Sequence[Any], op: str, 
             raise ValueError(f"reduce_scatter: x[{i}] has {_numel(x)} elements, not a multiple of {comm.size} ranks")
     counts = _check_lengths(xs, outs, 1 / comm.size, "reduce_scatter")
     req = comm._core.list_call("reduce_scatter", [_address(x) for x in xs], [_address(o) for o in outs], counts, dtype,
-                               op, "auto", -1)
+                               op, "auto", -1, codec or "")
     return Request(req, outs, (tuple(xs), tuple(outs)), comm._core)
 
 
 def iallgather(comm: Any, xs: Sequence[Any], outs: Sequence[Any], codec: Optional[str]) -> Request:
-    _no_codec(codec, "allgather")
+    if codec:
+        raise ValueError(f"allgather: a list call takes no codec (got '{codec}'); call it without one")
     dtype = _check_list(xs, "x", "allgather", writable=False)
     _check_list(outs, "out", "allgather", writable=True, dtype=dtype)
     _check_lengths(xs, outs, comm.size, "allgather")
     req = comm._core.list_call("allgather", [_address(x) for x in xs], [_address(o) for o in outs],
-                               [_numel(x) for x in xs], dtype, "sum", "auto", -1)
+                               [_numel(x) for x in xs], dtype, "sum", "auto", -1, "")
     return Request(req, outs, (tuple(xs), tuple(outs)), comm._core)
 
 

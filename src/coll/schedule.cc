@@ -5,6 +5,7 @@
 #include <map>
 #include <string>
 
+#include "coll/segmented.h"
 #include "core/engine.h"
 #include "smartcoll/reduce.h"
 
@@ -103,8 +104,14 @@ char* Builder::scratch(size_t bytes) {
   return task_.scratch.back().data();
 }
 
-void after_receive(const void* ctx, const Op& op, const char* data) {
+void after_receive(const void* ctx, const Op& op_in, const char* data) {
   const auto& spec = *static_cast<const ReduceSpec*>(ctx);
+  // A list call's codec steps address its views: a staging of one segment each for the operand and the result.
+  thread_local std::vector<char> local_stage, dst_stage;
+  const size_t bytes = op_in.elems * dtype_size(spec.dtype);
+  Op op = op_in;
+  op.local = gather_range(spec.views.get(), op_in.local, bytes, local_stage);
+  op.dst = write_range(spec.views.get(), op_in.dst, bytes, dst_stage);
   const auto* wire = reinterpret_cast<const uint8_t*>(data);
   auto* dst = reinterpret_cast<float*>(op.dst);
   auto* local = reinterpret_cast<const float*>(op.local);
@@ -132,6 +139,9 @@ void after_receive(const void* ctx, const Op& op, const char* data) {
     codec.encode(dst, op.elems, op.enc);
     codec.decode(op.enc, op.elems, dst);
   }
+  const bool wrote = op.divide || op.finish == kCodecReduce || op.finish == kCodecReduceShare ||
+                     op.finish == kCodecDecode || op.finish == kReduce || op.finish == kReduceFromLeft;
+  if (wrote) scatter_range(spec.views.get(), op_in.dst, op.dst, bytes);
 }
 
 namespace {
@@ -237,8 +247,11 @@ RingOps ring(Builder& b, int steps, int first, const std::function<Step(int)>& k
       if (k == 0 && codec && !buf.pre_encoded) {
         const char* values = (kind == Step::gather ? buf.acc[sc] : buf.in + ch.off[sc] * esize) + off * esize;
         uint8_t* to = buf.enc + ch.wire_off[sc] + wire_of(off);
-        dep = b.compute(s, [codec, values, len, to] { codec->encode(reinterpret_cast<const float*>(values), len, to); },
-                        {dep});
+        const Views* views = b.spec.views.get();  // the task keeps them
+        dep = b.compute(s, [codec, values, len, to, views, esize] {
+          thread_local std::vector<char> stage;
+          codec->encode(reinterpret_cast<const float*>(gather_range(views, values, len * esize, stage)), len, to);
+        }, {dep});
       }
       ops.sends.push_back(b.send(s, next, src + wire_of(off), wire_of(len), {dep}));
       ++j;

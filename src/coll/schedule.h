@@ -27,6 +27,8 @@ struct Path;
 
 namespace smartcoll::coll {
 
+struct Views;
+
 // What a call's algorithm needs to know besides its buffers.
 struct Context {
   int rank, size, streams;
@@ -45,6 +47,7 @@ struct ReduceSpec {
   ReduceOp op;
   int divisor;  // for avg: the world size
   Codec codec;  // identity: elements travel as they are
+  std::shared_ptr<const Views> views = nullptr;  // a list call's (coll/segmented.h), which its codec steps address
   const Codec* wire() const { return codec.kind() == CodecKind::identity ? nullptr : &codec; }
 };
 

@@ -77,17 +77,51 @@ CopyTimes time_copy_view(char* base, std::span<const uint64_t> offsets, std::spa
   return t;
 }
 
+const Segmented* Views::find(const char* p) const {
+  for (const auto& v : all)
+    if (v->contains(p)) return v.get();
+  return nullptr;
+}
+
 namespace {
 
-const Segmented* view_of(std::span<const Segmented* const> views, const char* p) {
-  for (const Segmented* v : views)
-    if (v->contains(p)) return v;
-  return nullptr;
+// The piece walk of [p, p + bytes) in view v: fn(real address, bytes, offset into the range) per piece.
+template <class F>
+void for_each_piece(const Segmented& v, const char* p, size_t bytes, F&& fn) {
+  for (size_t off = 0; off < bytes;) {
+    const auto [at, left] = v.locate(p + off);
+    const size_t n = std::min(left, bytes - off);
+    fn(at, n, off);
+    off += n;
+  }
 }
 
 }  // namespace
 
-void resolve(Task& task, std::span<const Segmented* const> views, size_t esize) {
+const char* gather_range(const Views* views, const char* p, size_t bytes, std::vector<char>& stage) {
+  const Segmented* v = views && p && bytes ? views->find(p) : nullptr;
+  if (!v) return p;
+  if (const auto [at, left] = v->locate(p); left >= bytes) return at;
+  stage.resize(bytes);
+  for_each_piece(*v, p, bytes, [&](char* at, size_t n, size_t off) { std::memcpy(stage.data() + off, at, n); });
+  return stage.data();
+}
+
+char* write_range(const Views* views, char* p, size_t bytes, std::vector<char>& stage) {
+  const Segmented* v = views && p && bytes ? views->find(p) : nullptr;
+  if (!v) return p;
+  if (const auto [at, left] = v->locate(p); left >= bytes) return at;
+  stage.resize(bytes);
+  return stage.data();
+}
+
+void scatter_range(const Views* views, char* p, const char* from, size_t bytes) {
+  const Segmented* v = views && p && bytes ? views->find(p) : nullptr;
+  if (!v || from == v->locate(p).first) return;  // written in place
+  for_each_piece(*v, p, bytes, [&](char* at, size_t n, size_t off) { std::memcpy(at, from + off, n); });
+}
+
+void resolve(Task& task, const Views& views, size_t esize) {
   for (Lane& lane : task.lanes) {
     std::vector<Op> ops;
     ops.reserve(lane.ops.size());
@@ -96,7 +130,7 @@ void resolve(Task& task, std::span<const Segmented* const> views, size_t esize) 
       Op op = lane.ops[i];
       for (int32_t& d : op.deps)
         if (d >= 0) d = last[static_cast<size_t>(d)];
-      // The addresses the op walks in step, byte for byte.
+      // The addresses the op walks in step, byte for byte. A codec step's reduction stays as it is (Views).
       char* Op::*fields[3];
       int n = 0;
       const bool reduces = op.finish == kReduce || op.finish == kReduceFromLeft;
@@ -104,13 +138,9 @@ void resolve(Task& task, std::span<const Segmented* const> views, size_t esize) 
       if (op.kind == Op::Kind::copy || reduces) fields[n++] = &Op::dst;
       const char* start[3];
       bool any = false;
-      for (int f = 0; f < n; ++f) any |= view_of(views, start[f] = op.*fields[f]) != nullptr;
+      for (int f = 0; f < n; ++f) any |= views.find(start[f] = op.*fields[f]) != nullptr;
       const bool local_field = op.kind == Op::Kind::copy || reduces;
-      any |= local_field && view_of(views, op.local);
-      if (op.kind == Op::Kind::recv && op.finish != kNone && !reduces &&
-          (view_of(views, op.buf) || view_of(views, op.dst) || view_of(views, op.local)))
-        throw InvalidArgument(task.name + ": a list call cannot use a codec (its blocks would straddle the list's "
-                              "buffers); call it without one");
+      any |= local_field && views.find(op.local);
       if (!any) {
         ops.push_back(op);
         last[i] = static_cast<int32_t>(ops.size() - 1);
@@ -118,8 +148,8 @@ void resolve(Task& task, std::span<const Segmented* const> views, size_t esize) 
       }
       auto real = [&](const char* p, size_t off, size_t& room) -> char* {
         if (!p) return nullptr;
-        const Segmented* v = view_of(views, p + off);
-        if (!v && !view_of(views, p)) return const_cast<char*>(p) + off;
+        const Segmented* v = views.find(p + off);
+        if (!v && !views.find(p)) return const_cast<char*>(p) + off;
         if (!v) throw InvalidArgument(task.name + ": an op runs past the end of a list's buffers");
         const auto [at, left] = v->locate(p + off);
         room = std::min(room, left);

@@ -6,11 +6,13 @@
 // cutting an op that spans several of them into one op per piece. A stream carries bytes, not messages, so the
 // sender may cut a range differently from the receiver. No algorithm knows about lists; none copies them into
 // one buffer. An algorithm that touched a view from a compute (codecs, the switch, the same-host path) would
-// fault on the reserved range rather than read stray memory: list calls never choose those.
+// fault on the reserved range rather than read stray memory: list calls never choose those (the codec steps of
+// the ring, which address views through gather_range and write_range, excepted).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <utility>
 #include <vector>
@@ -45,9 +47,24 @@ class Segmented {
   size_t bytes_ = 0, reserved_ = 0;
 };
 
-// Rewrites the ops of `task` that address `views` (see above). esize: bytes per element of the call's reductions.
-// Throws InvalidArgument for an op it cannot split (a codec's), before anything runs.
-void resolve(Task& task, std::span<const Segmented* const> views, size_t esize);
+// The views of one list call. The task keeps them (ReduceSpec::views) for the codec steps, which address them
+// as they run: a codec works on whole blocks that may straddle two buffers of the list, so those steps are
+// not split but read and write through a staging of one segment (gather_range, write_range).
+struct Views {
+  std::vector<std::unique_ptr<Segmented>> all;
+  const Segmented* find(const char* p) const;
+};
+
+// Rewrites the ops of `task` that address `views` (see above), all but the codec steps' reductions.
+// esize: bytes per element of the call's reductions.
+void resolve(Task& task, const Views& views, size_t esize);
+
+// [p, p + bytes) as one readable range: p itself where it is not in a view or lies in one piece, else a copy
+// of it in `stage`.
+const char* gather_range(const Views* views, const char* p, size_t bytes, std::vector<char>& stage);
+// Where to write [p, p + bytes): p itself, or `stage`, whose bytes scatter_range then copies to the pieces.
+char* write_range(const Views* views, char* p, size_t bytes, std::vector<char>& stage);
+void scatter_range(const Views* views, char* p, const char* from, size_t bytes);
 
 // dst = src piece by piece: views of the same length (the size-1 world's list calls).
 void copy_view(const Segmented& dst, const Segmented& src);

@@ -394,7 +394,7 @@ void Communicator::check_one_poster() {
 }
 
 std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, void* out,
-                                              std::span<const coll::Segmented* const> views) {
+                                              std::shared_ptr<const coll::Views> views) {
   check_usable();
   check_buffers(call, in, out);
   auto req = std::make_shared<Request>();
@@ -414,17 +414,17 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
   task->rank = rank_;
   task->desc = make_descriptor(call.coll, call.dt, call.op, call.algo, call.root, call.count, call.codec,
                                config_->codec_owner);
-  if (call.layout) task->desc.codec_block = call.layout;  // free: list calls carry no codec
+  if (call.layout) set_list_layout(task->desc, call.layout);
   // A barrier's messages are its descriptors: it always sends them. List calls always compare their layouts.
   task->check = config_->check || call.coll == Collective::barrier || call.layout;
   task->req = req;
   coll::Context cx{rank_, size_, config_->streams, transport_.get(), cma_.get(), switch_.get(),
                    config_->segment_size, config_->codec_owner, engine_->pool(), &hosts_};
-  auto spec = std::make_shared<const coll::ReduceSpec>(coll::ReduceSpec{call.dt, call.op, size_, call.codec});
+  auto spec = std::make_shared<const coll::ReduceSpec>(coll::ReduceSpec{call.dt, call.op, size_, call.codec, views});
   coll::Builder b(*task, cx, std::move(spec));
   coll::find(call.coll, call.algo).build(b, {static_cast<const char*>(in), static_cast<char*>(out), call.count,
                                             call.root, call.displs});
-  if (!views.empty()) coll::resolve(*task, views, dtype_size(call.dt));
+  if (views) coll::resolve(*task, *views, dtype_size(call.dt));
   req->engine_ = engine_;
   req->driver_ = !task->exclusive && task->lanes.size() == 1 ? engine_->worker_of(task->lanes[0].stream) : -1;
   std::lock_guard lock(submit_mu_);  // numbers and queue order agree

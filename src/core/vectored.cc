@@ -65,10 +65,19 @@ Pieces by_rank(std::span<const void* const> bufs, std::span<const size_t> counts
   return p;
 }
 
-coll::Segmented view(const Pieces& pieces) {
+std::unique_ptr<coll::Segmented> view(const Pieces& pieces) {
   std::vector<coll::Piece> v;
   for (const auto& [at, bytes] : pieces) v.push_back({static_cast<char*>(const_cast<void*>(at)), bytes});
-  return coll::Segmented(std::move(v));
+  return std::make_unique<coll::Segmented>(std::move(v));
+}
+
+// The codec of a list call: as for one buffer, but only where every step of the ring reaches the list through a
+// segment's staging (coll/segmented.h): codec_mode hop. The codec knob does not apply in owner mode.
+Codec list_codec(Collective coll, const Codec& chosen, bool requested, bool owner) {
+  if (chosen.kind() == CodecKind::identity || !owner) return chosen;
+  require(!requested, std::string(collective_name(coll)) + ": a list call takes a codec in codec_mode hop only "
+                                                           "(this communicator has codec_mode=owner)");
+  return Codec();
 }
 
 }  // namespace
@@ -84,24 +93,29 @@ std::shared_ptr<Request> Communicator::submit_list(Call call, const Pieces& in, 
     if (requested == Algorithm::cma || requested == Algorithm::switch_) requested = Algorithm::automatic;
   }
   const auto [hosts, per_host] = coll::host_layout_shape(hosts_);
-  const coll::Query q{size_, call.count * dtype_size(call.dt), false, false, false, hosts, per_host};
+  const bool compressed = call.codec.kind() != CodecKind::identity;
+  const coll::Query q{size_, call.count * dtype_size(call.dt), compressed, false, false, hosts, per_host};
   call.algo = size_ == 1 ? Algorithm::local : coll::choose(call.coll, q, requested, config_->rhd_max_bytes);
-  const coll::Segmented out_view = view(out);
-  const coll::Segmented in_view = view(in.empty() ? out : in);  // empty: in place
-  const bool in_place = in.empty();
+  auto views = std::make_shared<coll::Views>();
+  views->all.push_back(view(out));
+  if (!in.empty()) views->all.push_back(view(in));  // empty: in place
+  const coll::Segmented &out_view = *views->all.front(), &in_view = *views->all.back();
   if (size_ == 1 || call.count == 0) {
-    if (!in_place) coll::copy_view(out_view, in_view);
+    if (&in_view != &out_view) coll::copy_view(out_view, in_view);
     return submit(call, nullptr, nullptr);
   }
-  const coll::Segmented* views[] = {&out_view, &in_view};
-  return submit(call, in_place ? out_view.base() : in_view.base(), out_view.base(), views);
+  return submit(call, in_view.base(), out_view.base(), std::move(views));
 }
 
 std::shared_ptr<Request> Communicator::allreduce(std::span<void* const> bufs, std::span<const size_t> counts,
-                                                 DataType dt, ReduceOp op, Algorithm algo) {
+                                                 DataType dt, ReduceOp op, Algorithm algo,
+                                                 std::optional<Codec> codec) {
   check_op(dt, op);
   const size_t total = check_list(Collective::allreduce, as_const(bufs), counts, "list");
-  return submit_list({Collective::allreduce, dt, op, algo, -1, total, {}, layout_digest(Collective::allreduce, counts)},
+  const Codec wire = list_codec(Collective::allreduce, choose_codec(dt, op, codec), codec.has_value(),
+                                config_->codec_owner);
+  return submit_list({Collective::allreduce, dt, op, algo, -1, total, wire,
+                      layout_digest(Collective::allreduce, counts)},
                      {}, concat(as_const(bufs), counts, dtype_size(dt)));
 }
 
@@ -116,12 +130,14 @@ std::shared_ptr<Request> Communicator::broadcast(std::span<void* const> bufs, st
 
 std::shared_ptr<Request> Communicator::reduce_scatter(std::span<const void* const> ins, std::span<void* const> outs,
                                                       std::span<const size_t> counts, DataType dt, ReduceOp op,
-                                                      Algorithm algo) {
+                                                      Algorithm algo, std::optional<Codec> codec) {
   check_op(dt, op);
   check_list(Collective::reduce_scatter, ins, counts, "input");
   const size_t total = check_list(Collective::reduce_scatter, as_const(outs), counts, "output");
   const size_t esize = dtype_size(dt);
-  return submit_list({Collective::reduce_scatter, dt, op, algo, -1, total, {},
+  const Codec wire = list_codec(Collective::reduce_scatter, choose_codec(dt, op, codec), codec.has_value(),
+                                config_->codec_owner);
+  return submit_list({Collective::reduce_scatter, dt, op, algo, -1, total, wire,
                       layout_digest(Collective::reduce_scatter, counts)},
                      by_rank(ins, counts, esize, size_), concat(as_const(outs), counts, esize));
 }

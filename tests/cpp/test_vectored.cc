@@ -76,6 +76,55 @@ TEST(ListCollectives, AllreduceMatchesFusedCall) {
   allreduce_matches_fused<int32_t>(DataType::i32, ReduceOp::sum);
 }
 
+TEST(ListCollectives, CodecsMatchFusedCalls) {
+  // Codec blocks (32 floats) straddle the list's buffers: those steps go through a segment's staging.
+  for (int n : {2, 3})
+    for (const char* name : {"bfp16", "mxfp4_e2m1", "bf16"})
+      run_ranks(n, [&](Communicator& comm) {
+        const Codec codec = Codec::parse(name);
+        auto list = random_list<float>(kCounts, 1, 200 + comm.rank());
+        std::vector<float> fused = concat(list);
+        comm.allreduce(fused.data(), fused.data(), fused.size(), DataType::f32, ReduceOp::avg, Algorithm::ring,
+                       codec)->wait();
+        std::vector<void*> bufs = pointers(list);
+        comm.allreduce(bufs, kCounts, DataType::f32, ReduceOp::avg, Algorithm::ring, codec)->wait();
+        expect_bitwise(concat(list), fused, std::string("allreduce ") + name + " n=" + std::to_string(n));
+        std::vector<float> raw = concat(random_list<float>(kCounts, 1, 200 + comm.rank()));
+        comm.allreduce(raw.data(), raw.data(), raw.size(), DataType::f32, ReduceOp::avg, Algorithm::ring)->wait();
+        EXPECT_NE(std::memcmp(raw.data(), fused.data(), raw.size() * sizeof(float)), 0) << name << " compressed";
+
+        auto ins = random_list<float>(kCounts, static_cast<size_t>(n), 300 + comm.rank());
+        std::vector<float> by_rank;
+        for (int j = 0; j < n; ++j)
+          for (size_t i = 0; i < kCounts.size(); ++i)
+            by_rank.insert(by_rank.end(), ins[i].begin() + j * kCounts[i], ins[i].begin() + (j + 1) * kCounts[i]);
+        std::vector<float> fused_out(by_rank.size() / n);
+        comm.reduce_scatter(by_rank.data(), fused_out.data(), fused_out.size(), DataType::f32, ReduceOp::sum,
+                            codec)->wait();
+        auto outs = random_list<float>(kCounts, 1, 0);
+        std::vector<const void*> in_ptrs;
+        for (auto& v : ins) in_ptrs.push_back(v.data());
+        std::vector<void*> out_ptrs = pointers(outs);
+        comm.reduce_scatter(in_ptrs, out_ptrs, kCounts, DataType::f32, ReduceOp::sum, Algorithm::automatic,
+                            codec)->wait();
+        expect_bitwise(concat(outs), fused_out, std::string("reduce_scatter ") + name);
+      }, small_segments());
+}
+
+TEST(ListCollectives, CodecOwnerModeIsRefusedByName) {
+  run_ranks(2, [&](Communicator& comm) {
+    std::vector<float> a(40);
+    std::vector<void*> bufs = {a.data()};
+    std::vector<size_t> counts = {40};
+    try {
+      comm.allreduce(bufs, counts, DataType::f32, ReduceOp::sum, Algorithm::automatic, Codec::parse("bfp16"));
+      ADD_FAILURE() << "owner mode with a codec was accepted for a list";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("codec_mode hop only"), std::string::npos) << e.what();
+    }
+  }, test_options({{"codec_mode", "owner"}}));
+}
+
 TEST(ListCollectives, ReduceScatterAllgatherBroadcastMatchFusedCalls) {
   for (int n : {2, 3})
     run_ranks(n, [&](Communicator& comm) {

@@ -45,15 +45,16 @@ def entries(rng, dtype, sizes=SIZES, times=1):
 
 
 def test_list_allreduce_equals_fused_call():
-    cases = [("float32", "sum", "auto"), ("float32", "avg", "ring"), ("float64", "max", "rhd"), ("int64", "sum", "rd")]
+    cases = [("float32", "sum", "auto", None), ("float32", "avg", "ring", None), ("float64", "max", "rhd", None),
+             ("int64", "sum", "rd", None), ("float32", "sum", "auto", "bfp16")]
 
     def body(comm):
-        for dtype, op, algo in cases:
+        for dtype, op, algo, codec in cases:
             xs = entries(np.random.default_rng(comm.rank), dtype)
             fused = np.concatenate(xs)
-            comm.allreduce(fused, op=op, algo=algo)
-            assert comm.allreduce(xs, op=op, algo=algo) is xs
-            assert np.concatenate(xs).tobytes() == fused.tobytes(), (dtype, op, algo)
+            comm.allreduce(fused, op=op, algo=algo, codec=codec)
+            assert comm.allreduce(xs, op=op, algo=algo, codec=codec) is xs
+            assert np.concatenate(xs).tobytes() == fused.tobytes(), (dtype, op, algo, codec)
 
     run_pair(body)
 
@@ -111,8 +112,8 @@ def test_list_arguments_are_refused_naming_the_entry():
         mixed = [np.zeros(3, np.float32), np.zeros(2, np.float32), np.zeros(4, np.float64)]
         with pytest.raises(TypeError, match=r"x\[2\] has dtype float64 but the list's first entry has float32"):
             comm.allreduce(mixed)
-        with pytest.raises(ValueError, match="list calls take no codec"):
-            comm.allreduce(mixed[:2], codec="bf16")
+        with pytest.raises(ValueError, match="a list call takes no codec"):
+            comm.allgather(mixed[:2], [np.zeros(3, np.float32), np.zeros(2, np.float32)], codec="bf16")
         with pytest.raises(ValueError, match=r"out\[1\] has 1 elements, expected 2"):
             comm.allgather(mixed[:2], [np.zeros(3, np.float32), np.zeros(1, np.float32)])
         with pytest.raises(TypeError, match=r"x\[0\] is a non-contiguous"):
