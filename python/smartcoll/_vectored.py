@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ._comm import Request, _check_array, _dtype, _numel
+from ._comm import Request, _check_array, _dtype, _is_torch, _numel
 
 
 def _address(x: Any) -> int:
@@ -22,6 +22,11 @@ def _check_list(xs: Sequence[Any], what: str, collective: str, writable: bool, d
     """Checks every entry; returns the list's dtype."""
     if not isinstance(xs, (list, tuple)):
         raise TypeError(f"{collective}: {what} must be a list of arrays like the input list, got {type(xs).__name__}")
+    if xs and not any(isinstance(x, np.ndarray) or _is_torch(x) for x in xs):  # plain Python data, not a list call
+        raise TypeError(
+            f"{collective}: {what} must be a NumPy array or a CPU torch tensor, got {type(xs).__name__} of "
+            f"{type(xs[0]).__name__}; wrap Python data with numpy.asarray() (or pass a list of arrays)"
+        )
     for i, x in enumerate(xs):
         _check_array(x, f"{what}[{i}]", writable=writable)
         if dtype is None:

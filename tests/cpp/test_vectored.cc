@@ -150,16 +150,18 @@ TEST(ListCollectives, ReduceScatterAllgatherBroadcastMatchFusedCalls) {
       std::vector<float> gathered(total * n);
       const std::vector<float> mine_fused = concat(mine);
       comm.allgather(mine_fused.data(), gathered.data(), total, DataType::f32)->wait();
-      auto all = random_list<float>(kCounts, static_cast<size_t>(n), 0);
-      std::vector<const void*> mine_ptrs;
-      for (auto& v : mine) mine_ptrs.push_back(v.data());
-      std::vector<void*> all_ptrs = pointers(all);
-      comm.allgather(mine_ptrs, all_ptrs, kCounts, DataType::f32)->wait();
       std::vector<float> want;
       for (size_t i = 0, off = 0; i < kCounts.size(); off += kCounts[i], ++i)
         for (int j = 0; j < n; ++j)
           want.insert(want.end(), gathered.begin() + j * total + off, gathered.begin() + j * total + off + kCounts[i]);
-      expect_bitwise(concat(all), want, "allgather n=" + std::to_string(n));
+      for (Algorithm algo : {Algorithm::bruck, Algorithm::ring}) {
+        auto all = random_list<float>(kCounts, static_cast<size_t>(n), 0);
+        std::vector<const void*> mine_ptrs;
+        for (auto& v : mine) mine_ptrs.push_back(v.data());
+        std::vector<void*> all_ptrs = pointers(all);
+        comm.allgather(mine_ptrs, all_ptrs, kCounts, DataType::f32, algo)->wait();
+        expect_bitwise(concat(all), want, "allgather " + std::string(algorithm_name(algo)) + " n=" + std::to_string(n));
+      }
 
       // broadcast from the last rank, with the chain and the tree.
       for (Algorithm algo : {Algorithm::chain, Algorithm::tree}) {
