@@ -105,7 +105,13 @@ def list_main(argv: Optional[list[str]] = None) -> int:
     total = parse_size(args.total)
     hooks = {}
     if args.cluster:
-        prefix, env = launcher.cluster_hooks(args.cluster, args.n)
+        from .. import netemu
+
+        try:
+            prefix, env = launcher.cluster_hooks(args.cluster, args.n)
+        except (ValueError, netemu.ClusterError) as e:
+            print(f"smartcoll bench list: {e}", file=sys.stderr)
+            return 2
         hooks = {"rank_prefix": prefix, "rank_env": env}
     with tempfile.TemporaryDirectory(prefix="smartcoll-bench-list-") as outdir:
         cmd = [sys.executable, "-m", "smartcoll.tools.bench.vectored", "worker", outdir, str(args.tensors),
