@@ -27,11 +27,14 @@ def _check_list(xs: Sequence[Any], what: str, collective: str, writable: bool, d
             f"{collective}: {what} must be a NumPy array or a CPU torch tensor, got {type(xs).__name__} of "
             f"{type(xs[0]).__name__}; wrap Python data with numpy.asarray() (or pass a list of arrays)"
         )
+    first = None  # the first entry's dtype object: comparing those is cheap, their names only when they differ
     for i, x in enumerate(xs):
-        _check_array(x, f"{what}[{i}]", writable=writable)
-        if dtype is None:
-            dtype = _dtype(x)
-        elif _dtype(x) != dtype:
+        if not (type(x) is np.ndarray and x.flags.c_contiguous and (x.flags.writeable or not writable)):
+            _check_array(x, f"{what}[{i}]", writable=writable)
+        if first is None:
+            first = x.dtype
+            dtype = dtype or _dtype(x)
+        if (x.dtype != first or i == 0) and _dtype(x) != dtype:
             raise TypeError(
                 f"{collective}: {what}[{i}] has dtype {_dtype(x)} but the list's first entry has {dtype}; a list "
                 "call takes one dtype: make one call per dtype"

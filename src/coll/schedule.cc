@@ -104,14 +104,10 @@ char* Builder::scratch(size_t bytes) {
   return task_.scratch.back().data();
 }
 
-void after_receive(const void* ctx, const Op& op_in, const char* data) {
-  const auto& spec = *static_cast<const ReduceSpec*>(ctx);
-  // A list call's codec steps address its views: a staging of one segment each for the operand and the result.
-  thread_local std::vector<char> local_stage, dst_stage;
-  const size_t bytes = op_in.elems * dtype_size(spec.dtype);
-  Op op = op_in;
-  op.local = gather_range(spec.views.get(), op_in.local, bytes, local_stage);
-  op.dst = write_range(spec.views.get(), op_in.dst, bytes, dst_stage);
+namespace {
+
+// A receive's finish step on real addresses.
+void finish_receive(const ReduceSpec& spec, const Op& op, const char* data) {
   const auto* wire = reinterpret_cast<const uint8_t*>(data);
   auto* dst = reinterpret_cast<float*>(op.dst);
   auto* local = reinterpret_cast<const float*>(op.local);
@@ -139,9 +135,34 @@ void after_receive(const void* ctx, const Op& op_in, const char* data) {
     codec.encode(dst, op.elems, op.enc);
     codec.decode(op.enc, op.elems, dst);
   }
-  const bool wrote = op.divide || op.finish == kCodecReduce || op.finish == kCodecReduceShare ||
-                     op.finish == kCodecDecode || op.finish == kReduce || op.finish == kReduceFromLeft;
-  if (wrote) scatter_range(spec.views.get(), op_in.dst, op.dst, bytes);
+}
+
+}  // namespace
+
+void after_receive(const void* ctx, const Op& op, const char* data) {
+  const auto& spec = *static_cast<const ReduceSpec*>(ctx);
+  const Views* views = spec.views.get();
+  if (!views) return finish_receive(spec, op, data);
+  // A list call (coll/segmented.h): the operand and the result may lie in its views.
+  const size_t esize = dtype_size(spec.dtype), bytes = op.elems * esize;
+  if (!spec.wire()) {  // raw elements: reduced piece by piece, straight into the list's buffers
+    for_each_run(views, op.dst, op.local, bytes, [&](char* dst, const char* local, size_t off, size_t n) {
+      Op part = op;
+      part.dst = dst;
+      part.local = local;
+      part.elems = n / esize;
+      finish_receive(spec, part, data + off);
+    });
+    return;
+  }
+  // A codec works on whole blocks, which may straddle two buffers: a staging of one segment each.
+  thread_local std::vector<char> local_stage, dst_stage;
+  Op staged = op;
+  staged.local = gather_range(views, op.local, bytes, local_stage);
+  staged.dst = write_range(views, op.dst, bytes, dst_stage);
+  finish_receive(spec, staged, data);
+  if (op.divide || op.finish == kCodecReduce || op.finish == kCodecReduceShare || op.finish == kCodecDecode)
+    scatter_range(views, op.dst, staged.dst, bytes);
 }
 
 namespace {

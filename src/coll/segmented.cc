@@ -83,27 +83,14 @@ const Segmented* Views::find(const char* p) const {
   return nullptr;
 }
 
-namespace {
-
-// The piece walk of [p, p + bytes) in view v: fn(real address, bytes, offset into the range) per piece.
-template <class F>
-void for_each_piece(const Segmented& v, const char* p, size_t bytes, F&& fn) {
-  for (size_t off = 0; off < bytes;) {
-    const auto [at, left] = v.locate(p + off);
-    const size_t n = std::min(left, bytes - off);
-    fn(at, n, off);
-    off += n;
-  }
-}
-
-}  // namespace
-
 const char* gather_range(const Views* views, const char* p, size_t bytes, std::vector<char>& stage) {
   const Segmented* v = views && p && bytes ? views->find(p) : nullptr;
   if (!v) return p;
   if (const auto [at, left] = v->locate(p); left >= bytes) return at;
   stage.resize(bytes);
-  for_each_piece(*v, p, bytes, [&](char* at, size_t n, size_t off) { std::memcpy(stage.data() + off, at, n); });
+  for_each_run(views, stage.data(), p, bytes, [](char* to, const char* from, size_t, size_t n) {
+    std::memcpy(to, from, n);
+  });
   return stage.data();
 }
 
@@ -118,10 +105,10 @@ char* write_range(const Views* views, char* p, size_t bytes, std::vector<char>& 
 void scatter_range(const Views* views, char* p, const char* from, size_t bytes) {
   const Segmented* v = views && p && bytes ? views->find(p) : nullptr;
   if (!v || from == v->locate(p).first) return;  // written in place
-  for_each_piece(*v, p, bytes, [&](char* at, size_t n, size_t off) { std::memcpy(at, from + off, n); });
+  for_each_run(views, p, from, bytes, [](char* to, const char* src, size_t, size_t n) { std::memcpy(to, src, n); });
 }
 
-void resolve(Task& task, const Views& views, size_t esize) {
+void resolve(Task& task, const Views& views) {
   for (Lane& lane : task.lanes) {
     std::vector<Op> ops;
     ops.reserve(lane.ops.size());
@@ -130,44 +117,36 @@ void resolve(Task& task, const Views& views, size_t esize) {
       Op op = lane.ops[i];
       for (int32_t& d : op.deps)
         if (d >= 0) d = last[static_cast<size_t>(d)];
-      // The addresses the op walks in step, byte for byte. A codec step's reduction stays as it is (Views).
-      char* Op::*fields[3];
-      int n = 0;
-      const bool reduces = op.finish == kReduce || op.finish == kReduceFromLeft;
-      if (op.kind == Op::Kind::send || op.kind == Op::Kind::recv) fields[n++] = &Op::buf;
-      if (op.kind == Op::Kind::copy || reduces) fields[n++] = &Op::dst;
-      const char* start[3];
-      bool any = false;
-      for (int f = 0; f < n; ++f) any |= views.find(start[f] = op.*fields[f]) != nullptr;
-      const bool local_field = op.kind == Op::Kind::copy || reduces;
-      any |= local_field && views.find(op.local);
-      if (!any) {
+      const bool moves = op.kind == Op::Kind::send || op.kind == Op::Kind::recv;
+      if (op.kind == Op::Kind::copy && (views.find(op.dst) || views.find(op.local))) {
+        // One copy per run that is contiguous on both sides, each after the op's dependencies.
+        for_each_run(&views, op.dst, op.local, op.len, [&](char* to, const char* from, size_t, size_t n) {
+          Op part = op;
+          part.dst = to;
+          part.local = from;
+          part.len = n;
+          ops.push_back(part);
+        });
+        if (op.len == 0) ops.push_back(op);  // the engine copies nothing
+      } else if (moves && views.find(op.buf)) {
+        if (op.finish != kNone || !views.find(op.buf)->contains(op.buf + (op.len ? op.len - 1 : 0)))
+          throw InvalidArgument(task.name + ": an algorithm receives into a list call's buffers and reduces there, "
+                                "or runs past their end: list calls cannot use it");
+        std::vector<iovec> pieces;
+        for_each_run(&views, op.buf, nullptr, op.len, [&](char* at, const char*, size_t, size_t n) {
+          pieces.push_back({at, n});
+        });
+        op.buf = pieces.empty() ? nullptr : static_cast<char*>(pieces.front().iov_base);
+        if (pieces.size() > 1) {
+          task.piece_lists.push_back(std::move(pieces));
+          op.pieces = task.piece_lists.back().data();
+          op.npieces = static_cast<uint32_t>(task.piece_lists.back().size());
+          op.buf = nullptr;
+        }
         ops.push_back(op);
-        last[i] = static_cast<int32_t>(ops.size() - 1);
-        continue;
+      } else {
+        ops.push_back(op);
       }
-      auto real = [&](const char* p, size_t off, size_t& room) -> char* {
-        if (!p) return nullptr;
-        const Segmented* v = views.find(p + off);
-        if (!v && !views.find(p)) return const_cast<char*>(p) + off;
-        if (!v) throw InvalidArgument(task.name + ": an op runs past the end of a list's buffers");
-        const auto [at, left] = v->locate(p + off);
-        room = std::min(room, left);
-        return at;
-      };
-      const size_t total = op.len;
-      size_t off = 0;
-      do {
-        size_t step = total - off;
-        Op part = op;
-        for (int f = 0; f < n; ++f) part.*fields[f] = total ? real(start[f], off, step) : nullptr;
-        if (local_field) part.local = total ? real(op.local, off, step) : nullptr;
-        part.len = step;
-        if (reduces) part.elems = step / esize;
-        part.header = op.header && off == 0;
-        ops.push_back(part);
-        off += step;
-      } while (off < total);
       last[i] = static_cast<int32_t>(ops.size() - 1);
     }
     lane.ops = std::move(ops);

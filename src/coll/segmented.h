@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <algorithm>
 #include <span>
 #include <utility>
 #include <vector>
@@ -55,9 +56,35 @@ struct Views {
   const Segmented* find(const char* p) const;
 };
 
-// Rewrites the ops of `task` that address `views` (see above), all but the codec steps' reductions.
-// esize: bytes per element of the call's reductions.
-void resolve(Task& task, const Views& views, size_t esize);
+// Rewrites the ops of `task` that address `views` (see above): a send or receive becomes one message over the
+// pieces it spans (Op::pieces: one system call gathers or scatters them), a copy one copy per piece. Reductions
+// stay as they are: after_receive applies them piece by piece (for_each_run), or through a staging (codecs).
+void resolve(Task& task, const Views& views);
+
+// fn(a', b', offset, n) over the runs of [a, a + bytes) and [b, b + bytes) that are contiguous in both; a' and b'
+// are the real addresses (either range may lie in a view; a null one stays null).
+template <class F>
+void for_each_run(const Views* views, char* a, const char* b, size_t bytes, F&& fn) {
+  const Segmented* va = views && a ? views->find(a) : nullptr;
+  const Segmented* vb = views && b ? views->find(b) : nullptr;
+  for (size_t off = 0; off < bytes;) {
+    size_t n = bytes - off;
+    char* ra = a ? a + off : nullptr;
+    const char* rb = b ? b + off : nullptr;
+    if (va) {
+      const auto [at, left] = va->locate(a + off);
+      ra = at;
+      n = std::min(n, left);
+    }
+    if (vb) {
+      const auto [at, left] = vb->locate(b + off);
+      rb = at;
+      n = std::min(n, left);
+    }
+    fn(ra, rb, off, n);
+    off += n;
+  }
+}
 
 // [p, p + bytes) as one readable range: p itself where it is not in a view or lies in one piece, else a copy
 // of it in `stage`.

@@ -424,7 +424,7 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
   coll::Builder b(*task, cx, std::move(spec));
   coll::find(call.coll, call.algo).build(b, {static_cast<const char*>(in), static_cast<char*>(out), call.count,
                                             call.root, call.displs});
-  if (views) coll::resolve(*task, *views, dtype_size(call.dt));
+  if (views) coll::resolve(*task, *views);
   req->engine_ = engine_;
   req->driver_ = !task->exclusive && task->lanes.size() == 1 ? engine_->worker_of(task->lanes[0].stream) : -1;
   std::lock_guard lock(submit_mu_);  // numbers and queue order agree

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/frame.h"
 #include "ranks.h"
 #include "smartcoll/comm.h"
 
@@ -74,6 +75,60 @@ TEST(ListCollectives, AllreduceMatchesFusedCall) {
   allreduce_matches_fused<float>(DataType::f32, ReduceOp::avg);
   allreduce_matches_fused<double>(DataType::f64, ReduceOp::max);
   allreduce_matches_fused<int32_t>(DataType::i32, ReduceOp::sum);
+}
+
+TEST(Frame, PartialTransfersResumeInsideAPiece) {
+  // A message of a header and 300 pieces, moved in parts of random sizes (what the kernel takes per system call):
+  // every call's iovecs must continue the message exactly where the last one stopped.
+  std::mt19937 gen(11);
+  std::vector<char> memory(1 << 20);
+  std::vector<iovec> pieces;
+  std::vector<const char*> stream;  // the address of every byte of the message, in order
+  Descriptor header{};
+  for (size_t i = 0; i < sizeof header; ++i) stream.push_back(reinterpret_cast<const char*>(&header) + i);
+  for (size_t at = 0; pieces.size() < 300; at += 2 * 1024) {
+    const size_t len = 1 + gen() % 1024;
+    pieces.push_back({memory.data() + at, len});
+    for (size_t i = 0; i < len; ++i) stream.push_back(memory.data() + at + i);
+  }
+  Op op;
+  op.pieces = pieces.data();
+  op.npieces = static_cast<uint32_t>(pieces.size());
+  op.len = stream.size() - sizeof header;
+  PieceCursor cursor;
+  size_t done = 0, calls = 0;
+  while (done < stream.size()) {
+    iovec iov[kMaxIov + 1];
+    const int n = frame(iov, &header, sizeof header, op, done, cursor);
+    ASSERT_GT(n, 0);
+    ASSERT_LE(n, kMaxIov + 1);
+    size_t pos = done;
+    for (int k = 0; k < n; ++k)
+      for (size_t b = 0; b < iov[k].iov_len; ++b, ++pos)
+        ASSERT_EQ(static_cast<const char*>(iov[k].iov_base) + b, stream[pos]) << "call " << calls << " byte " << pos;
+    done += 1 + gen() % std::min<size_t>(pos - done, 700);  // the kernel moves part of what was offered
+    ++calls;
+  }
+  EXPECT_GT(calls, 100u);
+}
+
+TEST(ListCollectives, ManyTinyEntriesInLargeSegments) {
+  // Segments spanning thousands of entries: one message gathers or scatters more pieces than one system call
+  // takes.
+  std::vector<size_t> counts;
+  std::mt19937 gen(5);
+  for (int i = 0; i < 3000; ++i) counts.push_back(gen() % 40);
+  counts.insert(counts.begin() + 1000, 700000);
+  counts.push_back(300001);
+  for (Algorithm algo : {Algorithm::ring, Algorithm::rhd})
+    run_ranks(3, [&](Communicator& comm) {
+      auto list = random_list<float>(counts, 1, 400 + comm.rank());
+      std::vector<float> fused = concat(list);
+      comm.allreduce(fused.data(), fused.data(), fused.size(), DataType::f32, ReduceOp::sum, algo)->wait();
+      std::vector<void*> bufs = pointers(list);
+      comm.allreduce(bufs, counts, DataType::f32, ReduceOp::sum, algo)->wait();
+      expect_bitwise(concat(list), fused, "many tiny entries, " + std::string(algorithm_name(algo)));
+    }, test_options({{"segment_size", "8388608"}}));  // one message spans thousands of entries
 }
 
 TEST(ListCollectives, CodecsMatchFusedCalls) {
