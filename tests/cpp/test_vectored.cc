@@ -131,6 +131,21 @@ TEST(ListCollectives, ManyTinyEntriesInLargeSegments) {
     }, test_options({{"segment_size", "8388608"}}));  // one message spans thousands of entries
 }
 
+TEST(ListCollectives, HierarchicalAllreduceMatchesFusedCall) {
+  // 2 hosts x 2 ranks (the host knob): reduce-scatter per host, allreduce across hosts, allgather per host.
+  const std::vector<std::string> host_of = {"a", "b", "a", "b"};
+  harness::run_threads(4, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 4, std::move(store),
+                      test_options({{"host", host_of[static_cast<size_t>(r)]}, {"segment_size", "256"}}));
+    auto list = random_list<float>(kCounts, 1, 500 + r);
+    std::vector<float> fused = concat(list);
+    comm.allreduce(fused.data(), fused.data(), fused.size(), DataType::f32, ReduceOp::sum, Algorithm::hier)->wait();
+    std::vector<void*> bufs = pointers(list);
+    comm.allreduce(bufs, kCounts, DataType::f32, ReduceOp::sum, Algorithm::hier)->wait();
+    expect_bitwise(concat(list), fused, "hier rank " + std::to_string(r));
+  });
+}
+
 TEST(ListCollectives, CodecsMatchFusedCalls) {
   // Codec blocks (32 floats) straddle the list's buffers: those steps go through a segment's staging.
   for (int n : {2, 3})
