@@ -2,18 +2,18 @@
 //
 // A view reserves an address range as long as the list (PROT_NONE: nothing is ever read or written there) and
 // hands its start to an algorithm as if it were a buffer. Once the schedule is built, resolve() rewrites every
-// send, receive, reduction and copy that points into a view so that it points at the list's own buffers instead,
-// cutting an op that spans several of them into one op per piece. A stream carries bytes, not messages, so the
-// sender may cut a range differently from the receiver. No algorithm knows about lists; none copies them into
-// one buffer. An algorithm that touched a view from a compute (codecs, the switch, the same-host path) would
-// fault on the reserved range rather than read stray memory: list calls never choose those (the codec steps of
-// the ring, which address views through gather_range and write_range, excepted).
+// send, receive and copy that points into a view so that it points at the list's own buffers instead (a message
+// over several of them gathers or scatters its pieces in one system call), and after_receive applies reductions
+// piece by piece. No algorithm knows about lists; none copies them into one buffer. An algorithm that touched a
+// view from a compute (the switch, the same-host path, the codecs' owner mode) would fault on the reserved range
+// rather than read stray memory: list calls never choose those (the ring's codec steps, which address views
+// through gather_range and write_range, excepted).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <algorithm>
 #include <span>
 #include <utility>
 #include <vector>

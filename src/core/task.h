@@ -6,9 +6,9 @@
 // and, within a call, in the lane's order: both ends of a channel see the same sequence of message sizes.
 #pragma once
 
-#include <atomic>
 #include <sys/uio.h>
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
