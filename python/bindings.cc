@@ -9,11 +9,13 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "codec_bindings.h"
 #include "model_bindings.h"
 
+#include "coll/segmented.h"
 #include "coll/table.h"
 
 #include "smartcoll/comm.h"
@@ -137,6 +139,15 @@ NB_MODULE(_core, m) {
              all += ", " + std::string(algorithm_name(a.algo));
            return all;
          }()},
+        {"collectives", [] {  // each with its algorithms (coll/table.cc)
+           std::string all;
+           for (int c = 0; c < kCollectives; ++c) {
+             all += (c ? "; " : "") + std::string(collective_name(static_cast<Collective>(c))) + ":";
+             for (const coll::AlgorithmInfo& a : coll::algorithms(static_cast<Collective>(c)))
+               all += " " + std::string(algorithm_name(a.algo));
+           }
+           return all;
+         }()},
         {"transports", "tcp, cma (same host), udp (switch protocol)"},
         {"codecs", [] {
            std::string all;
@@ -158,6 +169,22 @@ NB_MODULE(_core, m) {
     nb::gil_scoped_release release;
     reduce(d.dtype, parse_op(op), d.data, x.data, y.data, d.count);
   }, "dst = a op b with the engine's kernels (for tests and benchmarks).");
+  m.def("time_copy_view", [](Array base, nb::ndarray<const uint64_t, nb::ndim<1>, nb::device::cpu> offsets,
+                             nb::ndarray<const uint64_t, nb::ndim<1>, nb::device::cpu> sizes, Array packed, bool gather,
+                             int repeat) {
+    size_t total = 0;
+    bool inside = offsets.size() == sizes.size();
+    for (size_t k = 0; inside && k < offsets.size(); ++k) {
+      inside = offsets(k) <= base.nbytes() && sizes(k) <= base.nbytes() - offsets(k);
+      total += sizes(k);
+    }
+    if (!inside || total > packed.nbytes())
+      throw nb::value_error("time_copy_view: every piece must lie inside base and their sizes fit in packed");
+    const coll::CopyTimes t = coll::time_copy_view(static_cast<char*>(base.data()), {offsets.data(), offsets.size()},
+                                                   {sizes.data(), sizes.size()}, static_cast<char*>(packed.data()),
+                                                   gather, repeat);
+    return std::map<std::string, double>{{"segmented", t.segmented}, {"memcpy", t.memcpy}};
+  }, "Best seconds of the engine's gather (or scatter) of pieces and of one memcpy of the same bytes.");
   m.def("dtype_size", [](const std::string& name) { return dtype_size(parse_dtype(name)); });
 
   nb::class_<Store>(m, "Store");
@@ -355,6 +382,33 @@ NB_MODULE(_core, m) {
         return c.alltoall(i.data, o.data, i.count / static_cast<size_t>(c.size()), i.dtype);
       })
       .def("barrier", [](Communicator& c) { return c.barrier(); })
+      // List forms and alltoallv (docs/vectored.md): addresses and counts, which smartcoll._vectored takes from
+      // the arrays it checked and keeps alive.
+      .def("list_call", [](Communicator& c, const std::string& collective, const std::vector<uintptr_t>& ins,
+                           const std::vector<uintptr_t>& outs, const std::vector<size_t>& counts,
+                           const std::string& dtype, const std::string& op, const std::string& algo, int root,
+                           const std::string& codec) {
+        std::vector<void*> o(outs.size());
+        std::vector<const void*> i(ins.size());
+        std::transform(outs.begin(), outs.end(), o.begin(), [](uintptr_t a) { return reinterpret_cast<void*>(a); });
+        std::transform(ins.begin(), ins.end(), i.begin(), [](uintptr_t a) { return reinterpret_cast<void*>(a); });
+        const DataType dt = parse_dtype(dtype);
+        if (collective == "allreduce")
+          return c.allreduce(o, counts, dt, parse_op(op), parse_algorithm(algo, Collective::allreduce),
+                             parse_codec(codec));
+        if (collective == "broadcast") return c.broadcast(o, counts, dt, root, parse_algorithm(algo, Collective::broadcast));
+        if (collective == "reduce_scatter")
+          return c.reduce_scatter(i, o, counts, dt, parse_op(op), parse_algorithm(algo, Collective::reduce_scatter),
+                                  parse_codec(codec));
+        if (collective == "allgather") return c.allgather(i, o, counts, dt, parse_algorithm(algo, Collective::allgather));
+        throw nb::value_error(("no list form of '" + collective + "'").c_str());
+      })
+      .def("alltoallv", [](Communicator& c, InArray in, Array out, const std::vector<size_t>& sendcounts,
+                           const std::vector<size_t>& sdispls, const std::vector<size_t>& recvcounts,
+                           const std::vector<size_t>& rdispls) {
+        Buffer i = buffer(in), o = buffer(out);
+        return c.alltoallv(i.data, sendcounts, sdispls, o.data, recvcounts, rdispls, i.dtype);
+      })
       .def("close", [](Communicator& c) {
         nb::gil_scoped_release release;
         c.close();

@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -41,9 +42,15 @@ struct Path;
 namespace nicd {
 class Client;
 }
+namespace coll {
+struct Views;
+struct Displacements;
+}  // namespace coll
 
-enum class Collective : uint8_t { allreduce, reduce_scatter, allgather, broadcast, reduce, alltoall, barrier };
-inline constexpr int kCollectives = 7;
+enum class Collective : uint8_t {
+  allreduce, reduce_scatter, allgather, broadcast, reduce, alltoall, barrier, alltoallv
+};
+inline constexpr int kCollectives = 8;
 enum class Algorithm : uint8_t {
   automatic, ring, rhd, chain, direct, local, cma, tree, rd, bruck, dissemination, hier, switch_
 };
@@ -121,6 +128,30 @@ class Communicator {
                                     Algorithm algo = Algorithm::automatic);
   std::shared_ptr<Request> barrier(Algorithm algo = Algorithm::automatic);
 
+  // Lists of buffers (docs/vectored.md), all of dtype dt: one call, one pipeline over the whole list, each buffer
+  // read and written where it is (no copy into one buffer). counts[i]: elements of list entry i. Every rank must
+  // pass lists of the same counts (checked). The same-host path is not used. Codecs as for one buffer, in
+  // codec_mode hop only (allreduce, reduce_scatter).
+  std::shared_ptr<Request> allreduce(std::span<void* const> bufs, std::span<const size_t> counts, DataType dt,
+                                     ReduceOp op, Algorithm algo = Algorithm::automatic,
+                                     std::optional<Codec> codec = std::nullopt);  // in place
+  // ins[i]: size * counts[i] elements; outs[i]: counts[i] (this rank's block of ins[i], reduced).
+  std::shared_ptr<Request> reduce_scatter(std::span<const void* const> ins, std::span<void* const> outs,
+                                          std::span<const size_t> counts, DataType dt, ReduceOp op,
+                                          Algorithm algo = Algorithm::automatic,
+                                          std::optional<Codec> codec = std::nullopt);
+  // ins[i]: counts[i] elements; outs[i]: size * counts[i], rank j's block at j * counts[i].
+  std::shared_ptr<Request> allgather(std::span<const void* const> ins, std::span<void* const> outs,
+                                     std::span<const size_t> counts, DataType dt,
+                                     Algorithm algo = Algorithm::automatic);
+  std::shared_ptr<Request> broadcast(std::span<void* const> bufs, std::span<const size_t> counts, DataType dt,
+                                     int root, Algorithm algo = Algorithm::automatic);
+  // Block j of in (sendcounts[j] elements at sdispls[j]) goes to rank j, whose block from this rank lands at
+  // rdispls[i] of its out. Rank i's sendcounts[j] must equal rank j's recvcounts[i] (checked: the call fails).
+  std::shared_ptr<Request> alltoallv(const void* in, std::span<const size_t> sendcounts,
+                                     std::span<const size_t> sdispls, void* out, std::span<const size_t> recvcounts,
+                                     std::span<const size_t> rdispls, DataType dt);
+
   // The codec a call uses: `requested`, or the knob's where it applies; identity means raw elements.
   // op: nullopt for collectives that do not reduce (allgather).
   Codec choose_codec(DataType dt, std::optional<ReduceOp> op, const std::optional<Codec>& requested) const;
@@ -151,8 +182,15 @@ class Communicator {
     int root;
     size_t count;
     Codec codec;
+    uint32_t layout = 0;  // list calls: a digest of the list's counts, compared across ranks with the call
+    const coll::Displacements* displs = nullptr;  // alltoallv
   };
-  std::shared_ptr<Request> submit(const Call& call, const void* in, void* out);
+  // views: the segmented views (list calls) that in and out point into.
+  std::shared_ptr<Request> submit(const Call& call, const void* in, void* out,
+                                  std::shared_ptr<const coll::Views> views = nullptr);
+  // A list call: in and out as views of these buffers (docs/vectored.md).
+  std::shared_ptr<Request> submit_list(Call call, const std::vector<std::pair<const void*, size_t>>& in,
+                                       const std::vector<std::pair<const void*, size_t>>& out);
   void check_usable();                           // not closed, not a forked child's copy
   void check_buffers(const Call& call, const void* in, const void* out) const;
   void check_one_poster();  // submit_mu_ held

@@ -67,6 +67,12 @@ def _check_pair(x: Any, out: Any, ratio_out: float, collective: str) -> None:
         )
 
 
+def _vectored() -> Any:
+    from . import _vectored as module  # imports this module: loaded on first use
+
+    return module
+
+
 class Request:
     """A collective in progress. test() never blocks; wait() returns the result or raises CommError."""
 
@@ -164,10 +170,13 @@ class Communicator:
 
     # `codec` (allreduce, reduce_scatter, allgather): wire format for float32 data (smartcoll.codec.formats());
     # None: the `codec` knob where it applies (float32 with sum or avg).
+    # A list of arrays instead of x (and of out) runs one call over the whole list (docs/vectored.md).
 
     def iallreduce(
         self, x: Any, op: str = "sum", out: Any = None, algo: Optional[str] = None, codec: Optional[str] = None
     ) -> Request:
+        if isinstance(x, (list, tuple)):
+            return _vectored().iallreduce(self, x, op, out, algo, codec)
         _check_array(x, "x", writable=out is None)
         out = x if out is None else out
         _check_pair(x, out, 1, "allreduce")
@@ -175,16 +184,22 @@ class Communicator:
         return Request(req, out, (x, out), self._core)
 
     def ireduce_scatter(self, x: Any, out: Any, op: str = "sum", codec: Optional[str] = None) -> Request:
+        if isinstance(x, (list, tuple)):
+            return _vectored().ireduce_scatter(self, x, out, op, codec)
         _check_array(x, "x")
         _check_pair(x, out, 1 / self.size, "reduce_scatter")
         return Request(self._core.reduce_scatter(x, out, op, codec or ""), out, (x, out), self._core)
 
     def iallgather(self, x: Any, out: Any, codec: Optional[str] = None) -> Request:
+        if isinstance(x, (list, tuple)):
+            return _vectored().iallgather(self, x, out, codec)
         _check_array(x, "x")
         _check_pair(x, out, self.size, "allgather")
         return Request(self._core.allgather(x, out, codec or ""), out, (x, out), self._core)
 
     def ibroadcast(self, x: Any, root: int = 0) -> Request:
+        if isinstance(x, (list, tuple)):
+            return _vectored().ibroadcast(self, x, root)
         _check_array(x, "x", writable=True)
         return Request(self._core.broadcast(x, root), x, (x,), self._core)
 
@@ -206,6 +221,14 @@ class Communicator:
         if out is x:
             raise ValueError("alltoall cannot run in place: pass a separate out array")
         return Request(self._core.alltoall(x, out), out, (x, out), self._core)
+
+    def ialltoallv(
+        self, x: Any, out: Any, send_counts: Any, recv_counts: Any, send_displs: Any = None, recv_displs: Any = None
+    ) -> Request:
+        """Block j of x (send_counts[j] elements at send_displs[j]) goes to rank j; rank j's block lands at
+        recv_displs[j] of out. Displacements default to the counts packed in rank order. Rank i's send_counts[j]
+        must equal rank j's recv_counts[i]: otherwise the call fails, naming both."""
+        return _vectored().ialltoallv(self, x, out, send_counts, recv_counts, send_displs, recv_displs)
 
     def ibarrier(self) -> Request:
         return Request(self._core.barrier(), None, (), self._core)
@@ -231,6 +254,11 @@ class Communicator:
 
     def alltoall(self, x: Any, out: Any) -> Any:
         return self.ialltoall(x, out).wait()
+
+    def alltoallv(
+        self, x: Any, out: Any, send_counts: Any, recv_counts: Any, send_displs: Any = None, recv_displs: Any = None
+    ) -> Any:
+        return self.ialltoallv(x, out, send_counts, recv_counts, send_displs, recv_displs).wait()
 
     def barrier(self) -> None:
         self.ibarrier().wait()

@@ -2,16 +2,24 @@
 // listed with what they support and what they cost in coll/table.h, which is what selects among them.
 #pragma once
 
+#include <span>
+
 #include "coll/schedule.h"
 
 namespace smartcoll::coll {
 
 // A call's buffers. Pointers may alias (in == out) wherever the collective allows in-place use.
+// alltoallv's per-rank blocks, in elements.
+struct Displacements {
+  std::span<const size_t> sendcounts, sdispls, recvcounts, rdispls;
+};
+
 struct Args {
   const char* in;
   char* out;
   size_t count;  // elements, as the collective takes them (per rank for reduce_scatter, allgather, alltoall)
   int root;
+  const Displacements* displs = nullptr;  // alltoallv
 };
 
 void allreduce_ring(Builder& b, const Args& a);
@@ -37,6 +45,8 @@ void broadcast_tree(Builder& b, const Args& a);
 void reduce_chain(Builder& b, const Args& a);
 void reduce_tree(Builder& b, const Args& a);
 void alltoall_direct(Builder& b, const Args& a);
+// Every pair at once, each block preceded by its count, which the receiver checks against its own.
+void alltoallv_direct(Builder& b, const Args& a);
 void barrier_dissemination(Builder& b, const Args& a);
 
 }  // namespace smartcoll::coll

@@ -1,7 +1,5 @@
 // Ring allgather: n-1 steps; what a rank receives at step k it forwards at step k+1. With a codec, every block
 // is encoded once by its owner, which also keeps the decoded values so that every rank holds the same ones.
-#include <cstring>
-
 #include "coll/algorithms.h"
 
 namespace smartcoll::coll {
@@ -26,10 +24,7 @@ void allgather_ring(Builder& b, const Args& a) {
     ring(b, n - 1, r, [](int) { return Step::gather; }, ch, {in, acc, enc, false, true}, 1, encoded);
     return;
   }
-  if (mine != in) {
-    const size_t bytes = a.count * esize;
-    b.compute(0, [mine, in, bytes] { std::memcpy(mine, in, bytes); });
-  }
+  if (mine != in) b.copy(0, mine, in, a.count * esize);
   acc[static_cast<size_t>(r)] = const_cast<char*>(in);  // this rank's block is sent from the input
   ring(b, n - 1, r, [](int) { return Step::gather; }, ch, {in, acc, enc, false, true});
 }

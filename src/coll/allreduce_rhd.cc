@@ -1,7 +1,6 @@
 // Recursive halving (reduce-scatter) then recursive doubling (allgather) among the largest power of two p <= n
 // ranks: 2 log2(p) steps, each rank sends about 2x the vector. The first 2(n-p) ranks pair up first: each even
 // one hands its vector to the odd one and gets the result back at the end.
-#include <cstring>
 #include <vector>
 
 #include "coll/algorithms.h"
@@ -21,8 +20,7 @@ Fold fold_in(Builder& b, const Args& a) {
   const int n = b.cx.size, r = b.cx.rank;
   const size_t esize = dtype_size(b.spec.dtype), bytes = a.count * esize;
   char* out = a.out;
-  const char* in = a.in;
-  int32_t ready = out == in ? -1 : b.compute(0, [out, in, bytes] { std::memcpy(out, in, bytes); });
+  int32_t ready = out == a.in ? -1 : b.copy(0, out, a.in, bytes);
   int p = 1;
   while (p * 2 <= n) p *= 2;
   const int extra = n - p;
@@ -114,8 +112,7 @@ void allreduce_rd(Builder& b, const Args& a) {
     }
     if (sum != a.out) {
       done.push_back(last);
-      char* out = a.out;
-      last = b.compute(0, [out, sum, bytes] { std::memcpy(out, sum, bytes); }, {b.join(0, done)});
+      last = b.copy(0, a.out, sum, bytes, {b.join(0, done)});
     }
   }
   fold_out(b, a, f, last);

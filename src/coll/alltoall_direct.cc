@@ -1,7 +1,5 @@
 // Direct alltoall: every pair exchanges its block at once (n-1 sends and receives in flight), which keeps all
 // links busy without the n-1 rounds of a pairwise schedule.
-#include <cstring>
-
 #include "coll/algorithms.h"
 
 namespace smartcoll::coll {
@@ -11,7 +9,7 @@ void alltoall_direct(Builder& b, const Args& a) {
   const size_t blk = a.count * dtype_size(b.spec.dtype);
   char* out = a.out;
   const char* in = a.in;
-  b.compute(0, [out, in, blk, r] { std::memcpy(out + r * blk, in + r * blk, blk); });
+  b.copy(0, out + static_cast<size_t>(r) * blk, in + static_cast<size_t>(r) * blk, blk);
   for (int k = 1; k < n; ++k) {
     const int to = mod(r + k, n), from = mod(r - k, n);
     b.send(0, to, in + static_cast<size_t>(to) * blk, blk);

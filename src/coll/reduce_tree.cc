@@ -1,8 +1,6 @@
 // Binomial-tree reduce (the broadcast tree run backwards): position v adds the partial results of its children
 // v + 2^k, smallest k first, then sends to its parent. log2(n) steps: for small messages. Children's operands go
 // on the right in a fixed order, so the root's result is the same from run to run.
-#include <cstring>
-
 #include "coll/algorithms.h"
 #include "smartcoll/reduce.h"
 
@@ -14,8 +12,7 @@ void reduce_tree(Builder& b, const Args& a) {
   int low = 1;
   while (low < n && !(v & low)) low <<= 1;
   char* acc = v == 0 ? a.out : b.scratch(bytes);
-  const char* in = a.in;
-  int32_t last = acc == in ? -1 : b.compute(0, [acc, in, bytes] { std::memmove(acc, in, bytes); });
+  int32_t last = acc == a.in ? -1 : b.copy(0, acc, a.in, bytes);
   std::vector<int> children;
   for (int mask = 1; mask < low && mask < n; mask <<= 1)
     if (v + mask < n) children.push_back(v + mask);

@@ -1,8 +1,11 @@
 #include "coll/schedule.h"
 
 #include <algorithm>
+#include <cstring>
 #include <map>
+#include <string>
 
+#include "coll/segmented.h"
 #include "core/engine.h"
 #include "smartcoll/reduce.h"
 
@@ -35,7 +38,7 @@ int32_t Builder::add(int stream, Op op, std::initializer_list<int32_t> deps) {
   size_t k = 0;
   for (int32_t d : deps)
     if (d >= 0) op.deps[k++] = d;  // at most two: join() gathers more
-  if (op.kind != Op::Kind::compute) {
+  if (op.kind == Op::Kind::send || op.kind == Op::Kind::recv) {
     uint8_t& said = said_[(static_cast<size_t>(op.peer) * cx.streams + stream) * 2 + (op.kind == Op::Kind::send)];
     op.header = task_.check && !said;
     said = 1;
@@ -77,6 +80,15 @@ int32_t Builder::compute(int stream, std::function<void()> fn, std::initializer_
   return add(stream, op, deps);
 }
 
+int32_t Builder::copy(int stream, char* dst, const char* src, size_t bytes, std::initializer_list<int32_t> deps) {
+  Op op;
+  op.kind = Op::Kind::copy;
+  op.dst = dst;
+  op.local = src;
+  op.len = bytes;
+  return add(stream, op, deps);
+}
+
 int32_t Builder::join(int stream, const std::vector<int32_t>& ops) {
   int32_t last = -1;
   for (int32_t op : ops) last = compute(stream, [] {}, {last, op});
@@ -92,8 +104,10 @@ char* Builder::scratch(size_t bytes) {
   return task_.scratch.back().data();
 }
 
-void after_receive(const void* ctx, const Op& op, const char* data) {
-  const auto& spec = *static_cast<const ReduceSpec*>(ctx);
+namespace {
+
+// A receive's finish step on real addresses.
+void finish_receive(const ReduceSpec& spec, const Op& op, const char* data) {
   const auto* wire = reinterpret_cast<const uint8_t*>(data);
   auto* dst = reinterpret_cast<float*>(op.dst);
   auto* local = reinterpret_cast<const float*>(op.local);
@@ -105,6 +119,15 @@ void after_receive(const void* ctx, const Op& op, const char* data) {
     case kCodecReduce:
     case kCodecReduceShare: codec.decode_add(wire, op.elems, local, dst); break;
     case kCodecDecode: codec.decode(wire, op.elems, dst); break;
+    case kCheckCount: {
+      uint64_t sent;
+      std::memcpy(&sent, data, sizeof sent);
+      if (sent != op.elems)
+        throw CommError("alltoallv: rank " + std::to_string(op.peer) + " sends " + std::to_string(sent) +
+                        " elements to this rank, whose recvcounts[" + std::to_string(op.peer) + "] is " +
+                        std::to_string(op.elems) + "; rank i's sendcounts[j] must equal rank j's recvcounts[i]");
+      break;
+    }
     default: break;
   }
   if (op.divide) scale_divide(spec.dtype, op.dst, op.elems, spec.divisor);
@@ -112,6 +135,34 @@ void after_receive(const void* ctx, const Op& op, const char* data) {
     codec.encode(dst, op.elems, op.enc);
     codec.decode(op.enc, op.elems, dst);
   }
+}
+
+}  // namespace
+
+void after_receive(const void* ctx, const Op& op, const char* data) {
+  const auto& spec = *static_cast<const ReduceSpec*>(ctx);
+  const Views* views = spec.views.get();
+  if (!views) return finish_receive(spec, op, data);
+  // A list call (coll/segmented.h): the operand and the result may lie in its views.
+  const size_t esize = dtype_size(spec.dtype), bytes = op.elems * esize;
+  if (!spec.wire()) {  // raw elements: reduced piece by piece, straight into the list's buffers
+    for_each_run(views, op.dst, op.local, bytes, [&](char* dst, const char* local, size_t off, size_t n) {
+      Op part = op;
+      part.dst = dst;
+      part.local = local;
+      part.elems = n / esize;
+      finish_receive(spec, part, data + off);
+    });
+    return;
+  }
+  // A codec works on whole blocks, which may straddle two buffers: a staging of one segment each.
+  thread_local std::vector<char> local_stage, dst_stage;
+  Op staged = op;
+  staged.local = gather_range(views, op.local, bytes, local_stage);
+  staged.dst = write_range(views, op.dst, bytes, dst_stage);
+  finish_receive(spec, staged, data);
+  if (op.divide || op.finish == kCodecReduce || op.finish == kCodecReduceShare || op.finish == kCodecDecode)
+    scatter_range(views, op.dst, staged.dst, bytes);
 }
 
 namespace {
@@ -217,8 +268,11 @@ RingOps ring(Builder& b, int steps, int first, const std::function<Step(int)>& k
       if (k == 0 && codec && !buf.pre_encoded) {
         const char* values = (kind == Step::gather ? buf.acc[sc] : buf.in + ch.off[sc] * esize) + off * esize;
         uint8_t* to = buf.enc + ch.wire_off[sc] + wire_of(off);
-        dep = b.compute(s, [codec, values, len, to] { codec->encode(reinterpret_cast<const float*>(values), len, to); },
-                        {dep});
+        const Views* views = b.spec.views.get();  // the task keeps them
+        dep = b.compute(s, [codec, values, len, to, views, esize] {
+          thread_local std::vector<char> stage;
+          codec->encode(reinterpret_cast<const float*>(gather_range(views, values, len * esize, stage)), len, to);
+        }, {dep});
       }
       ops.sends.push_back(b.send(s, next, src + wire_of(off), wire_of(len), {dep}));
       ++j;

@@ -27,6 +27,8 @@ struct Path;
 
 namespace smartcoll::coll {
 
+struct Views;
+
 // What a call's algorithm needs to know besides its buffers.
 struct Context {
   int rank, size, streams;
@@ -45,6 +47,7 @@ struct ReduceSpec {
   ReduceOp op;
   int divisor;  // for avg: the world size
   Codec codec;  // identity: elements travel as they are
+  std::shared_ptr<const Views> views = nullptr;  // a list call's (coll/segmented.h), which its codec steps address
   const Codec* wire() const { return codec.kind() == CodecKind::identity ? nullptr : &codec; }
 };
 
@@ -57,6 +60,7 @@ enum Finish : uint8_t {
   kCodecReduce,          // dst = local + decode(received)
   kCodecReduceShare,     // dst = decode(enc = encode(local + decode(received))): the final sum every rank gets
   kCodecDecode,          // dst = decode(received)
+  kCheckCount,           // the received uint64 must equal elems (alltoallv's pairwise counts)
 };
 
 class Builder {
@@ -72,6 +76,9 @@ class Builder {
                Finish finish = kNone, char* dst = nullptr, const char* local = nullptr, size_t elems = 0,
                bool divide = false, uint8_t* enc = nullptr);
   int32_t compute(int stream, std::function<void()> fn, std::initializer_list<int32_t> deps = {});
+  // memmove(dst, src, bytes) as an op: unlike a compute's, its addresses may lie in a segmented view
+  // (coll/segmented.h), which splits it per piece.
+  int32_t copy(int stream, char* dst, const char* src, size_t bytes, std::initializer_list<int32_t> deps = {});
   // A no-op that completes once all of `ops` have (to depend on many ops at once).
   int32_t join(int stream, const std::vector<int32_t>& ops);
   // Memory that lives as long as the task, from the engine's pool.

@@ -95,6 +95,10 @@ constexpr AlgorithmInfo kAlltoallAlgos[] = {
      [](int n) { return n - 1.0; }, none},
     kCmaGather,
 };
+constexpr AlgorithmInfo kAlltoallvAlgos[] = {
+    {Algorithm::direct, "every pair at once, each block after its count (checked by the receiver)", alltoallv_direct,
+     raw_only, [](int) { return 1.0; }, [](int n) { return n - 1.0; }},
+};
 constexpr AlgorithmInfo kBarrierAlgos[] = {
     {Algorithm::dissemination, "dissemination: ceil(log2 n) rounds of one signal each", barrier_dissemination,
      any, [](int n) { return log2n(n); }, none, none},
@@ -111,6 +115,7 @@ std::span<const AlgorithmInfo> algorithms(Collective c) {
     case Collective::reduce: return kReduceAlgos;
     case Collective::alltoall: return kAlltoallAlgos;
     case Collective::barrier: return kBarrierAlgos;
+    case Collective::alltoallv: return kAlltoallvAlgos;
   }
   return {};
 }

@@ -1,6 +1,7 @@
 #include "core/agreement.h"
 
 #include <charconv>
+#include <cstdio>
 #include <map>
 #include <sstream>
 
@@ -78,6 +79,21 @@ Descriptor make_descriptor(Collective coll, DataType dt, ReduceOp op, Algorithm 
           count};
 }
 
+void set_list_layout(Descriptor& d, uint32_t digest) {
+  if (d.coll == static_cast<uint8_t>(Collective::broadcast))
+    d.codec_block = digest;
+  else
+    d.root = digest;
+}
+
+uint32_t list_layout(const Descriptor& d) {
+  const auto coll = static_cast<Collective>(d.coll);
+  if (coll == Collective::broadcast) return static_cast<CodecKind>(d.codec) == CodecKind::identity ? d.codec_block : 0;
+  const bool unrooted = coll == Collective::allreduce || coll == Collective::reduce_scatter ||
+                        coll == Collective::allgather;
+  return unrooted && d.root > 0 ? static_cast<uint32_t>(d.root) : 0;
+}
+
 std::string describe(const Descriptor& d) {
   // Every code is range-checked before it names anything: the bytes came from the network.
   if (d.magic != kDescriptorMagic || d.coll >= kCollectives || d.dtype > static_cast<uint8_t>(DataType::i64) ||
@@ -101,6 +117,11 @@ std::string describe(const Descriptor& d) {
       s += std::string(", codec_mode=") + (d.codec_owner ? "owner" : "hop");
   }
   if (coll == Collective::broadcast || coll == Collective::reduce) s += ", root=" + std::to_string(d.root);
+  if (const uint32_t layout = list_layout(d)) {
+    char digest[16];
+    std::snprintf(digest, sizeof digest, "%08x", layout);
+    s += std::string(", a list of counts digest ") + digest;
+  }
   return s + ")";
 }
 

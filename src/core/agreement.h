@@ -29,6 +29,10 @@ inline constexpr uint32_t kDescriptorMagic = 0x53434433;  // "SCD3"
 
 Descriptor make_descriptor(Collective coll, DataType dt, ReduceOp op, Algorithm algo, int root, size_t count,
                            const Codec& codec, bool codec_owner);
+// List calls (docs/vectored.md) carry a digest of their counts (never 0) where the call has room: in root, which
+// the unrooted collectives leave at -1, and for broadcast (which takes no codec) in codec_block.
+void set_list_layout(Descriptor& d, uint32_t digest);
+uint32_t list_layout(const Descriptor& d);  // 0: not a list call
 // "allreduce(count=10, float32, op=sum, algo=ring)"; a descriptor with a bad magic or codes is named as such.
 std::string describe(const Descriptor& d);
 // What the rank that received `theirs` from `peer` in call `seq` throws. Its handler publishes both descriptors

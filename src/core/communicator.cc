@@ -7,8 +7,10 @@
 #include <random>
 #include <sstream>
 
+#include "coll/segmented.h"
 #include "coll/table.h"
 #include "core/agreement.h"
+#include "core/checks.h"
 #include "core/config.h"
 #include "core/engine.h"
 #include "core/log.h"
@@ -22,7 +24,7 @@ namespace smartcoll {
 
 std::string_view collective_name(Collective c) {
   constexpr std::string_view names[] = {"allreduce", "reduce_scatter", "allgather", "broadcast",
-                                        "reduce",    "alltoall",       "barrier"};
+                                        "reduce",    "alltoall",       "barrier",   "alltoallv"};
   return names[static_cast<int>(c)];
 }
 
@@ -108,20 +110,6 @@ std::string resolve_job_id(const std::string& set, Store& store, int rank, std::
     throw CommError("rank " + std::to_string(rank) + " timed out waiting for rank 0 to publish the job id: is rank 0 "
                     "running, with the same MASTER_ADDR and MASTER_PORT? (SMARTCOLL_CONNECT_TIMEOUT)");
   }
-}
-
-void require(bool ok, const std::string& message) {
-  if (!ok) throw InvalidArgument(message);
-}
-
-void check_op(DataType dt, ReduceOp op) {
-  require(op != ReduceOp::avg || is_floating(dt),
-          "op 'avg' needs a floating-point dtype, got " + std::string(dtype_name(dt)) + "; use 'sum' and divide");
-}
-
-void check_root(int root, int size) {
-  require(root >= 0 && root < size,
-          "root " + std::to_string(root) + " is outside the world of size " + std::to_string(size));
 }
 
 }  // namespace
@@ -421,7 +409,8 @@ void Communicator::check_one_poster() {
   }
 }
 
-std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, void* out) {
+std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, void* out,
+                                              std::shared_ptr<const coll::Views> views) {
   check_usable();
   check_buffers(call, in, out);
   auto req = std::make_shared<Request>();
@@ -451,15 +440,17 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
   task->rank = rank_;
   task->desc = make_descriptor(call.coll, call.dt, call.op, call.algo, call.root, call.count, call.codec,
                                config_->codec_owner);
-  // A barrier's messages are its descriptors: it always sends them.
-  task->check = config_->check || call.coll == Collective::barrier;
+  if (call.layout) set_list_layout(task->desc, call.layout);
+  // A barrier's messages are its descriptors: it always sends them. List calls always compare their layouts.
+  task->check = config_->check || call.coll == Collective::barrier || call.layout;
   task->req = req;
   coll::Context cx{rank_, size_, config_->streams, transport_.get(), cma_.get(), switch_.get(),
                    config_->segment_size, config_->codec_owner, engine_->pool(), &hosts_};
-  auto spec = std::make_shared<const coll::ReduceSpec>(coll::ReduceSpec{call.dt, call.op, size_, call.codec});
+  auto spec = std::make_shared<const coll::ReduceSpec>(coll::ReduceSpec{call.dt, call.op, size_, call.codec, views});
   coll::Builder b(*task, cx, std::move(spec));
   coll::find(call.coll, call.algo).build(b, {static_cast<const char*>(in), static_cast<char*>(out), call.count,
-                                            call.root});
+                                            call.root, call.displs});
+  if (views) coll::resolve(*task, *views);
   req->engine_ = engine_;
   req->driver_ = !task->exclusive && task->lanes.size() == 1 ? engine_->worker_of(task->lanes[0].stream) : -1;
   std::lock_guard lock(submit_mu_);  // numbers and queue order agree

@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "core/agreement.h"
+#include "core/frame.h"
 #include "core/log.h"
 
 namespace smartcoll {
@@ -100,6 +101,7 @@ struct ChannelQueue {
   int peer = 0, stream = 0;
   std::deque<OpRef> sends, recvs;
   size_t sent = 0, received = 0;  // bytes of the head op moved, its header included
+  PieceCursor send_at, recv_at;   // where in the head op's pieces
   Descriptor header{};            // the head receive's header as it arrives
   bool listed = false;
 };
@@ -112,15 +114,6 @@ bool ready(const Lane& lane, const Op& op) {
   for (int32_t d : op.deps)
     if (d >= 0 && !lane.ops[static_cast<size_t>(d)].done) return false;
   return true;
-}
-
-// The rest of a message after `done` of its bytes: the call's header (hlen bytes at `header`), then the op's.
-int frame(iovec* iov, const Descriptor* header, size_t hlen, const Op& op, size_t done) {
-  int n = 0;
-  if (done < hlen) iov[n++] = {const_cast<char*>(reinterpret_cast<const char*>(header)) + done, hlen - done};
-  const size_t body = done > hlen ? done - hlen : 0;
-  if (op.len > body) iov[n++] = {op.buf + body, op.len - body};
-  return n;
 }
 
 std::string describe_waits(const std::vector<ChannelQueue>& chans, const std::vector<int>& active) {
@@ -318,7 +311,7 @@ bool Engine::progress(Worker& w) {
     lane->left = lane->ops.size();
     for (uint32_t i = 0; i < lane->ops.size(); ++i) {
       const Op& op = lane->ops[i];
-      if (op.kind == Op::Kind::compute) {
+      if (op.kind == Op::Kind::compute || op.kind == Op::Kind::copy) {
         lane->computes.push_back(i);
         continue;
       }
@@ -342,6 +335,7 @@ bool Engine::progress(Worker& w) {
       c.sends.clear();
       c.recvs.clear();
       c.sent = c.received = 0;
+      c.send_at = c.recv_at = {};
       c.listed = false;
     }
     w.active.clear();
@@ -368,8 +362,8 @@ bool Engine::progress(Worker& w) {
       Op& op = ref.op();
       if (!ready(*ref.lane, op)) break;
       const size_t hlen = op.header ? kHeader : 0;
-      iovec iov[2];
-      const int n_iov = frame(iov, &c.header, hlen, op, c.received);
+      iovec iov[kMaxIov + 1];
+      const int n_iov = frame(iov, &c.header, hlen, op, c.received, c.recv_at);
       if (n_iov > 0) {
         w.doing = ref.task;
         const size_t n = transport_.recv(c.peer, c.stream, iov, n_iov);
@@ -384,6 +378,7 @@ bool Engine::progress(Worker& w) {
       w.doing = ref.task;
       if (op.finish != 0) ref.lane->after(ref.lane->ctx, op, op.buf);
       c.received = 0;
+      c.recv_at = {};
       OpRef done = ref;
       c.recvs.pop_front();
       finish_op(done);
@@ -393,8 +388,8 @@ bool Engine::progress(Worker& w) {
       Op& op = ref.op();
       if (!ready(*ref.lane, op)) break;
       const size_t hlen = op.header ? kHeader : 0;
-      iovec iov[2];
-      const int n_iov = frame(iov, &ref.task->desc, hlen, op, c.sent);
+      iovec iov[kMaxIov + 1];
+      const int n_iov = frame(iov, &ref.task->desc, hlen, op, c.sent, c.send_at);
       if (n_iov > 0) {
         w.doing = ref.task;
         const size_t n = transport_.send(c.peer, c.stream, iov, n_iov);
@@ -404,6 +399,7 @@ bool Engine::progress(Worker& w) {
         if (c.sent < hlen + op.len) continue;
       }
       c.sent = 0;
+      c.send_at = {};
       OpRef done = ref;
       c.sends.pop_front();
       finish_op(done);
@@ -421,7 +417,11 @@ bool Engine::progress(Worker& w) {
       Op& op = lane->ops[lane->computes[lane->next_compute]];
       if (!ready(*lane, op)) break;
       w.doing = task;
-      task->computes[op.compute]();
+      if (op.kind == Op::Kind::copy) {
+        if (op.len) std::memmove(op.dst, op.local, op.len);
+      } else {
+        task->computes[op.compute]();
+      }
       ++lane->next_compute;
       op.done = true;
       --lane->left;

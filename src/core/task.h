@@ -6,8 +6,11 @@
 // and, within a call, in the lane's order: both ends of a channel see the same sequence of message sizes.
 #pragma once
 
+#include <sys/uio.h>
+
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -34,7 +37,8 @@ struct Descriptor {
 static_assert(sizeof(Descriptor) == 32, "the descriptor is a wire format: no padding");
 
 struct Op {
-  enum class Kind : uint8_t { send, recv, compute };
+  // copy: len bytes from `local` to `dst` (memmove), a compute whose addresses a schedule can still rewrite
+  enum class Kind : uint8_t { send, recv, compute, copy };
   Kind kind = Kind::send;
   bool header = false;  // send: the call's descriptor goes first; recv: it comes first and is checked
   bool divide = false;  // recv: avg divides by the world size after this reduction (read by Lane::after)
@@ -43,6 +47,10 @@ struct Op {
   int32_t deps[2] = {-1, -1};  // ops of the same lane that must be done before this one starts
   char* buf = nullptr;         // send: bytes to send; recv: where they land
   size_t len = 0;
+  // Instead of buf: len bytes in these pieces, in order (one message gathered from, or scattered into, several
+  // buffers of a list call: coll/segmented.h). They live in Task::piece_lists.
+  const iovec* pieces = nullptr;
+  uint32_t npieces = 0;
   // Operands of Lane::after: where the result goes, the local operand, the encoded copy, elements.
   char* dst = nullptr;
   const char* local = nullptr;
@@ -87,6 +95,7 @@ struct Task {
   std::vector<Lane> lanes;
   std::vector<std::function<void()>> computes;
   std::vector<Scratch> scratch;
+  std::deque<std::vector<iovec>> piece_lists;  // Op::pieces
   std::shared_ptr<const void> state;  // what lanes and computes point into (reduction spec, codec)
   // Runs alone, with no other call in flight and nothing else using the channels (the same-host path, which
   // drives its own control messages); when set, lanes is empty.

@@ -9,6 +9,7 @@ for the test to judge.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import faulthandler
@@ -123,6 +124,28 @@ def check_collectives(c: Checks, gloo: Any) -> None:
         return torch.cat(xs)
 
     c.both("all_reduce_coalesced", gloo, coalesced)
+
+    # torch's coalescing manager: list calls here, one call per tensor on gloo (mixed sizes, an empty one)
+    sizes = (5, 0, 1003, 2)
+
+    def manager_gather(g: Any, coalesce: bool) -> torch.Tensor:
+        xs = [data(r, (k, 2), torch.float32, seed=k + 40) for k in sizes]
+        outs = [torch.empty((n * k, 2)) for k in sizes]
+        with dist._coalescing_manager(group=g) if coalesce else contextlib.nullcontext():
+            for out, x in zip(outs, xs):
+                dist.all_gather_into_tensor(out, x, group=g)
+        return torch.cat([o.reshape(-1) for o in outs])
+
+    def manager_scatter(g: Any, coalesce: bool) -> torch.Tensor:
+        xs = [data(r, (n * k,), torch.float32, seed=k + 50) for k in sizes]
+        outs = [torch.empty(k) for k in sizes]
+        with dist._coalescing_manager(group=g) if coalesce else contextlib.nullcontext():
+            for out, x in zip(outs, xs):
+                dist.reduce_scatter_tensor(out, x, group=g)
+        return torch.cat(outs)
+
+    c.same("all_gather_into_tensor coalesced", manager_gather(None, True), manager_gather(gloo, False))
+    c.same("reduce_scatter_tensor coalesced", manager_scatter(None, True), manager_scatter(gloo, False))
     x = data(r, (5, 7), torch.float32, seed=8, integers=False)
     c.both("all_reduce SUM float32 2-D", gloo, lambda g: reduced(x, R.SUM, g), exact=False)
     z = torch.complex(data(r, (9,), torch.float32, 9), data(r, (9,), torch.float32, 10))

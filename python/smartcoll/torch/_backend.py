@@ -46,6 +46,15 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in _ENGINE_DTYPES else t.view(torch.uint8)
 
 
+def _by_dtype(tensors: list, indices: bool = False) -> list[list]:
+    """The tensors (or their indices) grouped by dtype, in order of first appearance: a list call takes one dtype,
+    and every rank groups its (alike) lists alike."""
+    groups: dict[torch.dtype, list] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i if indices else t)
+    return list(groups.values())
+
+
 def _reduction(op: Any) -> tuple[str, Optional[float]]:
     """The engine's op for a torch ReduceOp, and the PREMUL_SUM factor (None for the others)."""
     kind = op.op if hasattr(op, "op") else op
@@ -143,13 +152,35 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
         return self._post(call, [self.comm.iallreduce(src, op, out=buf)], lambda: [t])
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> Work:
+        """One list allreduce per dtype (docs/vectored.md): the tensors are reduced where they are, no fusion."""
         call = _Call("allreduce_coalesced")
         op, factor = _reduction(opts.reduceOp if opts else dist.ReduceOp.SUM)
-        requests = []
-        for t in tensors:
-            buf = call.output(t, initial=True)
-            requests.append(self.comm.iallreduce(buf if factor is None else buf * factor, op, out=buf))
+        bufs = [call.output(t, initial=True).reshape(-1) for t in tensors]
+        if factor is not None:
+            for buf in bufs:
+                buf.mul_(factor)  # in place: the buffers are the outputs (host copies for CUDA tensors)
+        requests = [self.comm.iallreduce(group, op) for group in _by_dtype(bufs)]
         return self._post(call, requests, lambda: list(tensors))
+
+    def all_gather_single_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> Work:
+        """all_gather_into_tensor of several tensors (torch's coalescing manager): one list allgather per dtype."""
+        call = _Call("all_gather_into_tensor_coalesced")
+        outs = [_flat(call.output(t)) for t in outputs]
+        ins = [_flat(call.input(t)) for t in inputs]
+        requests = [self.comm.iallgather([ins[i] for i in group], [outs[i] for i in group])
+                    for group in _by_dtype(ins, indices=True)]
+        return self._post(call, requests, lambda: list(outputs))
+
+    def reduce_scatter_single_coalesced(self, outputs: list, inputs: list, opts: Any) -> Work:
+        """reduce_scatter_tensor of several tensors (torch's coalescing manager): one list call per dtype."""
+        call = _Call("reduce_scatter_tensor_coalesced")
+        op, factor = _reduction(opts.reduceOp)
+        ins = [call.input(t).reshape(-1) for t in inputs]
+        ins = ins if factor is None else [x * factor for x in ins]
+        outs = [call.output(t).reshape(-1) for t in outputs]
+        requests = [self.comm.ireduce_scatter([ins[i] for i in group], [outs[i] for i in group], op)
+                    for group in _by_dtype(ins, indices=True)]
+        return self._post(call, requests, lambda: list(outputs))
 
     def broadcast(self, tensors: list, opts: Any) -> Work:
         t = _one(tensors, "broadcast")
@@ -237,31 +268,14 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
 
     def _alltoallv(self, call: _Call, x: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int],
                    finish: Callable[[], Any]) -> Work:
-        """alltoall of flat host tensors with per-peer element counts. The engine moves equal blocks, so every
-        block is padded to the largest of any rank: one more allreduce finds it, as equal counts on this rank
-        say nothing of the others'."""
+        """alltoall of flat host tensors with per-peer element counts (the engine's alltoallv, which checks that
+        every pair of ranks agrees on the counts between them)."""
         if len(send) != self.size() or len(recv) != self.size():
             raise ValueError(f"smartcoll all_to_all: {len(send)} input and {len(recv)} output splits for a group "
                              f"of {self.size()}")
         if sum(send) != x.numel() or sum(recv) != out.numel():
             raise ValueError("smartcoll all_to_all: the split sizes do not add up to the tensors' sizes")
-        largest = torch.tensor([max(send + recv)], dtype=torch.int64)
-        self.comm.allreduce(largest, "max")
-        block = int(largest)
-        padded_in = x if send == [block] * self.size() else x.new_zeros(self.size() * block)
-        if padded_in is not x:
-            for dst, part in zip(padded_in.split(block), x.split(send)):
-                dst[: part.numel()].copy_(part)
-        padded_out = out if recv == [block] * self.size() else out.new_empty(self.size() * block)
-        request = self.comm.ialltoall(padded_in, padded_out)
-
-        def unpack() -> Any:
-            if padded_out is not out:
-                for src, dst in zip(padded_out.split(block), out.split(recv)):
-                    dst.copy_(src[: dst.numel()])
-            return finish()
-
-        return self._post(call, [request], unpack)
+        return self._post(call, [self.comm.ialltoallv(x, out, send, recv)], finish)
 
     def gather(self, output_lists: list, inputs: list, opts: Any) -> Work:
         """Through allgather: every rank receives every block, the root keeps them."""

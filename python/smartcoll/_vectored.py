@@ -1,0 +1,127 @@
+"""List collectives and alltoallv (docs/vectored.md): argument checks and the addresses the core takes.
+
+A list call runs as one collective over the whole list, reading and writing every array where it is. All arrays
+of one list call share one dtype: a list that mixes dtypes is refused, naming the first entry that differs (make
+one call per dtype). allreduce and reduce_scatter lists take codecs (codec_mode hop); allgather lists travel raw.
+The Request keeps every array alive until the call is done."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from ._comm import Request, _check_array, _dtype, _is_torch, _numel
+
+
+def _address(x: Any) -> int:
+    return int(x.ctypes.data) if isinstance(x, np.ndarray) else int(x.data_ptr())
+
+
+def _check_list(xs: Sequence[Any], what: str, collective: str, writable: bool, dtype: Optional[str] = None) -> str:
+    """Checks every entry; returns the list's dtype."""
+    if not isinstance(xs, (list, tuple)):
+        raise TypeError(f"{collective}: {what} must be a list of arrays like the input list, got {type(xs).__name__}")
+    if xs and not any(isinstance(x, np.ndarray) or _is_torch(x) for x in xs):  # plain Python data, not a list call
+        raise TypeError(
+            f"{collective}: {what} must be a NumPy array or a CPU torch tensor, got {type(xs).__name__} of "
+            f"{type(xs[0]).__name__}; wrap Python data with numpy.asarray() (or pass a list of arrays)"
+        )
+    first = None  # the first entry's dtype object: comparing those is cheap, their names only when they differ
+    for i, x in enumerate(xs):
+        if not (type(x) is np.ndarray and x.flags.c_contiguous and (x.flags.writeable or not writable)):
+            _check_array(x, f"{what}[{i}]", writable=writable)
+        if first is None:
+            first = x.dtype
+            dtype = dtype or _dtype(x)
+        if (x.dtype != first or i == 0) and _dtype(x) != dtype:
+            raise TypeError(
+                f"{collective}: {what}[{i}] has dtype {_dtype(x)} but the list's first entry has {dtype}; a list "
+                "call takes one dtype: make one call per dtype"
+            )
+    return dtype or "float32"
+
+
+def _check_lengths(xs: Sequence[Any], outs: Sequence[Any], ratio: float, collective: str) -> list[int]:
+    if len(outs) != len(xs):
+        raise ValueError(f"{collective}: {len(xs)} inputs but {len(outs)} outputs; pass one output per input")
+    for i, (x, out) in enumerate(zip(xs, outs)):
+        if _numel(out) != _numel(x) * ratio:
+            raise ValueError(
+                f"{collective}: out[{i}] has {_numel(out)} elements, expected {int(_numel(x) * ratio)} "
+                f"(x[{i}] has {_numel(x)})"
+            )
+    return [_numel(out) for out in outs]
+
+
+def iallreduce(comm: Any, xs: Sequence[Any], op: str, out: Any, algo: Optional[str], codec: Optional[str]) -> Request:
+    if out is not None:
+        raise ValueError("allreduce of a list works in place: leave out unset")
+    dtype = _check_list(xs, "x", "allreduce", writable=True)
+    counts = [_numel(x) for x in xs]
+    req = comm._core.list_call("allreduce", [], [_address(x) for x in xs], counts, dtype, op, algo or "auto", -1,
+                               codec or "")
+    return Request(req, xs, tuple(xs), comm._core)
+
+
+def ibroadcast(comm: Any, xs: Sequence[Any], root: int) -> Request:
+    dtype = _check_list(xs, "x", "broadcast", writable=True)
+    counts = [_numel(x) for x in xs]
+    req = comm._core.list_call("broadcast", [], [_address(x) for x in xs], counts, dtype, "sum", "auto", root, "")
+    return Request(req, xs, tuple(xs), comm._core)
+
+
+def ireduce_scatter(comm: Any, xs: Sequence[Any], outs: Sequence[Any], op: str, codec: Optional[str]) -> Request:
+    dtype = _check_list(xs, "x", "reduce_scatter", writable=False)
+    _check_list(outs, "out", "reduce_scatter", writable=True, dtype=dtype)
+    for i, x in enumerate(xs):
+        if _numel(x) % comm.size:
+            raise ValueError(f"reduce_scatter: x[{i}] has {_numel(x)} elements, not a multiple of {comm.size} ranks")
+    counts = _check_lengths(xs, outs, 1 / comm.size, "reduce_scatter")
+    req = comm._core.list_call("reduce_scatter", [_address(x) for x in xs], [_address(o) for o in outs], counts, dtype,
+                               op, "auto", -1, codec or "")
+    return Request(req, outs, (tuple(xs), tuple(outs)), comm._core)
+
+
+def iallgather(comm: Any, xs: Sequence[Any], outs: Sequence[Any], codec: Optional[str]) -> Request:
+    if codec:
+        raise ValueError(f"allgather: a list call takes no codec (got '{codec}'); call it without one")
+    dtype = _check_list(xs, "x", "allgather", writable=False)
+    _check_list(outs, "out", "allgather", writable=True, dtype=dtype)
+    _check_lengths(xs, outs, comm.size, "allgather")
+    req = comm._core.list_call("allgather", [_address(x) for x in xs], [_address(o) for o in outs],
+                               [_numel(x) for x in xs], dtype, "sum", "auto", -1, "")
+    return Request(req, outs, (tuple(xs), tuple(outs)), comm._core)
+
+
+def _displacements(counts: Sequence[int], displs: Optional[Sequence[int]], what: str, size: int) -> list[int]:
+    counts = [int(c) for c in counts]
+    if len(counts) != size or any(c < 0 for c in counts):
+        raise ValueError(f"alltoallv: {what} counts must be {size} non-negative integers (one per rank), got {counts}")
+    if displs is None:
+        return [sum(counts[:j]) for j in range(size)]
+    displs = [int(d) for d in displs]
+    if len(displs) != size or any(d < 0 for d in displs):
+        raise ValueError(f"alltoallv: {what} displacements must be {size} non-negative integers, got {displs}")
+    return displs
+
+
+def ialltoallv(comm: Any, x: Any, out: Any, send_counts: Sequence[int], recv_counts: Sequence[int],
+               send_displs: Optional[Sequence[int]], recv_displs: Optional[Sequence[int]]) -> Request:
+    _check_array(x, "x")
+    _check_array(out, "out", writable=True)
+    if _dtype(x) != _dtype(out):
+        raise TypeError(f"alltoallv: out has dtype {_dtype(out)} but x has {_dtype(x)}; they must match")
+    if out is x:
+        raise ValueError("alltoallv cannot run in place: pass a separate out array")
+    sd = _displacements(send_counts, send_displs, "send", comm.size)
+    rd = _displacements(recv_counts, recv_displs, "recv", comm.size)
+    for what, arr, counts, displs in (("x", x, send_counts, sd), ("out", out, recv_counts, rd)):
+        for j, (c, d) in enumerate(zip(counts, displs)):
+            if c and d + int(c) > _numel(arr):
+                raise ValueError(
+                    f"alltoallv: the block for rank {j} ({int(c)} elements at {d}) runs past the end of {what} "
+                    f"({_numel(arr)} elements)"
+                )
+    req = comm._core.alltoallv(x, out, [int(c) for c in send_counts], sd, [int(c) for c in recv_counts], rd)
+    return Request(req, out, (x, out), comm._core)

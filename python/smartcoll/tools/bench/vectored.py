@@ -1,0 +1,199 @@
+"""Vectored collectives and the engine's gather/scatter (docs/vectored.md).
+
+    smartcoll bench list [-n 2] [--tensors 200] [--total 64M] [--iters 5] [--algo ring] [--cluster NAME] [--json F]
+
+A DDP-like list of float32 tensors of mixed sizes (log-uniform, --total bytes in all), allreduced four ways in
+each iteration, side by side: one list call (comm.allreduce(list)); fuse-copy-allreduce-copy-back (concatenate
+into one buffer, allreduce it, copy every part back); one call per tensor (all posted, then all waited for);
+and one allreduce of a contiguous buffer of the same bytes (the floor). Rank 0's times after a barrier; the
+table shows the median and best of --iters and the algbw (bytes / median time).
+
+    smartcoll bench gather|scatter [--total 64M] [--sizes 32,64,...,4096] [--repeat 5] [--json FILE]
+
+The engine's gather (pieces -> one contiguous buffer) or scatter (the reverse), in one process, as the COPA
+slides measure it: --total bytes in pieces of each size, placed in a region twice as large either in order
+(every other slot: "sequential") or in random slots in random order ("random"), in GB/s next to one memcpy
+of the same bytes between contiguous buffers. The best of --repeat runs after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from .sizes import parse_size
+
+METHODS = ("list", "fuse-copy", "separate", "contiguous")
+
+
+def tensor_sizes(tensors: int, total_bytes: int, seed: int = 0) -> list[int]:
+    """Element counts of `tensors` float32 tensors, log-uniform from 256 to 2M weights, adding up to the total."""
+    rng = np.random.default_rng(seed)
+    raw = np.exp(rng.uniform(np.log(256), np.log(2 << 20), tensors))
+    counts = np.maximum(1, (raw / raw.sum() * (total_bytes // 4)).astype(np.int64))
+    counts[np.argmax(counts)] += total_bytes // 4 - int(counts.sum())
+    return [int(c) for c in counts]
+
+
+def worker(outdir: str, tensors: int, total: int, iters: int) -> int:
+    import smartcoll
+
+    comm = smartcoll.init()
+    xs = [np.ones(k, np.float32) for k in tensor_sizes(tensors, total)]
+    fused = np.empty(sum(x.size for x in xs), np.float32)
+    contiguous = np.ones_like(fused)
+    bounds = np.cumsum([0] + [x.size for x in xs])
+
+    def fuse_copy() -> None:
+        np.concatenate(xs, out=fused)
+        comm.allreduce(fused)
+        for x, lo, hi in zip(xs, bounds[:-1], bounds[1:]):
+            np.copyto(x, fused[lo:hi])
+
+    def separate() -> None:
+        for request in [comm.iallreduce(x) for x in xs]:
+            request.wait()
+
+    run = {"list": lambda: comm.allreduce(xs), "fuse-copy": fuse_copy, "separate": separate,
+           "contiguous": lambda: comm.allreduce(contiguous)}
+    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    for it in range(iters + 1):  # the first round warms up connections and buffers
+        for m in METHODS:
+            comm.barrier()
+            t0 = time.perf_counter()
+            run[m]()
+            if it:
+                times[m].append(time.perf_counter() - t0)
+    # Values stay exact (powers of the world size): each of the three list methods multiplies every element by
+    # the world size, as every call does the contiguous buffer's.
+    rounds = iters + 1
+    ok = all(bool(np.all(x == float(comm.size) ** (3 * rounds))) for x in xs) and bool(
+        np.all(contiguous == float(comm.size) ** rounds))
+    if not ok:
+        print(f"rank {comm.rank}: wrong results", file=sys.stderr)
+    if comm.rank == 0:
+        Path(outdir, "rank0.json").write_text(json.dumps({"times": times, "results_ok": ok, "world": comm.size}))
+    comm.close()
+    return 0 if ok else 1
+
+
+def list_main(argv: Optional[list[str]] = None) -> int:
+    from .. import launcher
+
+    ap = argparse.ArgumentParser(prog="smartcoll bench list", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=2, help="ranks (default 2)")
+    ap.add_argument("--tensors", type=int, default=200, help="tensors in the list (default 200)")
+    ap.add_argument("--total", default="64M", help="bytes in all (default 64M)")
+    ap.add_argument("--iters", type=int, default=5, help="timed rounds (default 5)")
+    ap.add_argument("--algo", default="auto",
+                    help="allreduce algorithm of every call (the algo knob; default auto). List calls never take "
+                    "the same-host path (cma), which auto picks for large single buffers on one host: --algo ring "
+                    "compares the same algorithm throughout")
+    ap.add_argument("--cluster", metavar="NAME", help="one rank per host of the emulated cluster NAME")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are stopped")
+    ap.add_argument("--json", help="also write the figures to this JSON file")
+    args = ap.parse_args(argv)
+    total = parse_size(args.total)
+    hooks = {}
+    if args.cluster:
+        from .. import netemu
+
+        try:
+            prefix, env = launcher.cluster_hooks(args.cluster, args.n)
+        except (ValueError, netemu.ClusterError) as e:
+            print(f"smartcoll bench list: {e}", file=sys.stderr)
+            return 2
+        hooks = {"rank_prefix": prefix, "rank_env": env}
+    with tempfile.TemporaryDirectory(prefix="smartcoll-bench-list-") as outdir:
+        cmd = [sys.executable, "-m", "smartcoll.tools.bench.vectored", "worker", outdir, str(args.tensors),
+               str(total), str(args.iters)]
+        run = launcher.run_ranks(cmd, args.n, args.timeout, env_extra={"SMARTCOLL_ALGO": args.algo}, **hooks)
+        bad = [r for r, res in enumerate(run.results) if res.returncode != 0]
+        if run.hung or bad:
+            for r, res in enumerate(run.results):
+                sys.stderr.write(f"--- rank {r} (status {res.returncode})\n{res.stdout}{res.stderr}")
+            print(f"ranks {run.hung or bad} failed or hung", file=sys.stderr)
+            return 1
+        report = json.loads(Path(outdir, "rank0.json").read_text())
+    sizes = tensor_sizes(args.tensors, total)
+    print(f"{args.n} ranks{' on cluster ' + args.cluster if args.cluster else ' on loopback'}, algo {args.algo}: "
+          f"{args.tensors} float32 tensors, {total / 2**20:.0f} MiB in all ({min(sizes) * 4} B to "
+          f"{max(sizes) * 4 / 2**20:.1f} MiB each), {args.iters} rounds")
+    print(f"{'method':<12} {'median ms':>10} {'best ms':>9} {'algbw GB/s':>11} {'vs list':>8}")
+    rows = {}
+    list_median = statistics.median(report["times"]["list"])
+    for m in METHODS:
+        med, best = statistics.median(report["times"][m]), min(report["times"][m])
+        rows[m] = {"median_s": med, "best_s": best, "algbw_GBps": total / med / 1e9, "time_vs_list": med / list_median}
+        print(f"{m:<12} {med * 1e3:>10.1f} {best * 1e3:>9.1f} {total / med / 1e9:>11.3f} {med / list_median:>7.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ranks": args.n, "cluster": args.cluster, "algo": args.algo, "tensors": args.tensors,
+                       "bytes": total,
+                       "iters": args.iters, "methods": rows, "times_s": report["times"]}, f, indent=2)
+    return 0
+
+
+def placements(total: int, size: int, random: bool, seed: int = 0) -> np.ndarray:
+    """Offsets of total // size pieces in a region of 2 * total bytes (see the module's docstring)."""
+    pieces = total // size
+    if not random:
+        return np.arange(pieces, dtype=np.uint64) * np.uint64(2 * size)
+    rng = np.random.default_rng(seed)
+    return rng.choice(2 * pieces, pieces, replace=False).astype(np.uint64) * np.uint64(size)
+
+
+def copy_main(gather: bool, argv: Optional[list[str]] = None) -> int:
+    from smartcoll import _core
+
+    name = "gather" if gather else "scatter"
+    ap = argparse.ArgumentParser(prog=f"smartcoll bench {name}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--total", default="64M", help="bytes moved per run (default 64M)")
+    ap.add_argument("--sizes", default="32,64,128,256,512,1024,2048,4096", help="piece sizes in bytes")
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs; the best is reported")
+    ap.add_argument("--json", help="also write the figures to this JSON file")
+    args = ap.parse_args(argv)
+    total = parse_size(args.total)
+    region = np.ones(2 * total, np.uint8)
+    packed = np.ones(total, np.uint8)
+    print(f"{name}: {total / 2**20:.0f} MiB per run in pieces, one thread, best of {args.repeat} "
+          "(GB/s = 1e9 bytes/s)")
+    print(f"{'piece B':>8} {'placement':>10} {'pieces':>9} {name + ' GB/s':>12} {'memcpy GB/s':>12} {'ratio':>6}")
+    rows = []
+    for size in (parse_size(s) for s in args.sizes.split(",")):
+        for random in (False, True):
+            offsets = placements(total, size, random)
+            sizes = np.full(offsets.size, size, np.uint64)
+            moved = offsets.size * size
+            t = _core.time_copy_view(region, offsets, sizes, packed, gather, args.repeat)
+            row = {"piece_bytes": size, "placement": "random" if random else "sequential", "pieces": int(offsets.size),
+                   "GBps": moved / t["segmented"] / 1e9, "memcpy_GBps": moved / t["memcpy"] / 1e9}
+            rows.append(row)
+            print(f"{size:>8} {row['placement']:>10} {row['pieces']:>9} {row['GBps']:>12.2f} "
+                  f"{row['memcpy_GBps']:>12.2f} {row['GBps'] / row['memcpy_GBps']:>6.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"mode": name, "bytes": total, "repeat": args.repeat, "rows": rows}, f, indent=2)
+    return 0
+
+
+def gather_main(argv: Optional[list[str]] = None) -> int:
+    return copy_main(True, argv)
+
+
+def scatter_main(argv: Optional[list[str]] = None) -> int:
+    return copy_main(False, argv)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    raise SystemExit(worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])))

@@ -1,0 +1,185 @@
+// The list forms of the collectives and alltoallv (docs/vectored.md). A list call checks its lists, lays them out
+// as segmented views (coll/segmented.h) and runs the ordinary algorithms on the views through submit(): one call,
+// one descriptor, one pipeline, every buffer read and written in place.
+#include <algorithm>
+#include <cstring>
+
+#include "coll/algorithms.h"
+#include "coll/segmented.h"
+#include "coll/table.h"
+#include "core/checks.h"
+#include "core/config.h"
+#include "smartcoll/comm.h"
+
+namespace smartcoll {
+
+namespace {
+
+using Pieces = std::vector<std::pair<const void*, size_t>>;  // (address, bytes), in view order
+
+// What every rank must agree on besides the total count: the list's counts (FNV-1a, never 0).
+uint32_t layout_digest(Collective coll, std::span<const size_t> counts) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  auto mix = [&h](uint64_t v) {
+    for (int i = 0; i < 8; ++i) h = (h ^ ((v >> (8 * i)) & 0xff)) * 0x100000001b3ull;
+  };
+  mix(static_cast<uint64_t>(coll));
+  mix(counts.size());
+  for (size_t c : counts) mix(c);
+  return static_cast<uint32_t>(h ^ (h >> 32)) | 1u;
+}
+
+size_t check_list(Collective coll, std::span<const void* const> bufs, std::span<const size_t> counts,
+                  const char* what) {
+  const std::string name(collective_name(coll));
+  require(bufs.size() == counts.size(), name + ": " + std::to_string(bufs.size()) + " " + what + " buffers but " +
+                                            std::to_string(counts.size()) + " counts; pass one count per buffer");
+  size_t total = 0;
+  for (size_t i = 0; i < bufs.size(); ++i) {
+    require(bufs[i] || counts[i] == 0, name + ": " + what + " buffer " + std::to_string(i) + " is null but has " +
+                                           std::to_string(counts[i]) + " elements");
+    total += counts[i];
+  }
+  return total;
+}
+
+std::span<const void* const> as_const(std::span<void* const> s) {
+  return {const_cast<const void* const*>(s.data()), s.size()};
+}
+
+// The list as one vector: entry i after entry i-1.
+Pieces concat(std::span<const void* const> bufs, std::span<const size_t> counts, size_t esize) {
+  Pieces p;
+  for (size_t i = 0; i < bufs.size(); ++i) p.emplace_back(bufs[i], counts[i] * esize);
+  return p;
+}
+
+// Lists of size blocks each (reduce_scatter's inputs, allgather's outputs) as the one vector the collective takes:
+// rank j's block is block j of every entry, in list order.
+Pieces by_rank(std::span<const void* const> bufs, std::span<const size_t> counts, size_t esize, int size) {
+  Pieces p;
+  for (int j = 0; j < size; ++j)
+    for (size_t i = 0; i < bufs.size(); ++i)
+      p.emplace_back(static_cast<const char*>(bufs[i]) + static_cast<size_t>(j) * counts[i] * esize,
+                     counts[i] * esize);
+  return p;
+}
+
+std::unique_ptr<coll::Segmented> view(const Pieces& pieces) {
+  std::vector<coll::Piece> v;
+  for (const auto& [at, bytes] : pieces) v.push_back({static_cast<char*>(const_cast<void*>(at)), bytes});
+  return std::make_unique<coll::Segmented>(std::move(v));
+}
+
+// The codec of a list call: as for one buffer, but only where every step of the ring reaches the list through a
+// segment's staging (coll/segmented.h): codec_mode hop. The codec knob does not apply in owner mode.
+Codec list_codec(Collective coll, const Codec& chosen, bool requested, bool owner) {
+  if (chosen.kind() == CodecKind::identity || !owner) return chosen;
+  require(!requested, std::string(collective_name(coll)) + ": a list call takes a codec in codec_mode hop only "
+                                                           "(this communicator has codec_mode=owner)");
+  return Codec();
+}
+
+}  // namespace
+
+std::shared_ptr<Request> Communicator::submit_list(Call call, const Pieces& in, const Pieces& out) {
+  check_usable();
+  if (call.algo == Algorithm::cma || call.algo == Algorithm::switch_)
+    throw InvalidArgument(std::string(collective_name(call.coll)) + ": list calls run over TCP; algo '" +
+                          std::string(algorithm_name(call.algo)) + "' takes one buffer");
+  Algorithm requested = call.algo;
+  if (requested == Algorithm::automatic && call.coll == Collective::allreduce) {
+    requested = parse_algorithm(config_->algo, call.coll);
+    if (requested == Algorithm::cma || requested == Algorithm::switch_) requested = Algorithm::automatic;
+  }
+  const auto [hosts, per_host] = coll::host_layout_shape(hosts_);
+  const bool compressed = call.codec.kind() != CodecKind::identity;
+  const coll::Query q{size_, call.count * dtype_size(call.dt), compressed, false, false, hosts, per_host};
+  call.algo = size_ == 1 ? Algorithm::local : coll::choose(call.coll, q, requested, config_->rhd_max_bytes);
+  auto views = std::make_shared<coll::Views>();
+  views->all.push_back(view(out));
+  if (!in.empty()) views->all.push_back(view(in));  // empty: in place
+  const coll::Segmented &out_view = *views->all.front(), &in_view = *views->all.back();
+  if (size_ == 1 || call.count == 0) {
+    if (&in_view != &out_view) coll::copy_view(out_view, in_view);
+    return submit(call, nullptr, nullptr);
+  }
+  return submit(call, in_view.base(), out_view.base(), std::move(views));
+}
+
+std::shared_ptr<Request> Communicator::allreduce(std::span<void* const> bufs, std::span<const size_t> counts,
+                                                 DataType dt, ReduceOp op, Algorithm algo,
+                                                 std::optional<Codec> codec) {
+  check_op(dt, op);
+  const size_t total = check_list(Collective::allreduce, as_const(bufs), counts, "list");
+  const Codec wire = list_codec(Collective::allreduce, choose_codec(dt, op, codec), codec.has_value(),
+                                config_->codec_owner);
+  return submit_list({Collective::allreduce, dt, op, algo, -1, total, wire,
+                      layout_digest(Collective::allreduce, counts)},
+                     {}, concat(as_const(bufs), counts, dtype_size(dt)));
+}
+
+std::shared_ptr<Request> Communicator::broadcast(std::span<void* const> bufs, std::span<const size_t> counts,
+                                                 DataType dt, int root, Algorithm algo) {
+  check_root(root, size_);
+  const size_t total = check_list(Collective::broadcast, as_const(bufs), counts, "list");
+  return submit_list({Collective::broadcast, dt, ReduceOp::sum, algo, root, total, {},
+                      layout_digest(Collective::broadcast, counts)},
+                     {}, concat(as_const(bufs), counts, dtype_size(dt)));
+}
+
+std::shared_ptr<Request> Communicator::reduce_scatter(std::span<const void* const> ins, std::span<void* const> outs,
+                                                      std::span<const size_t> counts, DataType dt, ReduceOp op,
+                                                      Algorithm algo, std::optional<Codec> codec) {
+  check_op(dt, op);
+  check_list(Collective::reduce_scatter, ins, counts, "input");
+  const size_t total = check_list(Collective::reduce_scatter, as_const(outs), counts, "output");
+  const size_t esize = dtype_size(dt);
+  const Codec wire = list_codec(Collective::reduce_scatter, choose_codec(dt, op, codec), codec.has_value(),
+                                config_->codec_owner);
+  return submit_list({Collective::reduce_scatter, dt, op, algo, -1, total, wire,
+                      layout_digest(Collective::reduce_scatter, counts)},
+                     by_rank(ins, counts, esize, size_), concat(as_const(outs), counts, esize));
+}
+
+std::shared_ptr<Request> Communicator::allgather(std::span<const void* const> ins, std::span<void* const> outs,
+                                                 std::span<const size_t> counts, DataType dt, Algorithm algo) {
+  check_list(Collective::allgather, ins, counts, "input");
+  const size_t total = check_list(Collective::allgather, as_const(outs), counts, "output");
+  const size_t esize = dtype_size(dt);
+  return submit_list({Collective::allgather, dt, ReduceOp::sum, algo, -1, total, {},
+                      layout_digest(Collective::allgather, counts)},
+                     concat(ins, counts, esize), by_rank(as_const(outs), counts, esize, size_));
+}
+
+std::shared_ptr<Request> Communicator::alltoallv(const void* in, std::span<const size_t> sendcounts,
+                                                 std::span<const size_t> sdispls, void* out,
+                                                 std::span<const size_t> recvcounts, std::span<const size_t> rdispls,
+                                                 DataType dt) {
+  const size_t n = static_cast<size_t>(size_), me = static_cast<size_t>(rank_);
+  for (const auto& [what, s] : {std::pair{"sendcounts", sendcounts}, {"sdispls", sdispls},
+                                {"recvcounts", recvcounts}, {"rdispls", rdispls}})
+    require(s.size() == n, std::string("alltoallv: ") + what + " has " + std::to_string(s.size()) +
+                               " entries; it needs one per rank (" + std::to_string(n) + ")");
+  require(sendcounts[me] == recvcounts[me],
+          "alltoallv: this rank sends itself " + std::to_string(sendcounts[me]) + " elements but expects " +
+              std::to_string(recvcounts[me]) + " (sendcounts[rank] must equal recvcounts[rank])");
+  size_t moved = 0;
+  for (size_t j = 0; j < n; ++j) moved += sendcounts[j] + recvcounts[j];
+  require(moved == 0 || (in && out), "alltoallv: a null buffer with elements to move");
+  require(!moved || in != out, "alltoallv cannot run in place: pass a separate output buffer");
+  check_usable();
+  if (size_ == 1) {
+    const size_t esize = dtype_size(dt);
+    if (sendcounts[0])
+      std::memmove(static_cast<char*>(out) + rdispls[0] * esize, static_cast<const char*>(in) + sdispls[0] * esize,
+                   sendcounts[0] * esize);
+    return submit({Collective::alltoallv, dt, ReduceOp::sum, Algorithm::local, -1, 0, {}}, nullptr, nullptr);
+  }
+  const coll::Displacements displs{sendcounts, sdispls, recvcounts, rdispls};
+  const Algorithm chosen = choose(Collective::alltoallv, 0, dt);
+  // count: the world size, the same on every rank (the counts themselves are checked pair by pair).
+  return submit({Collective::alltoallv, dt, ReduceOp::sum, chosen, -1, n, {}, 0, &displs}, in, out);
+}
+
+}  // namespace smartcoll

@@ -1,0 +1,353 @@
+// List collectives and alltoallv (docs/vectored.md): every list call bitwise equal to the same data fused by hand
+// and run as one call with the same algorithm; alltoallv against a reference; mismatches fail by name.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/frame.h"
+#include "ranks.h"
+#include "smartcoll/comm.h"
+
+namespace smartcoll {
+namespace {
+
+using harness::run_ranks;
+using harness::test_options;
+
+// Mixed sizes, odd counts, empty entries; the small segment size makes segments straddle entries.
+const std::vector<size_t> kCounts = {7, 0, 1, 300, 33, 0, 1029, 5, 64, 2};
+
+template <class T>
+std::vector<std::vector<T>> random_list(const std::vector<size_t>& counts, size_t times, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<double> dist(-4, 4);
+  std::vector<std::vector<T>> list;
+  for (size_t c : counts) {
+    std::vector<T> v(c * times);
+    for (T& x : v) x = static_cast<T>(dist(gen));  // not exactly summable: the order of the sums shows
+    list.push_back(std::move(v));
+  }
+  return list;
+}
+
+template <class T>
+std::vector<T> concat(const std::vector<std::vector<T>>& list) {
+  std::vector<T> all;
+  for (const auto& v : list) all.insert(all.end(), v.begin(), v.end());
+  return all;
+}
+
+template <class T>
+std::vector<void*> pointers(std::vector<std::vector<T>>& list) {
+  std::vector<void*> p;
+  for (auto& v : list) p.push_back(v.data());
+  return p;
+}
+
+template <class T>
+void expect_bitwise(const std::vector<T>& got, const std::vector<T>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(T)), 0) << what;
+}
+
+Options small_segments() { return test_options({{"segment_size", "256"}, {"streams", "2"}}); }
+
+template <class T>
+void allreduce_matches_fused(DataType dt, ReduceOp op) {
+  for (int n : {2, 3})
+    for (Algorithm algo : {Algorithm::ring, Algorithm::rhd, Algorithm::rd, Algorithm::automatic})
+      run_ranks(n, [&](Communicator& comm) {
+        auto list = random_list<T>(kCounts, 1, 100 + comm.rank());
+        std::vector<T> fused = concat(list);
+        comm.allreduce(fused.data(), fused.data(), fused.size(), dt, op, algo)->wait();
+        std::vector<void*> bufs = pointers(list);
+        comm.allreduce(bufs, kCounts, dt, op, algo)->wait();
+        expect_bitwise(concat(list), fused, std::string(algorithm_name(algo)) + " n=" + std::to_string(n) + " " +
+                                                std::string(dtype_name(dt)) + " " + std::string(op_name(op)));
+      }, small_segments());
+}
+
+TEST(ListCollectives, AllreduceMatchesFusedCall) {
+  allreduce_matches_fused<float>(DataType::f32, ReduceOp::sum);
+  allreduce_matches_fused<float>(DataType::f32, ReduceOp::avg);
+  allreduce_matches_fused<double>(DataType::f64, ReduceOp::max);
+  allreduce_matches_fused<int32_t>(DataType::i32, ReduceOp::sum);
+}
+
+TEST(Frame, PartialTransfersResumeInsideAPiece) {
+  // A message of a header and 300 pieces, moved in parts of random sizes (what the kernel takes per system call):
+  // every call's iovecs must continue the message exactly where the last one stopped.
+  std::mt19937 gen(11);
+  std::vector<char> memory(1 << 20);
+  std::vector<iovec> pieces;
+  std::vector<const char*> stream;  // the address of every byte of the message, in order
+  Descriptor header{};
+  for (size_t i = 0; i < sizeof header; ++i) stream.push_back(reinterpret_cast<const char*>(&header) + i);
+  for (size_t at = 0; pieces.size() < 300; at += 2 * 1024) {
+    const size_t len = 1 + gen() % 1024;
+    pieces.push_back({memory.data() + at, len});
+    for (size_t i = 0; i < len; ++i) stream.push_back(memory.data() + at + i);
+  }
+  Op op;
+  op.pieces = pieces.data();
+  op.npieces = static_cast<uint32_t>(pieces.size());
+  op.len = stream.size() - sizeof header;
+  PieceCursor cursor;
+  size_t done = 0, calls = 0;
+  while (done < stream.size()) {
+    iovec iov[kMaxIov + 1];
+    const int n = frame(iov, &header, sizeof header, op, done, cursor);
+    ASSERT_GT(n, 0);
+    ASSERT_LE(n, kMaxIov + 1);
+    size_t pos = done;
+    for (int k = 0; k < n; ++k)
+      for (size_t b = 0; b < iov[k].iov_len; ++b, ++pos)
+        ASSERT_EQ(static_cast<const char*>(iov[k].iov_base) + b, stream[pos]) << "call " << calls << " byte " << pos;
+    done += 1 + gen() % std::min<size_t>(pos - done, 700);  // the kernel moves part of what was offered
+    ++calls;
+  }
+  EXPECT_GT(calls, 100u);
+}
+
+TEST(ListCollectives, ManyTinyEntriesInLargeSegments) {
+  // Segments spanning thousands of entries: one message gathers or scatters more pieces than one system call
+  // takes.
+  std::vector<size_t> counts;
+  std::mt19937 gen(5);
+  for (int i = 0; i < 3000; ++i) counts.push_back(gen() % 40);
+  counts.insert(counts.begin() + 1000, 700000);
+  counts.push_back(300001);
+  for (Algorithm algo : {Algorithm::ring, Algorithm::rhd})
+    run_ranks(3, [&](Communicator& comm) {
+      auto list = random_list<float>(counts, 1, 400 + comm.rank());
+      std::vector<float> fused = concat(list);
+      comm.allreduce(fused.data(), fused.data(), fused.size(), DataType::f32, ReduceOp::sum, algo)->wait();
+      std::vector<void*> bufs = pointers(list);
+      comm.allreduce(bufs, counts, DataType::f32, ReduceOp::sum, algo)->wait();
+      expect_bitwise(concat(list), fused, "many tiny entries, " + std::string(algorithm_name(algo)));
+    }, test_options({{"segment_size", "8388608"}}));  // one message spans thousands of entries
+}
+
+TEST(ListCollectives, HierarchicalAllreduceMatchesFusedCall) {
+  // 2 hosts x 2 ranks (the host knob): reduce-scatter per host, allreduce across hosts, allgather per host.
+  const std::vector<std::string> host_of = {"a", "b", "a", "b"};
+  harness::run_threads(4, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 4, std::move(store),
+                      test_options({{"host", host_of[static_cast<size_t>(r)]}, {"segment_size", "256"}}));
+    auto list = random_list<float>(kCounts, 1, 500 + r);
+    std::vector<float> fused = concat(list);
+    comm.allreduce(fused.data(), fused.data(), fused.size(), DataType::f32, ReduceOp::sum, Algorithm::hier)->wait();
+    std::vector<void*> bufs = pointers(list);
+    comm.allreduce(bufs, kCounts, DataType::f32, ReduceOp::sum, Algorithm::hier)->wait();
+    expect_bitwise(concat(list), fused, "hier rank " + std::to_string(r));
+  });
+}
+
+TEST(ListCollectives, CodecsMatchFusedCalls) {
+  // Codec blocks (32 floats) straddle the list's buffers: those steps go through a segment's staging.
+  for (int n : {2, 3})
+    for (const char* name : {"bfp16", "mxfp4_e2m1", "bf16"})
+      run_ranks(n, [&](Communicator& comm) {
+        const Codec codec = Codec::parse(name);
+        auto list = random_list<float>(kCounts, 1, 200 + comm.rank());
+        std::vector<float> fused = concat(list);
+        comm.allreduce(fused.data(), fused.data(), fused.size(), DataType::f32, ReduceOp::avg, Algorithm::ring,
+                       codec)->wait();
+        std::vector<void*> bufs = pointers(list);
+        comm.allreduce(bufs, kCounts, DataType::f32, ReduceOp::avg, Algorithm::ring, codec)->wait();
+        expect_bitwise(concat(list), fused, std::string("allreduce ") + name + " n=" + std::to_string(n));
+        std::vector<float> raw = concat(random_list<float>(kCounts, 1, 200 + comm.rank()));
+        comm.allreduce(raw.data(), raw.data(), raw.size(), DataType::f32, ReduceOp::avg, Algorithm::ring)->wait();
+        EXPECT_NE(std::memcmp(raw.data(), fused.data(), raw.size() * sizeof(float)), 0) << name << " compressed";
+
+        auto ins = random_list<float>(kCounts, static_cast<size_t>(n), 300 + comm.rank());
+        std::vector<float> by_rank;
+        for (int j = 0; j < n; ++j)
+          for (size_t i = 0; i < kCounts.size(); ++i)
+            by_rank.insert(by_rank.end(), ins[i].begin() + j * kCounts[i], ins[i].begin() + (j + 1) * kCounts[i]);
+        std::vector<float> fused_out(by_rank.size() / n);
+        comm.reduce_scatter(by_rank.data(), fused_out.data(), fused_out.size(), DataType::f32, ReduceOp::sum,
+                            codec)->wait();
+        auto outs = random_list<float>(kCounts, 1, 0);
+        std::vector<const void*> in_ptrs;
+        for (auto& v : ins) in_ptrs.push_back(v.data());
+        std::vector<void*> out_ptrs = pointers(outs);
+        comm.reduce_scatter(in_ptrs, out_ptrs, kCounts, DataType::f32, ReduceOp::sum, Algorithm::automatic,
+                            codec)->wait();
+        expect_bitwise(concat(outs), fused_out, std::string("reduce_scatter ") + name);
+      }, small_segments());
+}
+
+TEST(ListCollectives, CodecOwnerModeIsRefusedByName) {
+  run_ranks(2, [&](Communicator& comm) {
+    std::vector<float> a(40);
+    std::vector<void*> bufs = {a.data()};
+    std::vector<size_t> counts = {40};
+    try {
+      comm.allreduce(bufs, counts, DataType::f32, ReduceOp::sum, Algorithm::automatic, Codec::parse("bfp16"));
+      ADD_FAILURE() << "owner mode with a codec was accepted for a list";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("codec_mode hop only"), std::string::npos) << e.what();
+    }
+  }, test_options({{"codec_mode", "owner"}}));
+}
+
+TEST(ListCollectives, ReduceScatterAllgatherBroadcastMatchFusedCalls) {
+  for (int n : {2, 3})
+    run_ranks(n, [&](Communicator& comm) {
+      const int r = comm.rank();
+      const size_t total = [] { size_t t = 0; for (size_t c : kCounts) t += c; return t; }();
+      // reduce_scatter: rank j's block of every entry, in list order, is block j of the fused vector.
+      auto ins = random_list<float>(kCounts, static_cast<size_t>(n), 7 + r);
+      std::vector<float> fused_in;
+      for (int j = 0; j < n; ++j)
+        for (size_t i = 0; i < kCounts.size(); ++i)
+          fused_in.insert(fused_in.end(), ins[i].begin() + j * kCounts[i], ins[i].begin() + (j + 1) * kCounts[i]);
+      std::vector<float> fused_out(total);
+      comm.reduce_scatter(fused_in.data(), fused_out.data(), total, DataType::f32, ReduceOp::sum)->wait();
+      auto outs = random_list<float>(kCounts, 1, 0);
+      std::vector<const void*> in_ptrs;
+      for (auto& v : ins) in_ptrs.push_back(v.data());
+      std::vector<void*> out_ptrs = pointers(outs);
+      comm.reduce_scatter(in_ptrs, out_ptrs, kCounts, DataType::f32, ReduceOp::sum)->wait();
+      expect_bitwise(concat(outs), fused_out, "reduce_scatter n=" + std::to_string(n));
+
+      // allgather: entry i of rank j lands at block j of output i.
+      auto mine = random_list<float>(kCounts, 1, 50 + r);
+      std::vector<float> gathered(total * n);
+      const std::vector<float> mine_fused = concat(mine);
+      comm.allgather(mine_fused.data(), gathered.data(), total, DataType::f32)->wait();
+      std::vector<float> want;
+      for (size_t i = 0, off = 0; i < kCounts.size(); off += kCounts[i], ++i)
+        for (int j = 0; j < n; ++j)
+          want.insert(want.end(), gathered.begin() + j * total + off, gathered.begin() + j * total + off + kCounts[i]);
+      for (Algorithm algo : {Algorithm::bruck, Algorithm::ring}) {
+        auto all = random_list<float>(kCounts, static_cast<size_t>(n), 0);
+        std::vector<const void*> mine_ptrs;
+        for (auto& v : mine) mine_ptrs.push_back(v.data());
+        std::vector<void*> all_ptrs = pointers(all);
+        comm.allgather(mine_ptrs, all_ptrs, kCounts, DataType::f32, algo)->wait();
+        expect_bitwise(concat(all), want, "allgather " + std::string(algorithm_name(algo)) + " n=" + std::to_string(n));
+      }
+
+      // broadcast from the last rank, with the chain and the tree.
+      for (Algorithm algo : {Algorithm::chain, Algorithm::tree}) {
+        auto buf = random_list<double>(kCounts, 1, 90 + r);
+        const std::vector<double> root_data = concat(random_list<double>(kCounts, 1, 90 + n - 1));
+        std::vector<void*> ptrs = pointers(buf);
+        comm.broadcast(ptrs, kCounts, DataType::f64, n - 1, algo)->wait();
+        expect_bitwise(concat(buf), root_data, "broadcast " + std::string(algorithm_name(algo)));
+      }
+    }, small_segments());
+}
+
+TEST(ListCollectives, OneRankCopiesAndEmptyListsAreFine) {
+  run_ranks(1, [&](Communicator& comm) {
+    auto ins = random_list<float>(kCounts, 1, 3);
+    auto outs = random_list<float>(kCounts, 1, 4);
+    std::vector<const void*> in_ptrs;
+    for (auto& v : ins) in_ptrs.push_back(v.data());
+    std::vector<void*> out_ptrs = pointers(outs);
+    comm.allgather(in_ptrs, out_ptrs, kCounts, DataType::f32)->wait();
+    expect_bitwise(concat(outs), concat(ins), "allgather of one rank");
+  });
+  run_ranks(2, [&](Communicator& comm) {
+    std::vector<void*> none;
+    comm.allreduce(none, {}, DataType::f32, ReduceOp::sum)->wait();
+    std::vector<float> x(4, 1.0f);
+    comm.allreduce(x.data(), x.data(), 4, DataType::f32, ReduceOp::sum)->wait();  // numbering stays in step
+    for (float v : x) ASSERT_EQ(v, 2.0f);
+  });
+}
+
+TEST(ListCollectives, MismatchedListsFailNamingTheLayout) {
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](Communicator& comm) {
+    // The same total (8 elements) cut differently: without the layout check the sums would mix entries.
+    std::vector<size_t> counts = comm.rank() == 0 ? std::vector<size_t>{3, 5} : std::vector<size_t>{5, 3};
+    std::vector<float> a(5, 1.0f), b(5, 1.0f);
+    std::vector<void*> bufs = {a.data(), b.data()};
+    try {
+      comm.allreduce(bufs, counts, DataType::f32, ReduceOp::sum)->wait(std::chrono::seconds(30));
+    } catch (const CommError& e) {
+      errors[comm.rank()] = e.what();
+    }
+  });
+  for (const std::string& e : errors) {
+    EXPECT_NE(e.find("ranks disagree"), std::string::npos) << e;
+    EXPECT_NE(e.find("list of counts digest"), std::string::npos) << e;
+  }
+}
+
+TEST(ListCollectives, BadArgumentsAreRefusedLocally) {
+  run_ranks(2, [&](Communicator& comm) {
+    std::vector<float> a(3);
+    std::vector<void*> bufs = {a.data(), nullptr};
+    std::vector<size_t> counts = {3, 2};
+    try {
+      comm.allreduce(bufs, counts, DataType::f32, ReduceOp::sum);
+      ADD_FAILURE() << "a null entry with elements was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("buffer 1 is null"), std::string::npos) << e.what();
+    }
+    bufs[1] = a.data();
+    try {
+      comm.allreduce(bufs, counts, DataType::f32, ReduceOp::sum, Algorithm::cma);
+      ADD_FAILURE() << "algo cma was accepted for a list";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("list calls run over TCP"), std::string::npos) << e.what();
+    }
+  });
+}
+
+TEST(Alltoallv, MatchesReference) {
+  for (int n : {2, 3, 4})
+    run_ranks(n, [&](Communicator& comm) {
+      const int r = comm.rank();
+      // Rank i sends (i + 2 j) % 5 elements to rank j (some of them zero), valued 1000 i + 100 j + k.
+      auto count = [](int from, int to) { return static_cast<size_t>((from + 2 * to) % 5); };
+      std::vector<size_t> sc(n), sd(n), rc(n), rd(n);
+      size_t st = 0, rt = 0;
+      for (int j = 0; j < n; ++j) {
+        sc[j] = count(r, j), rc[j] = count(j, r);
+        sd[j] = st + 1, rd[j] = rt + 2;  // gaps between blocks: displacements are honoured
+        st += sc[j] + 1, rt += rc[j] + 2;
+      }
+      std::vector<int64_t> in(st + 1), out(rt + 2, -1);
+      for (int j = 0; j < n; ++j)
+        for (size_t k = 0; k < sc[j]; ++k) in[sd[j] + k] = 1000 * r + 100 * j + static_cast<int64_t>(k);
+      comm.alltoallv(in.data(), sc, sd, out.data(), rc, rd, DataType::i64)->wait();
+      std::vector<int64_t> want(rt + 2, -1);
+      for (int j = 0; j < n; ++j)
+        for (size_t k = 0; k < rc[j]; ++k) want[rd[j] + k] = 1000 * j + 100 * r + static_cast<int64_t>(k);
+      ASSERT_EQ(out, want) << "rank " << r << " of " << n;
+    });
+}
+
+TEST(Alltoallv, CountsThatDisagreePairwiseFail) {
+  const int n = 3;
+  std::vector<std::string> errors(n);
+  const auto start = std::chrono::steady_clock::now();
+  run_ranks(n, [&](Communicator& comm) {
+    std::vector<size_t> sc(n, 2), disp = {0, 2, 4}, rc(n, 2);
+    if (comm.rank() == 2) rc[0] = 1;  // rank 0 sends it 2
+    std::vector<float> in(6, 1.0f), out(6);
+    try {
+      // Ranks whose own counts agree may finish the call; the failure reaches them by their next one.
+      comm.alltoallv(in.data(), sc, disp, out.data(), rc, disp, DataType::f32)->wait(std::chrono::seconds(30));
+      comm.barrier()->wait(std::chrono::seconds(30));
+    } catch (const CommError& e) {
+      errors[comm.rank()] = e.what();
+    }
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
+  EXPECT_NE(errors[2].find("rank 0 sends 2 elements to this rank, whose recvcounts[0] is 1"), std::string::npos)
+      << errors[2];
+  for (const std::string& e : errors) EXPECT_NE(e.find("recvcounts"), std::string::npos) << e;
+}
+
+}  // namespace
+}  // namespace smartcoll

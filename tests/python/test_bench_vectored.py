@@ -1,0 +1,52 @@
+"""`smartcoll bench list|gather|scatter` (docs/vectored.md): their placements, tables and JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import clean_env
+
+from smartcoll.tools.bench.vectored import placements, tensor_sizes
+
+
+def test_tensor_sizes_add_up():
+    sizes = tensor_sizes(200, 64 << 20)
+    assert len(sizes) == 200 and sum(sizes) * 4 == 64 << 20 and min(sizes) >= 1
+    assert max(sizes) > 100 * min(sizes)  # mixed sizes, as DDP buckets are
+
+
+@pytest.mark.parametrize("random", [False, True])
+def test_placements_are_disjoint_slots_inside_the_region(random):
+    offsets = placements(1 << 16, 64, random)
+    assert offsets.size == 1024 and len(set(offsets.tolist())) == 1024
+    assert int(offsets.max()) + 64 <= 2 << 16 and all(int(o) % 64 == 0 for o in offsets)
+    assert (np.diff(offsets.astype(np.int64)) > 0).all() != random  # in order, or not
+
+
+def run(args, tmp_path):
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "smartcoll.tools.cli", "bench", *args, "--json", str(out)],
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("mode", ["gather", "scatter"])
+def test_gather_scatter_report_every_size_and_placement(mode, tmp_path):
+    text, data = run([mode, "--total", "256K", "--sizes", "32,4096", "--repeat", "1"], tmp_path)
+    assert f"{mode} GB/s" in text and "memcpy GB/s" in text
+    assert [(r["piece_bytes"], r["placement"]) for r in data["rows"]] == [
+        (32, "sequential"), (32, "random"), (4096, "sequential"), (4096, "random")]
+    assert all(r["GBps"] > 0 and r["memcpy_GBps"] > 0 for r in data["rows"])
+
+
+def test_list_bench_runs_the_four_methods(tmp_path):
+    text, data = run(["list", "-n", "2", "--tensors", "12", "--total", "1M", "--iters", "1", "--algo", "ring"],
+                     tmp_path)
+    assert list(data["methods"]) == ["list", "fuse-copy", "separate", "contiguous"], text
+    assert data["methods"]["list"]["time_vs_list"] == 1.0
+    assert all(m["median_s"] > 0 for m in data["methods"].values())

@@ -1,0 +1,157 @@
+"""List collectives and alltoallv from Python (docs/vectored.md), two ranks as threads of this process.
+
+Every list call is compared bitwise with the same data fused by hand and run as one call (random floats: the
+order of the sums shows); alltoallv against a reference; mismatches fail with errors that name the cause."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import smartcoll
+from conftest import free_port
+
+SIZES = [7, 0, 1, 300, 33, 0, 1029, 5]  # mixed sizes, odd counts, empty entries
+
+
+def run_pair(body, **options):
+    """body(comm) on ranks 0 and 1 (threads); returns their results, re-raising the first error."""
+    port = free_port()
+    results, errors = [None, None], [None, None]
+
+    def rank(r):
+        try:
+            with smartcoll.init(f"tcp://127.0.0.1:{port}", rank=r, world_size=2, timeout=20, connect_timeout=20,
+                                segment_size=256, **options) as comm:
+                results[r] = body(comm)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish within 60 s"
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+def entries(rng, dtype, sizes=SIZES, times=1):
+    return [(rng.standard_normal(n * times) * 3).astype(dtype) for n in sizes]
+
+
+def test_list_allreduce_equals_fused_call():
+    cases = [("float32", "sum", "auto", None), ("float32", "avg", "ring", None), ("float64", "max", "rhd", None),
+             ("int64", "sum", "rd", None), ("float32", "sum", "auto", "bfp16")]
+
+    def body(comm):
+        for dtype, op, algo, codec in cases:
+            xs = entries(np.random.default_rng(comm.rank), dtype)
+            fused = np.concatenate(xs)
+            comm.allreduce(fused, op=op, algo=algo, codec=codec)
+            assert comm.allreduce(xs, op=op, algo=algo, codec=codec) is xs
+            assert np.concatenate(xs).tobytes() == fused.tobytes(), (dtype, op, algo, codec)
+
+    run_pair(body)
+
+
+def test_list_reduce_scatter_allgather_broadcast_equal_fused_calls():
+    def body(comm):
+        rng = np.random.default_rng(10 + comm.rank)
+        n, total = comm.size, sum(SIZES)
+        xs = entries(rng, "float32", times=n)
+        outs = [np.empty(k, np.float32) for k in SIZES]
+        comm.reduce_scatter(xs, outs)
+        by_rank = np.concatenate([x[j * k:(j + 1) * k] for j in range(n) for x, k in zip(xs, SIZES)])
+        fused = np.empty(total, np.float32)
+        comm.reduce_scatter(by_rank, fused)
+        assert np.concatenate(outs).tobytes() == fused.tobytes()
+
+        mine = entries(rng, "float32")
+        gathered = [np.empty(k * n, np.float32) for k in SIZES]
+        comm.allgather(mine, gathered)
+        whole = np.empty(total * n, np.float32)
+        comm.allgather(np.concatenate(mine), whole)
+        offsets = np.cumsum([0] + SIZES)
+        for i, k in enumerate(SIZES):
+            want = np.concatenate([whole[j * total + offsets[i]:j * total + offsets[i] + k] for j in range(n)])
+            assert gathered[i].tobytes() == want.tobytes(), f"allgather entry {i}"
+
+        bufs = entries(np.random.default_rng(99 if comm.rank == 1 else 5), "float64")
+        comm.broadcast(bufs, root=1)
+        root = entries(np.random.default_rng(99), "float64")
+        assert all(b.tobytes() == r.tobytes() for b, r in zip(bufs, root))
+
+    run_pair(body)
+
+
+def test_list_of_torch_tensors_in_place():
+    torch = pytest.importorskip("torch")
+
+    def body(comm):
+        g = torch.Generator().manual_seed(comm.rank)
+        ts = [torch.randn(k, generator=g).to(torch.bfloat16) for k in SIZES]
+        fused = torch.cat(ts)
+        comm.allreduce(fused)
+        comm.allreduce(ts)
+        assert torch.equal(torch.cat(ts), fused)
+
+    run_pair(body)
+
+
+def test_info_lists_alltoallv():
+    assert "alltoallv: direct" in smartcoll.build_info()["collectives"]
+
+
+def test_list_arguments_are_refused_naming_the_entry():
+    with smartcoll.init(f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1) as comm:
+        mixed = [np.zeros(3, np.float32), np.zeros(2, np.float32), np.zeros(4, np.float64)]
+        with pytest.raises(TypeError, match=r"x\[2\] has dtype float64 but the list's first entry has float32"):
+            comm.allreduce(mixed)
+        with pytest.raises(ValueError, match="a list call takes no codec"):
+            comm.allgather(mixed[:2], [np.zeros(3, np.float32), np.zeros(2, np.float32)], codec="bf16")
+        with pytest.raises(ValueError, match=r"out\[1\] has 1 elements, expected 2"):
+            comm.allgather(mixed[:2], [np.zeros(3, np.float32), np.zeros(1, np.float32)])
+        with pytest.raises(TypeError, match=r"x\[0\] is a non-contiguous"):
+            comm.broadcast([np.zeros(6, np.float32)[::2]])
+
+
+def test_mismatched_lists_fail_naming_the_layout():
+    def body(comm):
+        xs = [np.ones(3, np.float32), np.ones(5, np.float32)]
+        with pytest.raises(smartcoll.CommError, match="list of counts digest"):
+            comm.allreduce(xs if comm.rank == 0 else xs[::-1])
+
+    run_pair(body)
+
+
+def test_alltoallv_matches_reference_and_checks_counts():
+    def counts(i, j):
+        return (i + 2 * j) % 3
+
+    def body(comm):
+        r, n = comm.rank, comm.size
+        send = [counts(r, j) for j in range(n)]
+        recv = [counts(j, r) for j in range(n)]
+        x = np.concatenate([np.full(send[j], 10 * r + j, np.int32) for j in range(n)])
+        out = np.full(sum(recv) + 2, -1, np.int32)
+        rdispls = [0, recv[0] + 2]
+        comm.alltoallv(x, out, send, recv, recv_displs=rdispls)
+        want = np.full_like(out, -1)
+        for j in range(n):
+            want[rdispls[j]:rdispls[j] + recv[j]] = 10 * j + r
+        assert out.tolist() == want.tolist()
+        with pytest.raises(ValueError, match="runs past the end of out"):
+            comm.alltoallv(x, out[:1], send, [5, 5])
+        bad = list(recv)
+        if r == 1:
+            bad[0] += 1
+        with pytest.raises(smartcoll.CommError, match=r"recvcounts\[0\]|recvcounts"):
+            comm.alltoallv(x, np.zeros(sum(bad), np.int32), send, bad)
+            comm.barrier()
+
+    run_pair(body)
