@@ -81,7 +81,8 @@ double memory_traffic(Collective c, int n) {
     case Collective::allreduce: return 2;
     case Collective::reduce_scatter:
     case Collective::allgather: return n + 1.0;
-    case Collective::alltoall: return 2.0 * n;
+    case Collective::alltoall:
+    case Collective::alltoallv: return 2.0 * n;
     case Collective::broadcast:
     case Collective::reduce: return 1;
     case Collective::barrier: return 0;

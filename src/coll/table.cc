@@ -97,7 +97,7 @@ constexpr AlgorithmInfo kAlltoallAlgos[] = {
 };
 constexpr AlgorithmInfo kAlltoallvAlgos[] = {
     {Algorithm::direct, "every pair at once, each block after its count (checked by the receiver)", alltoallv_direct,
-     raw_only, [](int) { return 1.0; }, [](int n) { return n - 1.0; }},
+     raw_only, [](int) { return 1.0; }, [](int n) { return n - 1.0; }, none},
 };
 constexpr AlgorithmInfo kBarrierAlgos[] = {
     {Algorithm::dissemination, "dissemination: ceil(log2 n) rounds of one signal each", barrier_dissemination,

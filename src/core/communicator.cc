@@ -427,7 +427,7 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
     return req;
   }
   if (nicd_) {
-    nicd::check_supported(call.coll, call.codec);
+    nicd::check_supported(call.coll, call.codec, views != nullptr);
     std::lock_guard lock(submit_mu_);
     check_one_poster();
     last_posted_ = req = nicd_->post({seq_++, static_cast<uint8_t>(call.coll), static_cast<uint8_t>(call.dt),

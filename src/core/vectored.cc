@@ -95,7 +95,8 @@ std::shared_ptr<Request> Communicator::submit_list(Call call, const Pieces& in, 
   const auto [hosts, per_host] = coll::host_layout_shape(hosts_);
   const bool compressed = call.codec.kind() != CodecKind::identity;
   const coll::Query q{size_, call.count * dtype_size(call.dt), compressed, false, false, hosts, per_host};
-  call.algo = size_ == 1 ? Algorithm::local : coll::choose(call.coll, q, requested, config_->rhd_max_bytes);
+  call.algo = size_ == 1 ? Algorithm::local
+                         : coll::choose(call.coll, q, requested, config_->rhd_max_bytes, config_->profile.get());
   auto views = std::make_shared<coll::Views>();
   views->all.push_back(view(out));
   if (!in.empty()) views->all.push_back(view(in));  // empty: in place

@@ -20,7 +20,7 @@
 namespace smartcoll::nicd {
 
 // Throws InvalidArgument naming what engine=nicd runs when it cannot run `coll` (with `codec`).
-void check_supported(Collective coll, const Codec& codec);
+void check_supported(Collective coll, const Codec& codec, bool list);
 
 class Client {
  public:

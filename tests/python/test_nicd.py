@@ -175,6 +175,10 @@ def test_unsupported_collective_is_refused_by_name(tmp_path):
     code = (
         "import numpy as np, smartcoll\nc = smartcoll.init()\n"
         "try:\n    c.alltoall(np.arange(4), np.empty(4, np.int64))\nexcept ValueError as e:\n    print(e)\n"
+        "try:\n    c.allreduce([np.ones(3), np.ones(5)])\nexcept ValueError as e:\n    print(e)\n"
+        "try:\n    c.alltoallv(np.arange(2), np.empty(2, np.int64), [1, 1], [1, 1])\nexcept ValueError as e:\n"
+        "    print(e)\n"
+        "print('after', c.allreduce(np.arange(3)).tolist())\n"
         "c.close()\n"
     )
     with Daemons(1) as d:
@@ -183,10 +187,12 @@ def test_unsupported_collective_is_refused_by_name(tmp_path):
         )
     for res in run.results:
         assert res.returncode == 0, res.stderr
-        assert (
-            "engine=nicd runs allreduce, reduce, reduce_scatter, broadcast, allgather and barrier; alltoall "
-            "is not supported" in res.stdout
-        )
+        lines = res.stdout.splitlines()
+        head = "engine=nicd runs allreduce, reduce, reduce_scatter, broadcast, allgather and barrier on single buffers; "
+        assert lines[0].startswith(head + "alltoall is not supported"), res.stdout
+        assert lines[1].startswith(head + "list calls are not supported"), res.stdout
+        assert lines[2].startswith(head + "alltoallv is not supported"), res.stdout
+        assert lines[3] == "after [0, 2, 4]", res.stdout  # a refused call leaves the job usable
 
 
 def test_a_second_daemon_on_a_socket_in_use_is_refused():
