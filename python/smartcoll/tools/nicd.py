@@ -13,13 +13,14 @@ import argparse
 import contextlib
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from typing import Callable, Optional, Sequence
+
+from . import serving
 
 
 def parse_cpus(text: str) -> list[int]:
@@ -97,26 +98,23 @@ def main(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError) as e:
         print(f"smartcoll nicd: {e}", file=sys.stderr)
         return 1
-    stop = False
+    last = 0.0
 
-    def on_signal(signum, frame):
-        nonlocal stop
-        stop = True
+    def begin() -> None:
+        daemon.start()
+        cpus = ",".join(map(str, args.cpus)) or "not pinned"
+        print(f"smartcoll nicd: listening on {path}, cpus {cpus}", flush=True)
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, on_signal)
-    daemon.start()
-    cpus = ",".join(map(str, args.cpus)) or "not pinned"
-    print(f"smartcoll nicd: listening on {path}, cpus {cpus}", flush=True)
-    start = last = time.monotonic()
+    def tick(now: float, began: float) -> None:
+        nonlocal last
+        for line in daemon.take_events():
+            print(f"smartcoll nicd: {line}", flush=True)
+        if args.stats_interval > 0 and now - max(last, began) >= args.stats_interval:
+            last = now
+            print(f"[nicd {now - began:.1f} s] {_counters(daemon.stats())}", flush=True)
+
     try:
-        while not stop and not (args.duration and time.monotonic() - start >= args.duration):
-            time.sleep(0.05)
-            for line in daemon.take_events():
-                print(f"smartcoll nicd: {line}", flush=True)
-            if args.stats_interval > 0 and time.monotonic() - last >= args.stats_interval:
-                last = time.monotonic()
-                print(f"[nicd {last - start:.1f} s] {_counters(daemon.stats())}", flush=True)
+        serving.serve(begin, args.duration, tick)
     finally:
         daemon.stop()
         for line in daemon.take_events():

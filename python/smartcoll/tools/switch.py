@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from typing import Optional
+
+from . import serving
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -146,39 +147,36 @@ def main(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError) as e:
         print(f"smartcoll switch: {e}", file=sys.stderr)
         return 1
-    stop = False
+    start = last_print = time.monotonic()
+    previous = None
 
-    def on_signal(signum, frame):
-        nonlocal stop
-        stop = True
+    def begin() -> None:
+        nonlocal start, last_print
+        sw.start()
+        last = args.threads - 1
+        ports = f"{sw.port}" if last == 0 else f"{sw.port}-{sw.port + last}"
+        print(f"smartcoll switch: listening on {host}:{ports} (UDP), {args.threads} thread(s), {args.slots} slots, "
+              f"auth {args.auth}", flush=True)
+        start = last_print = time.monotonic()
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, on_signal)
-    sw.start()
-    last = args.threads - 1
-    ports = f"{sw.port}" if last == 0 else f"{sw.port}-{sw.port + last}"
-    print(f"smartcoll switch: listening on {host}:{ports} (UDP), {args.threads} thread(s), {args.slots} slots, "
-          f"auth {args.auth}", flush=True)
-    start = time.monotonic()
-    previous, last_print = None, start
-    try:
-        while not stop and not (args.duration and time.monotonic() - start >= args.duration):
-            time.sleep(0.05)
-            for job in sw.take_expired():
-                print(f"smartcoll switch: job {job:016x} sent nothing for {args.job_timeout:g} s: its slots are "
-                      "freed", flush=True)
-            now = time.monotonic()
-            if args.stats_interval > 0 and now - last_print >= args.stats_interval:
-                stats = sw.stats()
-                print("\n".join(format_stats(stats, previous, now - start, now - last_print)), flush=True)
-                if args.stats_json:
-                    _write_json(args.stats_json, stats)
-                previous, last_print = stats, now
-    finally:
-        sw.stop()
-        now = time.monotonic()
+    def report(now: float) -> None:
+        nonlocal previous, last_print
         stats = sw.stats()
         print("\n".join(format_stats(stats, previous, now - start, now - last_print)), flush=True)
         if args.stats_json:
             _write_json(args.stats_json, stats)
+        previous, last_print = stats, now
+
+    def tick(now: float, began: float) -> None:
+        for job in sw.take_expired():
+            print(f"smartcoll switch: job {job:016x} sent nothing for {args.job_timeout:g} s: its slots are "
+                  "freed", flush=True)
+        if args.stats_interval > 0 and now - last_print >= args.stats_interval:
+            report(now)
+
+    try:
+        serving.serve(begin, args.duration, tick)
+    finally:
+        sw.stop()
+        report(time.monotonic())
     return 0
