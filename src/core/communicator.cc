@@ -441,8 +441,9 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
   task->desc = make_descriptor(call.coll, call.dt, call.op, call.algo, call.root, call.count, call.codec,
                                config_->codec_owner);
   if (call.layout) set_list_layout(task->desc, call.layout);
-  // A barrier's messages are its descriptors: it always sends them. List calls always compare their layouts.
-  task->check = config_->check || call.coll == Collective::barrier || call.layout;
+  // A barrier's messages are its descriptors: it always sends them. List calls follow the knob like every other
+  // call: a descriptor that only one side sends would be read as data by the other.
+  task->check = config_->check || call.coll == Collective::barrier;
   task->req = req;
   coll::Context cx{rank_, size_, config_->streams, transport_.get(), cma_.get(), switch_.get(),
                    config_->segment_size, config_->codec_owner, engine_->pool(), &hosts_};

@@ -16,8 +16,11 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 void send_message(int fd, const std::string& msg) {
-  while (::send(fd, msg.data(), msg.size(), MSG_NOSIGNAL) < 0)
+  while (::send(fd, msg.data(), msg.size(), MSG_NOSIGNAL) < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK)  // SO_SNDTIMEO ran out
+      throw CommError("the daemon read nothing for the timeout: it is stopped or hung");
     if (errno != EINTR) throw CommError(std::strerror(errno));
+  }
 }
 
 std::string seconds(double s) {
@@ -66,7 +69,20 @@ Client::Client(const std::string& path, const Hello& hello) : path_(path), timeo
   }
   ucred cred{};
   socklen_t len = sizeof cred;
-  if (::getsockopt(fd_.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) daemon_pid_ = cred.pid;
+  if (::getsockopt(fd_.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0)
+    throw CommError("engine=nicd: cannot read the credentials of the process at " + path + ": " + std::strerror(errno));
+  // The hello carries the job's store secret, and the daemon's answers decide what this rank takes as results:
+  // only a daemon of this rank's own user may have them.
+  if (cred.uid != ::geteuid())
+    throw CommError("engine=nicd: the process at " + path + " (pid " + std::to_string(cred.pid) + ") runs as uid " +
+                    std::to_string(cred.uid) + ", not this rank's uid " + std::to_string(::geteuid()) +
+                    ": start your own daemon (smartcoll nicd) and point nicd_socket at it");
+  daemon_pid_ = cred.pid;
+  // A daemon that stops reading must not block a post forever (the reader, which fails calls on silence, needs
+  // the lock a blocked post would hold).
+  const double limit = std::max(hello.timeout, 0.001);
+  timeval tv{static_cast<time_t>(limit), static_cast<suseconds_t>((limit - static_cast<time_t>(limit)) * 1e6)};
+  ::setsockopt(fd_.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   // Under Yama ptrace_scope=1 only ancestors may read a process unless it names its reader: the daemon, by the
   // pid the kernel reports for the socket's other end (never one a message claims).
   std::ifstream scope("/proc/sys/kernel/yama/ptrace_scope");
@@ -154,7 +170,7 @@ std::shared_ptr<Request> Client::post(const Post& p) {
     send_message(fd_.get(), encode(p));
   } catch (const CommError& e) {
     fail_all("engine=nicd: cannot post call #" + std::to_string(p.seq) + " to " + where() + ": " + e.what() +
-             " (the daemon exited or crashed)");
+             " (the daemon exited, crashed or hung)");
   }
   return req;
 }
@@ -206,6 +222,9 @@ void Client::read_loop() {
     if (!pending_.empty() && now - heard_ > std::chrono::duration<double>(timeout_)) {
       fail_all("engine=nicd: " + where() + " sent nothing for " + seconds(timeout_) +
                " s while calls were pending: the daemon is stopped or hung (SMARTCOLL_TIMEOUT)");
+      // Once the daemon notices the connection's end it fails the job, and its worker stops before its next read
+      // or write of a rank's memory (a daemon that stays hung never touches them again either).
+      ::shutdown(fd_.get(), SHUT_RDWR);
       return;
     }
   }

@@ -173,8 +173,8 @@ void Job::answer_running(const std::string& error) {
 
 void Job::transfer(bool write, const Member& m, uint64_t remote, char* local, size_t len) {
   if (stopping) throw CommError("the job failed");  // the reason is the job's, already given
-  if (write && m.pidfd >= 0) {
-    // A pid is only reused after its process is gone; a gone process is never written to.
+  if (m.pidfd >= 0) {
+    // A pid is only reused after its process is gone; a gone process is never read or written.
     pollfd p{m.pidfd, POLLIN, 0};
     if (::poll(&p, 1, 0) > 0)
       throw CommError("rank " + std::to_string(m.rank) + " (pid " + std::to_string(m.pid) + ") exited during " +
@@ -381,6 +381,9 @@ void Job::execute(const std::vector<Member>& ms) {
                       std::to_string(m.rank) + " called " + describe(q));
   }
   const auto coll = static_cast<Collective>(p.coll);
+  if ((coll == Collective::broadcast || coll == Collective::reduce) && (p.root < 0 || p.root >= hello.size))
+    throw CommError("rank " + std::to_string(ms[0].rank) + " called " + describe(p) + ": root " +
+                    std::to_string(p.root) + " is not a rank of this job of " + std::to_string(hello.size));
   const size_t esize = dtype_size(static_cast<DataType>(p.dtype)), n = static_cast<size_t>(hello.size);
   const size_t block = static_cast<size_t>(p.count) * esize;
   std::vector<char> buf;
@@ -418,7 +421,10 @@ void Job::execute(const std::vector<Member>& ms) {
       // these and put every block at its rank's place.
       size_t widest = 0;
       for (const auto& h : members) widest = std::max(widest, h.size());
-      std::vector<char> all(static_cast<size_t>(host_count) * widest * block);
+      size_t total = 0;  // the sizes come from the ranks: a product that wraps would under-allocate
+      if (__builtin_mul_overflow(static_cast<size_t>(host_count) * widest, block, &total))
+        throw CommError(describe(p) + " is too large for the daemon's buffers");
+      std::vector<char> all(total);
       char* mine = all.data() + static_cast<size_t>(host) * widest * block;
       for (size_t j = 0; j < ms.size(); ++j) transfer(false, ms[j], ms[j].post.in, mine + j * block, block);
       if (inter) {
@@ -501,17 +507,22 @@ Server::Server(ServerOptions options) : options_(std::move(options)) {
   auto* sa = reinterpret_cast<sockaddr*>(&addr);
   if (::bind(listener_.get(), sa, sizeof addr) != 0) {
     if (errno != EADDRINUSE) throw CommError("cannot bind " + path + ": " + std::strerror(errno));
-    // A socket file left by a daemon that died: replace it, unless a daemon still answers there.
+    // A socket file left by a daemon that died: replace it, unless a daemon still answers there, or it is not a
+    // socket at all (never delete a user's file).
     net::Fd probe(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
     if (::connect(probe.get(), sa, sizeof addr) == 0)
       throw CommError("another nicd daemon listens on " + path + " (stop it, or give this one another --socket)");
+    struct stat st{};
+    if (::lstat(path.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode))
+      throw CommError(path + " exists and is not a socket: give the daemon another --socket");
     ::unlink(path.c_str());
     if (::bind(listener_.get(), sa, sizeof addr) != 0)
       throw CommError("cannot bind " + path + ": " + std::strerror(errno));
   }
-  // Who may connect: a root daemon serves every user (each rank only lets it read and write its own memory);
-  // another daemon only its own user (SO_PEERCRED is checked too).
-  ::chmod(path.c_str(), ::geteuid() == 0 ? 0666 : 0600);
+  // Who may connect: the daemon's own user only (SO_PEERCRED is checked too). A root daemon serving every user
+  // would read and write other users' memory with root's rights, where the kernel's ptrace checks (a process
+  // that became setuid, a pid reused) no longer stand between a forged post and someone else's process.
+  ::chmod(path.c_str(), 0600);
   if (::listen(listener_.get(), 256) != 0) throw CommError("cannot listen on " + path + ": " + std::strerror(errno));
 }
 
@@ -574,9 +585,10 @@ void Server::on_hello(Connection& c, std::string_view msg) {
   const std::string key = std::to_string(c.uid) + "/" + h.job_id;
   auto it = jobs_.find(key);
   if (it == jobs_.end()) {
-    for (int g = 0; g <= *std::max_element(h.hosts.begin(), h.hosts.end()); ++g)
-      if (std::find(h.hosts.begin(), h.hosts.end(), g) == h.hosts.end())
-        throw ProtocolError{"a host layout without host " + std::to_string(g)};
+    std::vector<bool> seen(static_cast<size_t>(*std::max_element(h.hosts.begin(), h.hosts.end())) + 1);
+    for (int g : h.hosts) seen[static_cast<size_t>(g)] = true;
+    if (const auto gap = std::find(seen.begin(), seen.end(), false); gap != seen.end())
+      throw ProtocolError{"a host layout without host " + std::to_string(gap - seen.begin())};
     auto job = std::make_shared<Job>(*this, key, h, options_.cpus, std::min(options_.timeout, h.timeout));
     it = jobs_.emplace(key, job).first;
     job->worker = std::thread([job] { job->run(); });
@@ -693,7 +705,7 @@ void Server::serve() {
           std::lock_guard lock(stats_mu_);
           ++stats_.connections;
         }
-        if (::geteuid() != 0 && cred.uid != ::geteuid())
+        if (cred.uid != ::geteuid())
           drop(raw, "uid " + std::to_string(cred.uid) + " may not use the nicd daemon of uid " +
                         std::to_string(::geteuid()));
       }

@@ -202,7 +202,13 @@ size_t Client::chunk_elems(DataType dt, const Codec* codec) const {
   if (!codec) return settings_.packet / dtype_size(dt);
   // Whole blocks, as many as fit the packet and the header's 16-bit count.
   const size_t block = codec->block_elems(), block_bytes = codec->encoded_size(block);
-  return std::max<size_t>(1, std::min(settings_.packet / block_bytes, UINT16_MAX / block)) * block;
+  // The switch drops a payload longer than the packet: a block that cannot fit would be retransmitted until the
+  // switch timeout instead of failing.
+  if (block_bytes > settings_.packet)
+    throw InvalidArgument("codec '" + codec->name() + "' with algo=switch: one encoded block is " +
+                          std::to_string(block_bytes) + " bytes, more than switch_packet=" +
+                          std::to_string(settings_.packet) + ": raise switch_packet or use smaller blocks");
+  return std::min(settings_.packet / block_bytes, UINT16_MAX / block) * block;
 }
 
 void Client::allreduce(const char* in, char* out, size_t count, DataType dt, ReduceOp op, const Codec* codec,

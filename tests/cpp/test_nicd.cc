@@ -200,5 +200,53 @@ TEST(Nicd, AMalformedMessageIsRefusedAndTheDaemonServesOn) {
   daemon.stop();
 }
 
+// A post is checked against the job it belongs to: a broadcast whose root is not a rank fails that call, named,
+// and the daemon serves on (an unchecked root would index past the job's host layout).
+TEST(Nicd, ARootOutsideTheJobFailsTheCallNotTheDaemon) {
+  nicd::Server daemon({socket_path("root"), {}, 20});
+  daemon.start();
+  const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, daemon.path().data(), daemon.path().size());
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  std::string reply(nicd::kMaxMessage, '\0');
+  const auto next = [&](nicd::Type want) {
+    for (;;) {
+      const ssize_t k = ::recv(fd, reply.data(), reply.size(), 0);
+      if (k <= 0) return std::string_view();
+      const std::string_view msg(reply.data(), static_cast<size_t>(k));
+      if (nicd::type_of(msg) == want) return msg;
+    }
+  };
+  nicd::Hello hello;
+  hello.size = 1;
+  hello.timeout = hello.connect_timeout = 10;
+  hello.job_id = "root-check";
+  hello.hosts = {0};
+  const std::string h = nicd::encode(hello);
+  ASSERT_GT(::send(fd, h.data(), h.size(), 0), 0);
+  ASSERT_EQ(nicd::decode_ready(next(nicd::Type::ready)).error, "");
+  int value = 7;
+  nicd::Post post;
+  post.coll = static_cast<uint8_t>(Collective::broadcast);
+  post.dtype = static_cast<uint8_t>(DataType::i32);
+  post.root = 1 << 30;
+  post.count = 1;
+  post.in = post.out = reinterpret_cast<uintptr_t>(&value);
+  post.codec = "identity";
+  const std::string p = nicd::encode(post);
+  ASSERT_GT(::send(fd, p.data(), p.size(), 0), 0);
+  const nicd::Done done = nicd::decode_done(next(nicd::Type::done));
+  EXPECT_NE(done.error.find("root 1073741824 is not a rank of this job of 1"), std::string::npos) << done.error;
+  ::close(fd);
+  run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 2, std::move(store), nicd_options(daemon.path()));
+    comm.barrier()->wait();
+  });
+  EXPECT_EQ(daemon.stats().jobs_formed, 2u);
+  daemon.stop();
+}
+
 }  // namespace
 }  // namespace smartcoll
