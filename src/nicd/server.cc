@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -690,6 +691,8 @@ void Server::serve() {
     if (::poll(fds.data(), fds.size(), 100) < 0 && errno != EINTR) break;
     if (fds[0].revents & POLLIN) {
       net::Fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      // Out of descriptors: the waiting connection keeps the listener readable, so back off instead of spinning.
+      if (!fd && (errno == EMFILE || errno == ENFILE)) std::this_thread::sleep_for(std::chrono::milliseconds(100));
       ucred cred{};
       socklen_t len = sizeof cred;
       if (fd && ::getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
