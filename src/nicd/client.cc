@@ -19,6 +19,8 @@ void send_message(int fd, const std::string& msg) {
   while (::send(fd, msg.data(), msg.size(), MSG_NOSIGNAL) < 0) {
     if (errno == EAGAIN || errno == EWOULDBLOCK)  // SO_SNDTIMEO ran out
       throw CommError("the daemon read nothing for the timeout: it is stopped or hung");
+    if (errno == EPIPE || errno == ECONNRESET)
+      throw CommError(std::string(std::strerror(errno)) + " (the daemon exited or crashed)");
     if (errno != EINTR) throw CommError(std::strerror(errno));
   }
 }
@@ -169,8 +171,7 @@ std::shared_ptr<Request> Client::post(const Post& p) {
   try {
     send_message(fd_.get(), encode(p));
   } catch (const CommError& e) {
-    fail_all("engine=nicd: cannot post call #" + std::to_string(p.seq) + " to " + where() + ": " + e.what() +
-             " (the daemon exited, crashed or hung)");
+    fail_all("engine=nicd: cannot post call #" + std::to_string(p.seq) + " to " + where() + ": " + e.what());
   }
   return req;
 }
