@@ -3,6 +3,7 @@
 #include <poll.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <vector>
 
@@ -36,8 +37,10 @@ std::string query_stats(const std::string& host, uint16_t port, double timeout_s
         return std::string(reinterpret_cast<const char*>(got.pkt.payload), got.pkt.payload_len);
     }
   }
+  char seconds[32];
+  std::snprintf(seconds, sizeof seconds, "%g", timeout_s);
   throw CommError("switch " + host + ":" + std::to_string(port) + " did not answer a stats query within " +
-                  std::to_string(timeout_s) + " s: is `smartcoll switch` (protocol version " +
+                  seconds + " s: is `smartcoll switch` (protocol version " +
                   std::to_string(kVersion) + ") running there?");
 }
 
