@@ -109,6 +109,8 @@ struct Job {
   // acc = the allreduce of every rank's input; done(from, count) is told of each chunk as soon as it is final.
   void allreduce(const std::vector<Member>& ms, const Post& p, size_t count, char* acc,
                  const std::function<void(size_t, size_t)>& done = {});
+  void alltoall(const std::vector<Member>& ms, const Post& p);
+  size_t widest_host() const;
   std::string name() const { return "job '" + hello.job_id + "'"; }
 
   Server& server;
@@ -371,6 +373,45 @@ void Job::allreduce(const std::vector<Member>& ms, const Post& p, size_t count, 
   }
 }
 
+size_t Job::widest_host() const {
+  size_t widest = 0;
+  for (const auto& h : members) widest = std::max(widest, h.size());
+  return widest;
+}
+
+// Rank s's input is n blocks, block d for rank d; rank d's output is n blocks, block s from rank s. The daemons
+// exchange one alltoall whose segment between two hosts holds a block for every pair (a rank of the sending host,
+// a rank of the receiving host), padded to widest x widest blocks as allgather pads to the widest host; a host's
+// own segment stays here (with one host there is no exchange at all).
+void Job::alltoall(const std::vector<Member>& ms, const Post& p) {
+  const size_t n = static_cast<size_t>(hello.size), block = p.count * dtype_size(static_cast<DataType>(p.dtype));
+  const size_t widest = widest_host(), segment = widest * widest * block;
+  auto at = [&](char* segments, size_t h, size_t from, size_t to) {
+    return segments + h * segment + (from * widest + to) * block;
+  };
+  std::vector<char> in(n * block), send(static_cast<size_t>(host_count) * segment);
+  for (size_t j = 0; j < ms.size(); ++j) {
+    transfer(false, ms[j], ms[j].post.in, in.data(), n * block);
+    for (size_t h = 0; h < members.size(); ++h)
+      for (size_t k = 0; k < members[h].size(); ++k)
+        std::memcpy(at(send.data(), h, j, k), in.data() + static_cast<size_t>(members[h][k]) * block, block);
+  }
+  std::vector<char> recv;
+  char* arrived = send.data();  // [source host][its rank j][this host's rank k]
+  if (inter) {
+    recv.resize(send.size());
+    wait_between_hosts(inter->alltoall(send.data(), recv.data(), segment, DataType::u8));
+    arrived = recv.data();
+  }
+  std::vector<char>& out = in;  // every input has been read: the buffer is free
+  for (size_t k = 0; k < ms.size(); ++k) {
+    for (size_t h = 0; h < members.size(); ++h)
+      for (size_t j = 0; j < members[h].size(); ++j)
+        std::memcpy(out.data() + static_cast<size_t>(members[h][j]) * block, at(arrived, h, j, k), block);
+    transfer(true, ms[k], ms[k].post.out, out.data(), n * block);
+  }
+}
+
 void Job::execute(const std::vector<Member>& ms) {
   const Post& p = ms[0].post;
   for (const Member& m : ms) {
@@ -416,8 +457,7 @@ void Job::execute(const std::vector<Member>& ms) {
     case Collective::allgather: {
       // Each host contributes its ranks' blocks in rank order, padded to the largest host; the daemons gather
       // these and put every block at its rank's place.
-      size_t widest = 0;
-      for (const auto& h : members) widest = std::max(widest, h.size());
+      const size_t widest = widest_host();
       std::vector<char> all(static_cast<size_t>(host_count) * widest * block);
       char* mine = all.data() + static_cast<size_t>(host) * widest * block;
       for (size_t j = 0; j < ms.size(); ++j) transfer(false, ms[j], ms[j].post.in, mine + j * block, block);
@@ -437,7 +477,9 @@ void Job::execute(const std::vector<Member>& ms) {
       if (inter) wait_between_hosts(inter->barrier());
       break;
     case Collective::alltoall:
-    case Collective::alltoallv:  // the ranks' side refuses both: a post of either is a client out of step
+      alltoall(ms, p);
+      break;
+    case Collective::alltoallv:  // the ranks' side refuses it: a post of it is a client out of step
       throw InvalidArgument("engine=nicd does not run " + std::string(collective_name(coll)));
   }
 }
