@@ -379,36 +379,36 @@ size_t Job::widest_host() const {
   return widest;
 }
 
-// Rank s's input is n blocks, block d for rank d; rank d's output is n blocks, block s from rank s. The daemons
-// exchange one alltoall whose segment between two hosts holds a block for every pair (a rank of the sending host,
-// a rank of the receiving host), padded to widest x widest blocks as allgather pads to the widest host; a host's
-// own segment stays here (with one host there is no exchange at all).
+// Rank s's input is n blocks, block d for rank d; rank d's output is n blocks, block s from rank s. A block
+// between two ranks of this host goes straight from the source's input (read once) into the destination's
+// output. Between hosts the daemons exchange one alltoall whose segment from host g to host h holds a block for
+// every pair (a rank of g, a rank of h), padded to widest x widest blocks as allgather pads to the widest host.
 void Job::alltoall(const std::vector<Member>& ms, const Post& p) {
   const size_t n = static_cast<size_t>(hello.size), block = p.count * dtype_size(static_cast<DataType>(p.dtype));
   const size_t widest = widest_host(), segment = widest * widest * block;
   auto at = [&](char* segments, size_t h, size_t from, size_t to) {
     return segments + h * segment + (from * widest + to) * block;
   };
-  std::vector<char> in(n * block), send(static_cast<size_t>(host_count) * segment);
+  auto place = [&](const Member& m, int rank) { return m.post.out + static_cast<uint64_t>(rank) * block; };
+  std::vector<char> in(n * block), send(inter ? static_cast<size_t>(host_count) * segment : 0);
   for (size_t j = 0; j < ms.size(); ++j) {
     transfer(false, ms[j], ms[j].post.in, in.data(), n * block);
-    for (size_t h = 0; h < members.size(); ++h)
+    for (const Member& to : ms)
+      transfer(true, to, place(to, ms[j].rank), in.data() + static_cast<size_t>(to.rank) * block, block);
+    for (size_t h = 0; inter && h < members.size(); ++h) {
+      if (h == static_cast<size_t>(host)) continue;
       for (size_t k = 0; k < members[h].size(); ++k)
         std::memcpy(at(send.data(), h, j, k), in.data() + static_cast<size_t>(members[h][k]) * block, block);
+    }
   }
-  std::vector<char> recv;
-  char* arrived = send.data();  // [source host][its rank j][this host's rank k]
-  if (inter) {
-    recv.resize(send.size());
-    wait_between_hosts(inter->alltoall(send.data(), recv.data(), segment, DataType::u8));
-    arrived = recv.data();
-  }
-  std::vector<char>& out = in;  // every input has been read: the buffer is free
-  for (size_t k = 0; k < ms.size(); ++k) {
-    for (size_t h = 0; h < members.size(); ++h)
-      for (size_t j = 0; j < members[h].size(); ++j)
-        std::memcpy(out.data() + static_cast<size_t>(members[h][j]) * block, at(arrived, h, j, k), block);
-    transfer(true, ms[k], ms[k].post.out, out.data(), n * block);
+  if (!inter) return;
+  std::vector<char> recv(send.size());  // [source host][its rank j][this host's rank k]
+  wait_between_hosts(inter->alltoall(send.data(), recv.data(), segment, DataType::u8));
+  for (size_t h = 0; h < members.size(); ++h) {
+    if (h == static_cast<size_t>(host)) continue;
+    for (size_t j = 0; j < members[h].size(); ++j)
+      for (size_t k = 0; k < ms.size(); ++k)
+        transfer(true, ms[k], place(ms[k], members[h][j]), at(recv.data(), h, j, k), block);
   }
 }
 
