@@ -63,11 +63,13 @@ def check_against(nicd: list[dict], inprocess: list[dict] | None, n: int) -> Non
         ranks = [root] if coll == "reduce" else range(n)
         for r in ranks if inprocess else ():
             got, theirs = nicd[r][key], inprocess[r][key]
-            if not dtype.startswith("float") or coll == "alltoall":  # alltoall only moves data: floats bitwise too
-                assert got.tobytes() == theirs.tobytes(), f"{key} on rank {r}: differs from the in-process engine's"
+            # alltoall only moves data: its floats are bitwise equal too
+            if not dtype.startswith("float") or coll == "alltoall":
+                assert got.tobytes() == theirs.tobytes(), f"{key} on rank {r}: not the in-process engine's"
         if coll == "alltoall":
             for r in range(n):
-                assert nicd[r][key].tobytes() == reference(case, n, r).tobytes(), f"{key} on rank {r}: wrong blocks"
+                want = reference(case, n, r)
+                assert nicd[r][key].tobytes() == want.tobytes(), f"{key} on rank {r}: misplaced blocks"
             continue
         if coll in ("reduce_scatter", "reduce"):
             continue
@@ -195,8 +197,8 @@ def test_unsupported_collective_is_refused_by_name(tmp_path):
         assert res.returncode == 0, res.stderr
         lines = res.stdout.splitlines()
         head = (
-            "engine=nicd runs allreduce, reduce, reduce_scatter, broadcast, allgather, alltoall and barrier on "
-            "single buffers; "
+            "engine=nicd runs allreduce, reduce, reduce_scatter, broadcast, allgather, alltoall and barrier "
+            "on single buffers; "
         )
         assert lines[0] == "alltoall [0, 1]", res.stdout  # run by the daemon now
         assert lines[1].startswith(head + "list calls are not supported"), res.stdout
