@@ -107,7 +107,7 @@ inline constexpr Knob kKnobs[] = {
     {"engine", "inprocess", "choice:inprocess|nicd", 0, 0, true,
      "who runs the collectives: inprocess (this process's progress engine) or nicd (the host's offload daemon, "
      "smartcoll nicd, reads and writes this rank's buffers and runs the inter-host part; allreduce, reduce, "
-     "reduce_scatter, broadcast, allgather and barrier)"},
+     "reduce_scatter, broadcast, allgather, alltoall and barrier)"},
     {"nicd_socket", "", "str", 0, 0, false,
      "Unix socket of the offload daemon (engine=nicd); empty: $XDG_RUNTIME_DIR/smartcoll-nicd.sock, or "
      "/tmp/smartcoll-nicd-UID.sock without XDG_RUNTIME_DIR (the daemon's default too)"},

@@ -34,9 +34,10 @@ std::string seconds(double s) {
 }  // namespace
 
 void check_supported(Collective coll, const Codec& codec, bool list) {
-  if (coll == Collective::alltoall || coll == Collective::alltoallv || list)
-    throw InvalidArgument("engine=nicd runs allreduce, reduce, reduce_scatter, broadcast, allgather and barrier on "
-                          "single buffers; " + (list ? std::string("list calls are") : std::string(collective_name(coll)) + " is") +
+  if (coll == Collective::alltoallv || list)
+    throw InvalidArgument("engine=nicd runs allreduce, reduce, reduce_scatter, broadcast, allgather, alltoall and "
+                          "barrier on single buffers; " +
+                          (list ? std::string("list calls are") : std::string(collective_name(coll)) + " is") +
                           " not supported there: use engine=inprocess for it");
   if (codec.kind() != CodecKind::identity && coll != Collective::allreduce)
     throw InvalidArgument("engine=nicd compresses only allreduce between hosts; " +

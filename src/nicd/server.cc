@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <optional>
 #include <sstream>
 #include <utility>
@@ -44,6 +45,15 @@ void pin(const std::vector<int>& cpus) {
 
 bool send_to(int fd, const std::string& msg, int flags = 0) {
   return fd >= 0 && ::send(fd, msg.data(), msg.size(), MSG_NOSIGNAL | flags) == static_cast<ssize_t>(msg.size());
+}
+
+// A buffer size from counts the ranks posted: throws rather than wrap (a wrapped size would under-allocate and a
+// transfer into it would run past its end).
+size_t bytes_of(std::initializer_list<size_t> factors) {
+  size_t total = 1;
+  for (size_t f : factors)
+    if (__builtin_mul_overflow(total, f, &total)) throw CommError("the call is too large for the daemon's buffers");
+  return total;
 }
 
 int open_pidfd(pid_t pid) {
@@ -110,6 +120,8 @@ struct Job {
   // acc = the allreduce of every rank's input; done(from, count) is told of each chunk as soon as it is final.
   void allreduce(const std::vector<Member>& ms, const Post& p, size_t count, char* acc,
                  const std::function<void(size_t, size_t)>& done = {});
+  void alltoall(const std::vector<Member>& ms, const Post& p);
+  size_t widest_host() const;
   std::string name() const { return "job '" + hello.job_id + "'"; }
 
   Server& server;
@@ -372,6 +384,47 @@ void Job::allreduce(const std::vector<Member>& ms, const Post& p, size_t count, 
   }
 }
 
+size_t Job::widest_host() const {
+  size_t widest = 0;
+  for (const auto& h : members) widest = std::max(widest, h.size());
+  return widest;
+}
+
+// Rank s's input is n blocks, block d for rank d; rank d's output is n blocks, block s from rank s. A block
+// between two ranks of this host goes straight from the source's input (read once) into the destination's
+// output. Between hosts the daemons exchange one alltoall whose segment from host g to host h holds a block for
+// every pair (a rank of g, a rank of h), padded to widest x widest blocks as allgather pads to the widest host.
+void Job::alltoall(const std::vector<Member>& ms, const Post& p) {
+  const size_t n = static_cast<size_t>(hello.size), block = p.count * dtype_size(static_cast<DataType>(p.dtype));
+  // Checked with the host count: the send and receive buffers hold one segment per host.
+  const size_t hosts = static_cast<size_t>(host_count), widest = widest_host();
+  const size_t segment = bytes_of({hosts, widest, widest, block}) / hosts;
+  auto at = [&](char* segments, size_t h, size_t from, size_t to) {
+    return segments + h * segment + (from * widest + to) * block;
+  };
+  auto place = [&](const Member& m, int rank) { return m.post.out + static_cast<uint64_t>(rank) * block; };
+  std::vector<char> in(n * block), send(inter ? static_cast<size_t>(host_count) * segment : 0);
+  for (size_t j = 0; j < ms.size(); ++j) {
+    transfer(false, ms[j], ms[j].post.in, in.data(), n * block);
+    for (const Member& to : ms)
+      transfer(true, to, place(to, ms[j].rank), in.data() + static_cast<size_t>(to.rank) * block, block);
+    for (size_t h = 0; inter && h < members.size(); ++h) {
+      if (h == static_cast<size_t>(host)) continue;
+      for (size_t k = 0; k < members[h].size(); ++k)
+        std::memcpy(at(send.data(), h, j, k), in.data() + static_cast<size_t>(members[h][k]) * block, block);
+    }
+  }
+  if (!inter) return;
+  std::vector<char> recv(send.size());  // [source host][its rank j][this host's rank k]
+  wait_between_hosts(inter->alltoall(send.data(), recv.data(), segment, DataType::u8));
+  for (size_t h = 0; h < members.size(); ++h) {
+    if (h == static_cast<size_t>(host)) continue;
+    for (size_t j = 0; j < members[h].size(); ++j)
+      for (size_t k = 0; k < ms.size(); ++k)
+        transfer(true, ms[k], place(ms[k], members[h][j]), at(recv.data(), h, j, k), block);
+  }
+}
+
 void Job::execute(const std::vector<Member>& ms) {
   const Post& p = ms[0].post;
   for (const Member& m : ms) {
@@ -420,12 +473,8 @@ void Job::execute(const std::vector<Member>& ms) {
     case Collective::allgather: {
       // Each host contributes its ranks' blocks in rank order, padded to the largest host; the daemons gather
       // these and put every block at its rank's place.
-      size_t widest = 0;
-      for (const auto& h : members) widest = std::max(widest, h.size());
-      size_t total = 0;  // the sizes come from the ranks: a product that wraps would under-allocate
-      if (__builtin_mul_overflow(static_cast<size_t>(host_count) * widest, block, &total))
-        throw CommError(describe(p) + " is too large for the daemon's buffers");
-      std::vector<char> all(total);
+      const size_t widest = widest_host();
+      std::vector<char> all(bytes_of({static_cast<size_t>(host_count), widest, block}));
       char* mine = all.data() + static_cast<size_t>(host) * widest * block;
       for (size_t j = 0; j < ms.size(); ++j) transfer(false, ms[j], ms[j].post.in, mine + j * block, block);
       if (inter) {
@@ -444,7 +493,9 @@ void Job::execute(const std::vector<Member>& ms) {
       if (inter) wait_between_hosts(inter->barrier());
       break;
     case Collective::alltoall:
-    case Collective::alltoallv:  // the ranks' side refuses both: a post of either is a client out of step
+      alltoall(ms, p);
+      break;
+    case Collective::alltoallv:  // the ranks' side refuses it: a post of it is a client out of step
       throw InvalidArgument("engine=nicd does not run " + std::string(collective_name(coll)));
   }
 }

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import smartcoll
 
-# key, collective, dtype, op, count (per rank for allgather and reduce_scatter), root, in place
+# key, collective, dtype, op, count (per rank for allgather, reduce_scatter and alltoall), root, in place
 CASES = [
     ("ar_i32_sum", "allreduce", "int32", "sum", 300007, -1, False),
     ("ar_i64_max", "allreduce", "int64", "max", 1003, -1, False),
@@ -36,7 +36,14 @@ CASES = [
     ("ag_i32", "allgather", "int32", "", 501, -1, False),
     ("rs_i64", "reduce_scatter", "int64", "sum", 257, -1, False),
     ("rd_i32", "reduce", "int32", "sum", 1003, 1, False),
+    ("a2a_i32", "alltoall", "int32", "", 1003, -1, False),
+    ("a2a_f32", "alltoall", "float32", "", 501, -1, False),
+    ("a2a_f64_empty", "alltoall", "float64", "", 0, -1, False),
 ]
+
+
+def input_count(coll: str, count: int, n: int) -> int:
+    return count * n if coll in ("reduce_scatter", "alltoall") else count
 
 
 def inputs(key: str, dtype: str, count: int, rank: int) -> np.ndarray:
@@ -50,13 +57,15 @@ def inputs(key: str, dtype: str, count: int, rank: int) -> np.ndarray:
 def run_case(comm, case) -> np.ndarray:
     key, coll, dtype, op, count, root, in_place = case
     n, r = comm.size, comm.rank
-    x = inputs(key, dtype, count * (n if coll == "reduce_scatter" else 1), r)
+    x = inputs(key, dtype, input_count(coll, count, n), r)
     if coll == "allreduce":
         return comm.allreduce(x, op=op) if in_place else comm.allreduce(x, op=op, out=np.empty_like(x))
     if coll == "broadcast":
         return comm.broadcast(x, root=n - 1)
     if coll == "allgather":
         return comm.allgather(x, np.empty(count * n, dtype))
+    if coll == "alltoall":
+        return comm.alltoall(x, np.empty(count * n, dtype))
     if coll == "reduce_scatter":
         return comm.reduce_scatter(x, np.empty(count, dtype), op=op)
     return comm.reduce(x, root=root, op=op, out=np.zeros_like(x) if r == root else None)

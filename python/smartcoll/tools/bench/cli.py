@@ -312,8 +312,6 @@ def _validate(args: argparse.Namespace) -> Optional[str]:
         return f"--root {args.root} is not a rank of {args.nprocs}"
     if getattr(args, "nicd", False) and not getattr(args, "overlap", False):
         return "--nicd applies to the overlap mode (smartcoll bench overlap COLLECTIVE --nicd)"
-    if getattr(args, "nicd", False) and args.collective == "alltoall":
-        return "--nicd: the nicd daemon does not run alltoall"
     if args.algo != "auto" and args.collective != "allreduce":
         return f"--algo applies to allreduce only, not {args.collective}"
     return None
