@@ -95,18 +95,31 @@ TEST(Nicd, OneHostEveryCollective) {
   daemon.stop();
 }
 
-TEST(Nicd, TwoHostsMeetThroughTheJobsStore) {
-  nicd::Server a({socket_path("a"), {}, 20}), b({socket_path("b"), {}, 20});
+// Two daemons, as on hosts a and b, and a file store both reach; body(comm) runs on n ranks, on host a where
+// on_a(r). Every job forms on both daemons and none fails.
+template <class OnA, class Body>
+void on_two_hosts(const std::string& tag, int n, OnA on_a, Body body) {
+  nicd::Server a({socket_path(tag + "a"), {}, 20}), b({socket_path(tag + "b"), {}, 20});
   a.start();
   b.start();
-  const auto dir =
-      std::filesystem::temp_directory_path() / ("smartcoll-nicd-gtest-store-" + std::to_string(::getpid()));
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("smartcoll-nicd-gtest-" + tag + "-" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   auto store = std::make_shared<FileStore>(dir.string());
-  const int n = 4;
   run_threads(n, [&](int r, std::shared_ptr<Store>) {
-    const bool first = r < 2;
-    Communicator comm(r, n, store, nicd_options(first ? a.path() : b.path(), first ? "a" : "b"));
+    Communicator comm(r, n, store, nicd_options(on_a(r) ? a.path() : b.path(), on_a(r) ? "a" : "b"));
+    body(r, comm);
+  });
+  EXPECT_EQ(a.stats().jobs_formed, 1u);
+  EXPECT_EQ(b.stats().jobs_formed, 1u);
+  EXPECT_EQ(a.stats().jobs_failed + b.stats().jobs_failed, 0u);
+  a.stop();
+  b.stop();
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Nicd, TwoHostsMeetThroughTheJobsStore) {
+  on_two_hosts("store", 4, [](int r) { return r < 2; }, [](int r, Communicator& comm) {
     ASSERT_EQ(comm.hosts(), (std::vector<int>{0, 0, 1, 1}));
     std::vector<int64_t> x(600011, r + 1), y(x.size());  // two chunks between the hosts
     comm.allreduce(x.data(), y.data(), x.size(), DataType::i64, ReduceOp::prod)->wait();
@@ -119,33 +132,14 @@ TEST(Nicd, TwoHostsMeetThroughTheJobsStore) {
     for (int32_t v : bc) ASSERT_EQ(v, 5);
     check_alltoalls(comm);
   });
-  EXPECT_EQ(a.stats().jobs_formed, 1u);
-  EXPECT_EQ(b.stats().jobs_formed, 1u);
-  a.stop();
-  b.stop();
-  std::filesystem::remove_all(dir);
 }
 
 // 3 ranks on host 0 and 1 on host 1: the daemons' segments are padded to 3 x 3 blocks.
 TEST(Nicd, AlltoallAcrossUnevenHosts) {
-  nicd::Server a({socket_path("ua"), {}, 20}), b({socket_path("ub"), {}, 20});
-  a.start();
-  b.start();
-  const auto dir =
-      std::filesystem::temp_directory_path() / ("smartcoll-nicd-gtest-uneven-" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
-  auto store = std::make_shared<FileStore>(dir.string());
-  const int n = 4;
-  run_threads(n, [&](int r, std::shared_ptr<Store>) {
-    const bool first = r != 2;
-    Communicator comm(r, n, store, nicd_options(first ? a.path() : b.path(), first ? "a" : "b"));
+  on_two_hosts("uneven", 4, [](int r) { return r != 2; }, [](int, Communicator& comm) {
     ASSERT_EQ(comm.hosts(), (std::vector<int>{0, 0, 1, 0}));
     check_alltoalls(comm);
   });
-  EXPECT_EQ(a.stats().jobs_failed + b.stats().jobs_failed, 0u);
-  a.stop();
-  b.stop();
-  std::filesystem::remove_all(dir);
 }
 
 TEST(Nicd, AcrossHostsAPrivateStoreIsRefusedByName) {
