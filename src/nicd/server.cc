@@ -32,6 +32,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr auto kHeartbeat = std::chrono::milliseconds(500);
+// A rank sends its hello as soon as it connects; a connection silent this long (or the daemon's --timeout, if
+// shorter) is not a rank, and would only hold one of the daemon's descriptors.
+constexpr double kHelloDeadline = 10;
 constexpr size_t kPieceBytes = 1 << 20;  // the local reduction reads and combines this much at a time
 constexpr size_t kChunkBytes = 4 << 20;  // an allreduce goes between hosts in chunks of this much
 
@@ -534,6 +537,7 @@ struct Server::Connection {
   net::Fd fd;
   pid_t pid = 0;
   uid_t uid = 0;
+  Clock::time_point since = Clock::now();  // accepted
   std::shared_ptr<Job> job;
   int rank = -1;
 };
@@ -736,6 +740,7 @@ void Server::serve() {
   pin(options_.cpus);
   std::string buf(kMaxMessage, '\0');
   auto beat = Clock::now();
+  const double hello_deadline = std::min(kHelloDeadline, options_.timeout);
   while (!stop_) {
     std::vector<pollfd> fds{{listener_.get(), POLLIN, 0}};
     for (const auto& [fd, c] : connections_) fds.push_back({fd, POLLIN, 0});
@@ -785,8 +790,13 @@ void Server::serve() {
     }
     if (Clock::now() - beat >= kHeartbeat) {
       beat = Clock::now();
+      std::vector<int> silent;  // connected but never said hello: each holds a descriptor of this daemon
       for (const auto& [fd, c] : connections_)
-        if (c->job) send_to(fd, encode(Type::heartbeat), MSG_DONTWAIT);
+        if (c->job)
+          send_to(fd, encode(Type::heartbeat), MSG_DONTWAIT);
+        else if (std::chrono::duration<double>(beat - c->since).count() > hello_deadline)
+          silent.push_back(fd);
+      for (int fd : silent) drop(fd, "no hello within " + seconds(hello_deadline) + " s of connecting");
     }
     reap();
   }

@@ -28,7 +28,8 @@ namespace smartcoll::nicd {
 struct ServerOptions {
   std::string socket;     // Unix socket path (created mode 0600: the daemon serves its own user only)
   std::vector<int> cpus;  // the daemon's threads and its inter-host engine run here; empty: not pinned
-  double timeout = 60;    // seconds a job waits for a local rank's next call once another local rank posted it
+  double timeout = 60;    // seconds a job waits for a local rank's next call once another local rank posted it,
+                          // and (at most 10) a new connection for its hello
 };
 
 struct ServerStats {

@@ -220,14 +220,22 @@ TEST(Nicd, NoDaemonFailsNamingTheSocket) {
   }
 }
 
-TEST(Nicd, AMalformedMessageIsRefusedAndTheDaemonServesOn) {
-  nicd::Server daemon({socket_path("bad"), {}, 20});
-  daemon.start();
+// A raw connection to the daemon, as a rank's would be before its hello (-1 if it cannot connect).
+int connect_to(const nicd::Server& daemon) {
   const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET, 0);
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, daemon.path().data(), daemon.path().size());
-  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) return fd;
+  ::close(fd);
+  return -1;
+}
+
+TEST(Nicd, AMalformedMessageIsRefusedAndTheDaemonServesOn) {
+  nicd::Server daemon({socket_path("bad"), {}, 20});
+  daemon.start();
+  const int fd = connect_to(daemon);
+  ASSERT_GE(fd, 0);
   const std::string garbage = "GET / HTTP/1.0";
   ASSERT_GT(::send(fd, garbage.data(), garbage.size(), 0), 0);
   std::string reply(nicd::kMaxMessage, '\0');
@@ -246,16 +254,33 @@ TEST(Nicd, AMalformedMessageIsRefusedAndTheDaemonServesOn) {
   daemon.stop();
 }
 
+// A connection that never says hello is not a rank: the daemon drops it after its timeout (here 1 s) and says why.
+TEST(Nicd, ASilentConnectionIsDroppedAfterTheTimeout) {
+  nicd::Server daemon({socket_path("silent"), {}, 1});
+  daemon.start();
+  const int fd = connect_to(daemon);
+  ASSERT_GE(fd, 0);
+  const auto start = std::chrono::steady_clock::now();
+  std::string reply(nicd::kMaxMessage, '\0');
+  const ssize_t k = ::recv(fd, reply.data(), reply.size(), 0);
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_GT(k, 0);
+  const nicd::Ready ready = nicd::decode_ready(std::string_view(reply.data(), static_cast<size_t>(k)));
+  EXPECT_NE(ready.error.find("no hello within 1 s of connecting"), std::string::npos) << ready.error;
+  EXPECT_GE(waited, 0.9);
+  EXPECT_LT(waited, 5.0);
+  EXPECT_EQ(daemon.stats().refused, 1u);
+  ::close(fd);
+  daemon.stop();
+}
+
 // A post is checked against the job it belongs to: a broadcast whose root is not a rank fails that call, named,
 // and the daemon serves on (an unchecked root would index past the job's host layout).
 TEST(Nicd, ARootOutsideTheJobFailsTheCallNotTheDaemon) {
   nicd::Server daemon({socket_path("root"), {}, 20});
   daemon.start();
-  const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, daemon.path().data(), daemon.path().size());
-  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  const int fd = connect_to(daemon);
+  ASSERT_GE(fd, 0);
   std::string reply(nicd::kMaxMessage, '\0');
   const auto next = [&](nicd::Type want) {
     for (;;) {
