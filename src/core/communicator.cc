@@ -195,7 +195,7 @@ StartUpVerdict Communicator::agree_on_settings(const std::string& claim) {
   // every later message. Rank 0 compares everyone's (n reads of the store, not n^2 messages) and publishes the
   // verdict that every rank reads: "ok", the claim it read of each rank and each rank's host (numbered in order
   // of first appearance), or what is wrong. Each rank publishes "<claim> <host> <settings>".
-  const std::string mine = Config::must_match(options_);
+  const std::string mine = config_->start_up_settings(options_);
   std::string error;
   const std::string host = fingerprint(config_->host.empty() ? cma::host_identity(error) : config_->host);
   const auto limit = std::chrono::milliseconds(static_cast<int64_t>(config_->connect_timeout * 1000));

@@ -159,11 +159,13 @@ std::string Config::must_match(const Options& o) {
   std::string s;
   for (const Knob& k : kKnobs)
     if (k.must_match) s += (s.empty() ? "" : " ") + std::string(k.name) + "=" + o.str(k.name);
-  // The profile decides auto's choices: ranks compare what they loaded, not where from.
+  return s;
+}
+
+std::string Config::start_up_settings(const Options& o) const {
   char digest[32] = "none";
-  if (const std::string& path = o.str("model_profile"); !path.empty())
-    std::snprintf(digest, sizeof digest, "%016" PRIx64, coll::Profile::load(path).digest());
-  return s + " model_profile_digest=" + digest;
+  if (profile) std::snprintf(digest, sizeof digest, "%016" PRIx64, profile->digest());
+  return must_match(o) + " model_profile_digest=" + digest;
 }
 
 }  // namespace smartcoll

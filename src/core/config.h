@@ -45,8 +45,11 @@ struct Config {
 
   // Throws InvalidArgument naming the knob for a value that cannot be used (a bad codec, an unknown CPU).
   static Config from(const Options& o);
-  // "name=value ..." of the knobs every rank must share, compared at start-up.
+  // "name=value ..." of the knobs every rank must share.
   static std::string must_match(const Options& o);
+  // What ranks compare at start-up: must_match and the digest of the cost-model profile this config loaded (ranks
+  // compare what they loaded, not where from).
+  std::string start_up_settings(const Options& o) const;
 };
 
 // engine_threads = 0: one worker per two CPUs this process may use, shared among LOCAL_WORLD_SIZE ranks, 1 to 4.

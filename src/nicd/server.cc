@@ -250,9 +250,6 @@ void Job::form() {
     std::istringstream settings(hello.settings);
     for (std::string item; settings >> item;)
       if (const size_t eq = item.find('='); eq != std::string::npos) opts[item.substr(0, eq)] = item.substr(eq + 1);
-    // The ranks compare their cost-model profile by digest; the daemons choose their algorithms without one (the
-    // profile's file is the ranks', and every daemon then agrees on "none").
-    opts.erase("model_profile_digest");
     opts["engine"] = "inprocess";
     opts["job_id"] = hello.job_id + ".nicd";
     opts["host"] = "nicd-host-" + std::to_string(host);

@@ -124,7 +124,7 @@ std::string error_after_descriptor(const Descriptor& desc) {
   auto store = std::make_shared<MemoryStore>();
   const Options opts = test_options({{"job_id", "J"}, {"cma", "off"}, {"timeout", "5"}});
   std::thread peer([&] {
-    store->set("job/J/settings/1", "peer somehost " + Config::must_match(opts));
+    store->set("job/J/settings/1", "peer somehost " + Config::from(opts).start_up_settings(opts));
     const auto deadline = net::Clock::now() + std::chrono::seconds(10);
     net::Fd s = net::connect_to(address_of_rank0(*store, "J"), deadline);
     const Hello hello{kHelloMagic, 1, 0, 2, job_fingerprint("J")};
