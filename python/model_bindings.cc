@@ -71,16 +71,20 @@ void bind_model(nb::module_& m) {
      "What auto picks for the call: with a profile (its JSON) the model's cheapest, with '' the size rules "
      "(small_bytes: the rhd_max_bytes knob).");
   m.def("model_iteration", [](const std::vector<double>& elems, double batch, int n, const std::string& algo,
-                              const std::string& codec, const std::string& profile, double compute_scale) {
+                              const std::string& codec, const std::string& profile, double compute_scale,
+                              bool error_feedback) {
     const coll::IterationCost it =
         coll::iteration(elems, batch, n, parse_algorithm(algo, Collective::allreduce), codec,
-                        Profile::parse(profile, "(given)"), compute_scale);
+                        Profile::parse(profile, "(given)"), compute_scale, error_feedback);
     nb::dict d;
     d["fwd"] = it.fwd, d["bwd"] = it.bwd, d["update"] = it.update, d["allreduce"] = it.allreduce;
+    d["feedback"] = it.feedback;
     d["exposed"] = it.exposed, d["total"] = it.total, d["layer_allreduce"] = it.layer_allreduce;
     return d;
   }, "elems"_a, "batch"_a, "n"_a, "algo"_a, "codec"_a, "profile"_a, "compute_scale"_a = 1.0,
-     "The FPGA smart-NIC paper's training-iteration model (seconds per phase) for layers of `elems` parameters.");
+     "error_feedback"_a = false,
+     "The FPGA smart-NIC paper's training-iteration model (seconds per phase) for layers of `elems` parameters; "
+     "error_feedback: the DDP hook's error feedback on the backward pass (with a compressing codec).");
 }
 
 }  // namespace smartcoll

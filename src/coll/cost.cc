@@ -213,6 +213,15 @@ double per_algorithm(const std::map<std::string, double>& values, Algorithm a, d
   const auto it = values.find(std::string(algorithm_name(a)));
   return it == values.end() ? otherwise : it->second;
 }
+// The profile's rates for a compressing codec; throws InvalidArgument saying how to measure them when absent.
+const CodecRates& rates(const Profile& p, std::string_view codec_name) {
+  const std::string name = Codec::parse(codec_name).name();
+  const auto it = p.codecs.find(name);
+  if (it == p.codecs.end())
+    throw InvalidArgument("model profile " + p.origin + " has no rates for codec '" + name +
+                          "' (smartcoll model calibrate --codecs " + name + " measures them)");
+  return it->second;
+}
 }  // namespace
 
 double Profile::alpha(Algorithm a) const { return per_algorithm(alpha_algo, a, alpha_s); }
@@ -233,12 +242,9 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
   k.reduce = info.reduced(n) * bytes / (p.reduce_Bps * cores);
   k.mem = memory_traffic(c, n) * bytes / p.mem_Bps;
   if (compressed) {
-    const auto it = p.codecs.find(codec.name());
-    if (it == p.codecs.end())
-      throw InvalidArgument("model profile " + p.origin + " has no rates for codec '" + codec.name() +
-                            "' (smartcoll model calibrate --codecs " + codec.name() + " measures them)");
     // Every hop decodes what it receives and encodes what it sends.
-    k.codec = moved * (1 / it->second.encode_Bps + 1 / it->second.decode_Bps) / cores;
+    const CodecRates& r = rates(p, codec_name);
+    k.codec = moved * (1 / r.encode_Bps + 1 / r.decode_Bps) / cores;
   }
   const double link = p.link_Bps * p.efficiency(a);
   bool copy_overlaps = true;
@@ -292,7 +298,7 @@ Algorithm cheapest(Collective c, const Query& q, const Profile& p) {
 }
 
 IterationCost iteration(const std::vector<double>& elems, double batch, int n, Algorithm algo, std::string_view codec,
-                        const Profile& p, double compute_scale) {
+                        const Profile& p, double compute_scale, bool error_feedback) {
   IterationCost it;
   const size_t L = elems.size();
   if (L == 0) return it;
@@ -302,8 +308,15 @@ IterationCost iteration(const std::vector<double>& elems, double batch, int n, A
     F[l] = compute_scale * 2 * e * batch / p.flops;
     B[l] = compute_scale * 4 * e * batch / p.flops;
     U[l] = p.update_s_per_byte * 4 * e;
-    const Query q{n, static_cast<size_t>(4 * e), codec != "" && codec != "identity", false, false};
+    const bool compressed = codec != "" && codec != "identity";
+    const Query q{n, static_cast<size_t>(4 * e), compressed, false, false};
     AR[l] = predict(Collective::allreduce, algo, q, p, codec).total;
+    if (error_feedback && compressed && n > 1) {
+      const CodecRates& r = rates(p, codec);
+      const double ef = compute_scale * 4 * e * (1 / r.encode_Bps + 1 / r.decode_Bps + kFeedbackPasses / p.mem_Bps);
+      B[l] += ef;
+      it.feedback += ef;
+    }
     it.fwd += F[l], it.bwd += B[l], it.update += U[l], it.allreduce += AR[l];
     it.layer_allreduce.push_back(AR[l]);
   }

@@ -87,13 +87,18 @@ Algorithm cheapest(Collective c, const Query& q, const Profile& p);
 // T_U = update_s_per_byte x 4 M^2, T_AR = the allreduce of each layer's gradient with `algo` and `codec`, and
 //   T_total = sum T_F + T_B,L + max(T_B,L-1, T_AR,L) + sum_{l=2}^{L-1} max(T_U,l+1 + T_B,l-1, T_AR,l)
 //             + max(T_U,2, T_AR,1) + T_U,1.
+// With `error_feedback` (a compressing codec, n > 1), T_B of each layer also carries the DDP hook's error feedback,
+// which runs on the backward pass's thread before the layer's gradient is posted: one encode and one decode of the
+// gradient plus kFeedbackPasses passes over it in memory (add the residual, subtract, the finiteness check).
 struct IterationCost {
   double fwd = 0, bwd = 0, update = 0, allreduce = 0;  // sums over layers
+  double feedback = 0;                                 // the error feedback's share of bwd
   double exposed = 0;                                  // total - fwd - bwd - update: what overlap did not hide
   double total = 0;
   std::vector<double> layer_allreduce;
 };
 IterationCost iteration(const std::vector<double>& elems, double batch, int n, Algorithm algo, std::string_view codec,
-                        const Profile& p, double compute_scale = 1);
+                        const Profile& p, double compute_scale = 1, bool error_feedback = false);
+inline constexpr double kFeedbackPasses = 7.5;  // float32 passes: 3 (x += r), 3 (r = x - q), 1.5 (isfinite, any)
 
 }  // namespace smartcoll::coll

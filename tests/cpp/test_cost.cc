@@ -155,6 +155,35 @@ TEST(CostModel, PaperIterationFormula) {
   EXPECT_NEAR(one.total, F + Bw + AR + U, 1e-12);
 }
 
+TEST(CostModel, ErrorFeedbackLengthensTheBackwardPass) {
+  Profile p = link_only(0, 1e9);
+  p.flops = 1e12;
+  p.mem_Bps = 20e9;
+  p.codecs["bfp16"] = {10e9, 40e9};
+  const std::vector<double> layers(3, 1e6);
+  const IterationCost plain = iteration(layers, 64, 4, Algorithm::ring, "bfp16", p);
+  const IterationCost ef = iteration(layers, 64, 4, Algorithm::ring, "bfp16", p, 2, true);
+  const IterationCost ef1 = iteration(layers, 64, 4, Algorithm::ring, "bfp16", p, 1, true);
+  // Per layer: 4 MB encoded (10 GB/s), decoded (40 GB/s) and passed over 7.5 times (20 GB/s), on a worker that
+  // computes at half speed (compute_scale 2).
+  const double per_layer = 4e6 * (1 / 10e9 + 1 / 40e9 + 7.5 / 20e9);
+  EXPECT_NEAR(ef1.feedback, 3 * per_layer, 1e-12);
+  EXPECT_NEAR(ef.feedback, 2 * 3 * per_layer, 1e-12);
+  EXPECT_NEAR(ef1.bwd - plain.bwd, 3 * per_layer, 1e-12);
+  EXPECT_GT(ef1.total, plain.total);
+  // Nothing to compensate without compression or with one worker.
+  EXPECT_EQ(iteration(layers, 64, 4, Algorithm::ring, "", p, 1, true).feedback, 0);
+  EXPECT_EQ(iteration(layers, 64, 1, Algorithm::ring, "bfp16", p, 1, true).feedback, 0);
+  // A profile without the codec's rates says how to get them.
+  p.codecs.clear();
+  try {
+    iteration(layers, 64, 4, Algorithm::ring, "bfp16", p, 1, true);
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("smartcoll model calibrate --codecs bfp16"), std::string::npos) << e.what();
+  }
+}
+
 double scaling(const Profile& p, double batch, int n, std::string_view codec) {
   const std::vector<double> layers(20, kM * kM);
   return n * iteration(layers, batch, 1, Algorithm::ring, codec, p).total /

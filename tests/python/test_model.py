@@ -123,6 +123,9 @@ def test_predict_train_scaling_and_measured_points(tmp_path):
         assert all(0 < b <= n + 1e-9 for b, n in zip(x, pred["nodes"])), (name, x)  # never above ideal
     plain, bfp = pred["variants"]["smartcoll"], pred["variants"]["smartcoll+bfp16"]
     assert bfp["points"][-1]["total"] < plain["points"][-1]["total"]  # a quarter of the bytes on the wire
+    # The hook's error feedback costs backward time with BFP16 on more than one worker, nothing otherwise.
+    assert [p["feedback"] > 0 for p in bfp["points"]] == [False, True, True, True]
+    assert all(p["feedback"] == 0 for p in plain["points"])
     m = plain["measured"]
     at4 = next(p for p in plain["points"] if p["n"] == 4)
     assert m["error_pct"] == pytest.approx(100 * (at4["total"] - 0.05) / 0.05)

@@ -78,15 +78,31 @@ def free_port(host: str = MASTER_ADDR, count: int = 1, tries: int = 100) -> int:
     """A port P such that P .. P+count-1 are all free on host right now.
 
     Callers that need a second port next to MASTER_PORT (bench puts torch's TCPStore on MASTER_PORT+1) ask for
-    count=2. Another process can still take the port before it is used; that race is accepted, as in torchrun.
+    count=2. The port is drawn below the kernel's ephemeral range (ip_local_port_range), where the outgoing
+    connections of other processes never take it between this check and its use; another process can still
+    listen on it first, a race accepted as in torchrun. Where that range leaves no room, the kernel picks.
     """
+    low = _ephemeral_low() - count
     for _ in range(tries):
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            base = probe.getsockname()[1]
+        if low > _FIRST_PORT:
+            base = secrets.randbelow(low - _FIRST_PORT) + _FIRST_PORT
+        else:
+            with socket.socket() as probe:
+                probe.bind((host, 0))
+                base = probe.getsockname()[1]
         if base + count - 1 <= 65535 and all(_is_free(host, base + k) for k in range(count)):
             return base
     raise RuntimeError(f"no {count} consecutive free ports found on {host}")
+
+
+_FIRST_PORT = 20000  # below: the ports well-known services listen on
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _is_free(host: str, port: int) -> bool:

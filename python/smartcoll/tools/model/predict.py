@@ -11,7 +11,8 @@ run the call say why. --sizes is Query::bytes: the whole vector for allreduce, b
 block for reduce_scatter, allgather and alltoall.
 
 train: the FPGA smart-NIC paper's iteration model (Sec. IV-C: forward, backward overlapped with each layer's
-all-reduce, weight update) for every variant of `smartcoll bench train` (its all-reduce algorithm and codec),
+all-reduce, weight update) for every variant of `smartcoll bench train` (its all-reduce algorithm and codec; a
+hook with error feedback adds its encode, decode and memory passes to the backward pass),
 per N: the iteration time and the throughput relative to one worker (N x T(1) / T(N); ideal: N). --measured
 takes a `smartcoll bench train --json` file: its layer shape, batch and N become the defaults, and its
 measured totals are printed next to the prediction (error %) and drawn as points (normalized with the
@@ -114,7 +115,9 @@ def train_predictions(args: argparse.Namespace, profile: str, measured: Optional
     for name in names:
         v = VARIANTS[name]
         algo, codec = v.env.get("SMARTCOLL_ALGO", "ring"), v.codec or ""
-        per_n = {n: _core.model_iteration(elems, batch, n, algo, codec, profile, args.compute_scale) for n in nodes}
+        feedback = bool(codec) and v.hook and v.error_feedback
+        per_n = {n: _core.model_iteration(elems, batch, n, algo, codec, profile, args.compute_scale, feedback)
+                 for n in nodes}
         t1 = per_n[1]["total"] if 1 in per_n else _core.model_iteration(elems, batch, 1, algo, codec, profile)["total"]
         entry = {"algo": algo, "codec": codec or "identity", "t1_s": t1,
                  "points": [{"n": n, **per_n[n], "throughput_x1": n * t1 / per_n[n]["total"]} for n in nodes]}
@@ -143,7 +146,7 @@ def print_train(pred: dict) -> None:
             m = v["measured"]
             p = next(p for p in v["points"] if p["n"] == m["n"])
             print(f"measured {name} at N={m['n']}: {m['total_s'] * 1e3:.1f} ms, predicted {p['total'] * 1e3:.1f} ms "
-                  f"({m['error_pct']:+.0f}%)")
+                  f"({m['error_pct']:+.0f}%)" + (f"; error feedback {p['feedback'] * 1e3:.1f} ms of it" if p["feedback"] else ""))
 
 
 def draw(pred: dict, path: Path) -> Optional[str]:
