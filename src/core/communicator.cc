@@ -28,6 +28,11 @@ std::string_view collective_name(Collective c) {
   return names[static_cast<int>(c)];
 }
 
+std::string call_name(uint8_t coll, uint64_t seq, int rank) {
+  return std::string(collective_name(static_cast<Collective>(coll))) + " #" + std::to_string(seq) + " on rank " +
+         std::to_string(rank);
+}
+
 std::string_view algorithm_name(Algorithm a) {
   constexpr std::string_view names[] = {"auto", "ring", "rhd",  "chain", "direct",       "local",
                                         "cma",  "tree", "rd",   "bruck", "dissemination", "hier", "switch"};
@@ -171,6 +176,7 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
   else
     cma_reason_ = cma_->why_not();
   if (size > 1 && !config_->switches.empty()) join_switches();
+  config_->core_per_rank = core_per_rank(hosts_, rank);
   engine_ = std::make_shared<Engine>(*transport_, *config_, rank);
   engine_->explain_failure = [this](const std::string& error) {
     return explain_disagreement(error, *store_, rank_, size_,
@@ -458,8 +464,6 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
   check_one_poster();
   last_posted_ = req;
   task->seq = seq_++;
-  task->name = std::string(collective_name(call.coll)) + " #" + std::to_string(task->seq) + " on rank " +
-               std::to_string(rank_);
   history_->add(task->seq, task->desc);
   engine_->submit(std::move(task));
   return req;
