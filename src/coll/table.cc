@@ -131,11 +131,11 @@ Collective parse_collective(std::string_view name) {
 }
 
 const AlgorithmInfo& find(Collective c, Algorithm a) {
+  for (const AlgorithmInfo& info : algorithms(c))
+    if (info.algo == a) return info;  // every call: the names below only for the error
   std::string names;
-  for (const AlgorithmInfo& info : algorithms(c)) {
-    if (info.algo == a) return info;
+  for (const AlgorithmInfo& info : algorithms(c))
     names += (names.empty() ? "" : ", ") + std::string(algorithm_name(info.algo));
-  }
   throw InvalidArgument(std::string(collective_name(c)) + " has no algorithm '" + std::string(algorithm_name(a)) +
                         "'; choose auto, " + names);
 }

@@ -41,11 +41,11 @@ std::string_view algorithm_name(Algorithm a) {
 
 Algorithm parse_algorithm(std::string_view name, Collective collective) {
   if (name == "auto") return Algorithm::automatic;
-  std::string names = "auto";
-  for (const coll::AlgorithmInfo& info : coll::algorithms(collective)) {
+  for (const coll::AlgorithmInfo& info : coll::algorithms(collective))
     if (algorithm_name(info.algo) == name) return info.algo;
+  std::string names = "auto";
+  for (const coll::AlgorithmInfo& info : coll::algorithms(collective))
     names += ", " + std::string(algorithm_name(info.algo));
-  }
   throw InvalidArgument("unknown " + std::string(collective_name(collective)) + " algorithm '" + std::string(name) +
                         "'; choose " + names);
 }
@@ -395,11 +395,12 @@ void Communicator::check_buffers(const Call& call, const void* in, const void* o
   const auto* o = static_cast<const char*>(out);
   // In-place allgather (MPI_IN_PLACE, torch's all_gather_into_tensor on a view): the input is this rank's block.
   if (call.coll == Collective::allgather && i == o + static_cast<size_t>(rank_) * block) return;
-  require(i + in_bytes <= o || o + out_bytes <= i,
-          std::string(collective_name(call.coll)) + ": the input and output buffers partly overlap (input " +
-              std::to_string(in_bytes) + " bytes, output " + std::to_string(out_bytes) + " bytes, " +
-              std::to_string(o > i ? o - i : i - o) + " bytes apart); pass the same buffer to work in place, or "
-              "buffers that do not overlap");
+  require(i + in_bytes <= o || o + out_bytes <= i, [&] {
+    return std::string(collective_name(call.coll)) + ": the input and output buffers partly overlap (input " +
+           std::to_string(in_bytes) + " bytes, output " + std::to_string(out_bytes) + " bytes, " +
+           std::to_string(o > i ? o - i : i - o) + " bytes apart); pass the same buffer to work in place, or "
+           "buffers that do not overlap";
+  });
 }
 
 void Communicator::check_one_poster() {
