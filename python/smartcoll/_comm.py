@@ -26,9 +26,10 @@ def _is_torch(x: Any) -> bool:
 def _check_array(x: Any, what: str, writable: bool = False) -> None:
     """Raises a TypeError that says what to pass instead of `x`."""
     if isinstance(x, np.ndarray):
-        if not x.flags.c_contiguous:
+        flags = x.flags  # a new object at every access: read once
+        if not flags.c_contiguous:
             raise TypeError(f"{what} is a non-contiguous NumPy array: pass numpy.ascontiguousarray({what})")
-        if writable and not x.flags.writeable:
+        if writable and not flags.writeable:
             raise TypeError(f"{what} is read-only: pass a writable array (e.g. {what}.copy())")
     elif _is_torch(x):
         if x.device.type != "cpu":
@@ -45,7 +46,7 @@ def _check_array(x: Any, what: str, writable: bool = False) -> None:
 
 
 def _numel(x: Any) -> int:
-    return int(x.size) if isinstance(x, np.ndarray) else int(x.numel())
+    return x.size if isinstance(x, np.ndarray) else int(x.numel())
 
 
 def _dtype(x: Any) -> str:
@@ -56,9 +57,9 @@ def _check_pair(x: Any, out: Any, ratio_out: float, collective: str) -> None:
     _check_array(out, "out", writable=True)
     if out is x and ratio_out == 1:
         return  # in place
-    # Comparing dtype objects is cheap; their names (str) only when they differ, for the message and for a NumPy
-    # array next to a torch tensor.
-    if x.dtype != out.dtype and _dtype(x) != _dtype(out):
+    # Comparing dtype objects is cheap (NumPy's and torch's built-in dtypes are singletons: `is` first); their
+    # names (str) only when they differ, for the message and for a NumPy array next to a torch tensor.
+    if x.dtype is not out.dtype and x.dtype != out.dtype and _dtype(x) != _dtype(out):
         raise TypeError(f"{collective}: out has dtype {_dtype(out)} but the input has {_dtype(x)}; they must match")
     if _numel(out) != _numel(x) * ratio_out:
         raise ValueError(
@@ -106,10 +107,25 @@ class Request:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"collective not finished after {timeout} s (it is still running; wait again)")
         except KeyboardInterrupt:
-            # Ctrl-C: the peers would otherwise wait for this rank until their timeout. Abort the communicator so
-            # that every rank fails now, naming this one.
-            self._comm.abort("interrupted (Ctrl-C / SIGINT) while waiting")
-            raise
+            self._interrupted()
+
+    def _interrupted(self) -> None:
+        # Ctrl-C: the peers would otherwise wait for this rank until their timeout. Abort the communicator so
+        # that every rank fails now, naming this one.
+        self._comm.abort("interrupted (Ctrl-C / SIGINT) while waiting")
+        raise
+
+
+def _finish(core_request: Any, result: Any, keepalive: tuple, comm: Any) -> Any:
+    """The blocking forms' wait: a small call ends within the first slice, which needs no Request object (its
+    cost is a good part of a small call's). Otherwise, and on Ctrl-C, a Request takes over as for a posted call."""
+    try:
+        if core_request.wait(_POLL_SECONDS):
+            return result
+    except KeyboardInterrupt:
+        # The Request's destructor keeps the buffers alive until the aborted engine lets go of them.
+        Request(core_request, result, keepalive, comm)._interrupted()
+    return Request(core_request, result, keepalive, comm).wait()
 
 
 class Communicator:
@@ -177,11 +193,14 @@ class Communicator:
     ) -> Request:
         if isinstance(x, (list, tuple)):
             return _vectored().iallreduce(self, x, op, out, algo, codec)
+        return Request(*self._post_allreduce(x, op, out, algo, codec), self._core)
+
+    def _post_allreduce(self, x: Any, op: str, out: Any, algo: Optional[str], codec: Optional[str]) -> tuple:
+        """(core request, result, buffers to keep alive) of a single-array allreduce."""
         _check_array(x, "x", writable=out is None)
         out = x if out is None else out
         _check_pair(x, out, 1, "allreduce")
-        req = self._core.allreduce(x, out, op, algo or "auto", codec or "")
-        return Request(req, out, (x, out), self._core)
+        return self._core.allreduce(x, out, op, algo or "auto", codec or ""), out, (x, out)
 
     def ireduce_scatter(self, x: Any, out: Any, op: str = "sum", codec: Optional[str] = None) -> Request:
         if isinstance(x, (list, tuple)):
@@ -238,7 +257,9 @@ class Communicator:
     def allreduce(
         self, x: Any, op: str = "sum", out: Any = None, algo: Optional[str] = None, codec: Optional[str] = None
     ) -> Any:
-        return self.iallreduce(x, op, out, algo, codec).wait()
+        if isinstance(x, (list, tuple)):
+            return self.iallreduce(x, op, out, algo, codec).wait()
+        return _finish(*self._post_allreduce(x, op, out, algo, codec), self._core)
 
     def reduce_scatter(self, x: Any, out: Any, op: str = "sum", codec: Optional[str] = None) -> Any:
         return self.ireduce_scatter(x, out, op, codec).wait()
@@ -261,7 +282,7 @@ class Communicator:
         return self.ialltoallv(x, out, send_counts, recv_counts, send_displs, recv_displs).wait()
 
     def barrier(self) -> None:
-        self.ibarrier().wait()
+        _finish(self._core.barrier(), None, (), self._core)
 
     def engine_stats(self) -> dict:
         """{'workers', 'cpu_seconds' (CPU time of the engine's worker threads so far), 'open_channels'}."""

@@ -130,7 +130,7 @@ void resolve(Task& task, const Views& views) {
         if (op.len == 0) ops.push_back(op);  // the engine copies nothing
       } else if (moves && views.find(op.buf)) {
         if (op.finish != kNone || !views.find(op.buf)->contains(op.buf + (op.len ? op.len - 1 : 0)))
-          throw InvalidArgument(task.name + ": an algorithm receives into a list call's buffers and reduces there, "
+          throw InvalidArgument(task.name() + ": an algorithm receives into a list call's buffers and reduces there, "
                                 "or runs past their end: list calls cannot use it");
         std::vector<iovec> pieces;
         for_each_run(&views, op.buf, nullptr, op.len, [&](char* at, const char*, size_t, size_t n) {

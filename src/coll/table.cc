@@ -131,11 +131,11 @@ Collective parse_collective(std::string_view name) {
 }
 
 const AlgorithmInfo& find(Collective c, Algorithm a) {
+  for (const AlgorithmInfo& info : algorithms(c))
+    if (info.algo == a) return info;  // every call: the names below only for the error
   std::string names;
-  for (const AlgorithmInfo& info : algorithms(c)) {
-    if (info.algo == a) return info;
+  for (const AlgorithmInfo& info : algorithms(c))
     names += (names.empty() ? "" : ", ") + std::string(algorithm_name(info.algo));
-  }
   throw InvalidArgument(std::string(collective_name(c)) + " has no algorithm '" + std::string(algorithm_name(a)) +
                         "'; choose auto, " + names);
 }
@@ -161,8 +161,9 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
   switch (c) {
     case Collective::allreduce:
       if (q.compressed) return Algorithm::ring;
-      // Recursive doubling sends the whole vector log2(n) times: only while the latency dominates.
-      if (small) return q.bytes <= 8192 ? Algorithm::rd : Algorithm::rhd;
+      // Recursive doubling sends the whole vector log2(n) times: only while the latency dominates. Among two
+      // ranks (n < 4 folds into two) it sends what halving-doubling does in one step instead of two.
+      if (small) return q.bytes <= 8192 || q.n < 4 ? Algorithm::rd : Algorithm::rhd;
       if (same_host) return Algorithm::cma;
       if (needs_hosts(q).empty()) return Algorithm::hier;
       // The switch moves S each way per rank where the ring moves 2(n-1)/n S, but on the machines measured so far

@@ -28,6 +28,11 @@ std::string_view collective_name(Collective c) {
   return names[static_cast<int>(c)];
 }
 
+std::string call_name(uint8_t coll, uint64_t seq, int rank) {
+  return std::string(collective_name(static_cast<Collective>(coll))) + " #" + std::to_string(seq) + " on rank " +
+         std::to_string(rank);
+}
+
 std::string_view algorithm_name(Algorithm a) {
   constexpr std::string_view names[] = {"auto", "ring", "rhd",  "chain", "direct",       "local",
                                         "cma",  "tree", "rd",   "bruck", "dissemination", "hier", "switch"};
@@ -36,11 +41,11 @@ std::string_view algorithm_name(Algorithm a) {
 
 Algorithm parse_algorithm(std::string_view name, Collective collective) {
   if (name == "auto") return Algorithm::automatic;
-  std::string names = "auto";
-  for (const coll::AlgorithmInfo& info : coll::algorithms(collective)) {
+  for (const coll::AlgorithmInfo& info : coll::algorithms(collective))
     if (algorithm_name(info.algo) == name) return info.algo;
+  std::string names = "auto";
+  for (const coll::AlgorithmInfo& info : coll::algorithms(collective))
     names += ", " + std::string(algorithm_name(info.algo));
-  }
   throw InvalidArgument("unknown " + std::string(collective_name(collective)) + " algorithm '" + std::string(name) +
                         "'; choose " + names);
 }
@@ -171,6 +176,7 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
   else
     cma_reason_ = cma_->why_not();
   if (size > 1 && !config_->switches.empty()) join_switches();
+  config_->core_per_rank = core_per_rank(hosts_, rank);
   engine_ = std::make_shared<Engine>(*transport_, *config_, rank);
   engine_->explain_failure = [this](const std::string& error) {
     return explain_disagreement(error, *store_, rank_, size_,
@@ -389,11 +395,12 @@ void Communicator::check_buffers(const Call& call, const void* in, const void* o
   const auto* o = static_cast<const char*>(out);
   // In-place allgather (MPI_IN_PLACE, torch's all_gather_into_tensor on a view): the input is this rank's block.
   if (call.coll == Collective::allgather && i == o + static_cast<size_t>(rank_) * block) return;
-  require(i + in_bytes <= o || o + out_bytes <= i,
-          std::string(collective_name(call.coll)) + ": the input and output buffers partly overlap (input " +
-              std::to_string(in_bytes) + " bytes, output " + std::to_string(out_bytes) + " bytes, " +
-              std::to_string(o > i ? o - i : i - o) + " bytes apart); pass the same buffer to work in place, or "
-              "buffers that do not overlap");
+  require(i + in_bytes <= o || o + out_bytes <= i, [&] {
+    return std::string(collective_name(call.coll)) + ": the input and output buffers partly overlap (input " +
+           std::to_string(in_bytes) + " bytes, output " + std::to_string(out_bytes) + " bytes, " +
+           std::to_string(o > i ? o - i : i - o) + " bytes apart); pass the same buffer to work in place, or "
+           "buffers that do not overlap";
+  });
 }
 
 void Communicator::check_one_poster() {
@@ -458,8 +465,6 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
   check_one_poster();
   last_posted_ = req;
   task->seq = seq_++;
-  task->name = std::string(collective_name(call.coll)) + " #" + std::to_string(task->seq) + " on rank " +
-               std::to_string(rank_);
   history_->add(task->seq, task->desc);
   engine_->submit(std::move(task));
   return req;

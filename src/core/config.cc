@@ -126,6 +126,7 @@ Config Config::from(const Options& o) {
   if (c.engine_threads == 0) c.engine_threads = default_engine_threads();
   c.engine_cpus = parse_cpus(o.str("engine_cpus"));
   c.spin_us = static_cast<double>(o.integer("spin_us"));
+  c.spin = parse_spin(o.str("spin"));
   c.timeout = o.real("timeout");
   c.connect_timeout = o.real("connect_timeout");
   c.ifname = o.str("ifname");

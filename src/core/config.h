@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "coll/cost.h"
+#include "core/spin.h"
 #include "smartcoll/codec.h"
 #include "smartcoll/knobs.h"
 
@@ -24,6 +25,8 @@ struct Config {
   int engine_threads = 1;  // resolved: never 0
   std::vector<int> engine_cpus;
   double spin_us = 0;
+  SpinMode spin = SpinMode::automatic;
+  bool core_per_rank = true;  // set by the communicator from the host layout (spin=auto)
   double timeout = 0, connect_timeout = 0;
   std::string ifname, addr;
   std::string host;    // as set; empty: detected

@@ -147,8 +147,8 @@ struct Engine::Worker {
   std::vector<std::pair<Task*, Lane*>> lanes;
   std::vector<std::pair<Clock::time_point, std::function<void()>>> timers;
   Clock::time_point last_progress = Clock::now();
-  std::string current;          // name of a task of this worker, for messages
   const Task* doing = nullptr;  // the task whose op is moving, to name it when that fails
+  Spinner spin{SpinMode::off, 0, false};
 };
 
 Engine::Engine(Transport& transport, const Config& config, int rank)
@@ -157,6 +157,7 @@ Engine::Engine(Transport& transport, const Config& config, int rank)
   for (int i = 0; i < config.engine_threads; ++i) {
     auto w = std::make_unique<Worker>();
     w->index = i;
+    w->spin = Spinner(config.spin, config.spin_us, config.core_per_rank);
     w->epfd = net::Fd(epoll_create1(EPOLL_CLOEXEC));
     w->wakefd = net::Fd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!w->epfd || !w->wakefd) throw CommError("cannot create the engine's epoll or eventfd: " +
@@ -223,7 +224,7 @@ void Engine::dispatch(Task* t) {
     // Nothing new starts on a failed communicator; the task fails with the first error.
     t->lanes_left = 0;
     std::lock_guard fl(failure_mu_);
-    t->req->finish(t->name + ": the communicator failed earlier (" + failure_ + "); create a new one");
+    t->req->finish(t->name() + ": the communicator failed earlier (" + failure_ + "); create a new one");
     --inflight_;
     delete t;
     return;
@@ -326,7 +327,6 @@ bool Engine::progress(Worker& w) {
     w.lanes.emplace_back(task, lane);
     moved = true;
   }
-  if (!w.lanes.empty()) w.current = w.lanes.front().first->name;
 
   if (failed_) {
     // Drop everything queued here; each task fails once all its lanes are dropped.
@@ -456,17 +456,16 @@ bool Engine::progress(Worker& w) {
 void Engine::drive(Worker& w, const std::function<bool()>& enough, std::optional<Clock::time_point> deadline) {
   // last_progress is not reset here: a caller that drives in short slices must not postpone the timeout.
   auto spin_since = Clock::now();
-  const auto spin = std::chrono::duration<double, std::micro>(config_.spin_us);
   while (!enough()) {
     bool moved = false;
     try {
       moved = progress(w);
     } catch (const Disagreement& d) {
       if (on_disagreement) on_disagreement(d);
-      fail((w.doing ? w.doing->name + ": " : std::string()) + d.what());
+      fail((w.doing ? w.doing->name() + ": " : std::string()) + d.what());
       continue;
     } catch (const std::exception& e) {
-      fail((w.doing ? w.doing->name + ": " : std::string()) + e.what());
+      fail((w.doing ? w.doing->name() + ": " : std::string()) + e.what());
       continue;  // the next pass drops and fails this worker's tasks
     }
     const auto now = Clock::now();
@@ -483,15 +482,12 @@ void Engine::drive(Worker& w, const std::function<bool()>& enough, std::optional
                                                               w.chans[static_cast<size_t>(ci)].stream) < 0;
     const double limit = connecting ? std::max(config_.timeout, config_.connect_timeout) : config_.timeout;
     if (!w.lanes.empty() && now - w.last_progress > std::chrono::duration<double>(limit)) {
-      fail(w.current + ": no progress for " + std::to_string(limit) + " s " +
+      fail(w.lanes.front().first->name() + ": no progress for " + std::to_string(limit) + " s " +
            describe_waits(w.chans, w.active) +
            "; is that rank alive and calling the same collective? (SMARTCOLL_TIMEOUT raises the limit)");
       continue;
     }
-    if (now - spin_since < spin) {
-      std::this_thread::yield();  // ranks that share cores: let the peer this rank waits for run
-      continue;
-    }
+    if (w.spin.again(now, spin_since)) continue;
     // Sleep until a channel, the accepting socket or a submission wakes us, or the next deadline.
     auto until = now + std::chrono::seconds(1);
     if (!w.lanes.empty()) until = std::min(until, w.last_progress + std::chrono::duration_cast<Clock::duration>(

@@ -3,8 +3,8 @@
 // Worker w owns streams s with s mod workers == w, their channels and the lanes of every task on them. Whoever
 // holds a worker's drive lock progresses it: normally the worker's own thread, but a caller waiting on a call
 // that runs on one worker takes the lock itself when the worker is idle, so a small collective makes its system
-// calls on the caller's thread with no hand-off in between. A worker out of work polls for spin_us, then sleeps
-// in epoll on its channels, the accepting socket and a wake-up eventfd.
+// calls on the caller's thread with no hand-off in between. A worker out of work polls for spin_us where the spin
+// knob lets it (core/spin.h), then sleeps in epoll on its channels, the accepting socket and a wake-up eventfd.
 #pragma once
 
 #include <chrono>

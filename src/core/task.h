@@ -86,8 +86,11 @@ class Scratch {
   size_t capacity_;
 };
 
+// "allreduce #12 on rank 3": the context of every message about call `seq`, built only when a message needs it.
+std::string call_name(uint8_t coll, uint64_t seq, int rank);
+
 struct Task {
-  std::string name;  // "allreduce #12 on rank 3": the context of every message about it
+  std::string name() const { return call_name(desc.coll, seq, rank); }
   uint64_t seq = 0;  // the call's number on this communicator: the same call has the same number on every rank
   int rank = 0;
   Descriptor desc{};

@@ -257,6 +257,10 @@ TEST(CostModel, AutoPicksTheCheaperAlgorithm) {
 TEST(CostModel, WithoutProfileTheSizeRulesStay) {
   EXPECT_EQ(choose(Collective::allreduce, call(8, 4096), Algorithm::automatic, 262144), Algorithm::rd);
   EXPECT_EQ(choose(Collective::allreduce, call(8, 65536), Algorithm::automatic, 262144), Algorithm::rhd);
+  // Two ranks (three fold into two): one exchange of the whole vector beats two of halves.
+  EXPECT_EQ(choose(Collective::allreduce, call(2, 65536), Algorithm::automatic, 262144), Algorithm::rd);
+  EXPECT_EQ(choose(Collective::allreduce, call(3, 262144), Algorithm::automatic, 262144), Algorithm::rd);
+  EXPECT_EQ(choose(Collective::allreduce, call(4, 65536), Algorithm::automatic, 262144), Algorithm::rhd);
   EXPECT_EQ(choose(Collective::allreduce, call(8, 64 * kMiB), Algorithm::automatic, 262144), Algorithm::ring);
 }
 
