@@ -351,3 +351,91 @@ def test_cluster_starts_and_stops_its_aggregation_switch(tmp_path):
         cl.down(c.name)
     with pytest.raises(ProcessLookupError):
         os.kill(server, 0)
+
+
+# One job of two ranks for the shared-switch test: integer and float vectors through the switch against the
+# ring (argv[2] rounds of them), then the totals it sent (chunks and payload bytes of 1408-byte raw chunks),
+# then a wait at a gate so that the test reads the switch's counters while the job is still joined.
+_SHARED_JOB = r"""
+import json, math, os, sys, time, numpy as np, smartcoll
+gate, rounds = sys.argv[1], int(sys.argv[2])
+chunks = payload = 0
+with smartcoll.init(timeout=30) as comm:
+    calls = (("int32", "sum", 150001), ("int64", "sum", 70001), ("int32", "max", 9001),
+             ("float32", "sum", 200003), ("float64", "min", 5001))
+    for dtype, op, count in rounds * calls:
+        i = np.arange(count, dtype=np.int64)
+        x = (((comm.rank * 31 + i * 17) % 41) - 20).astype(dtype)
+        ring = comm.allreduce(x, out=np.empty_like(x), op=op, algo="ring")
+        via_switch = comm.allreduce(x, out=np.empty_like(x), op=op, algo="switch")
+        assert via_switch.tobytes() == ring.tobytes(), f"{dtype} {op}: {np.count_nonzero(via_switch != ring)}"
+        chunks += math.ceil(count * x.itemsize / 1408)
+        payload += count * x.itemsize
+    print(json.dumps({"chunks": chunks, "payload": payload}), flush=True)
+    comm.barrier()
+    open(f"{gate}.rank{comm.rank}", "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+
+def test_two_jobs_share_a_cluster_switch_exactly_and_apart(tmp_path):
+    """Two jobs of two ranks on separate hosts of a switch-topology cluster, at once, through the aggregation
+    switch in the switch namespace: each gets the ring's bits, each job's counters hold exactly its own
+    traffic, and neither ever holds more slots than the window it asked for."""
+    from cluster_fixture import cl, kill_all, new_cluster, start_ranks, wait_ranks
+
+    c = new_cluster(4, "1gbit", "switch", aggregator="switch", aggregator_threads=2)
+    # window (switch_slots) -> hosts: the window tells the jobs apart; the second job sends twice as much.
+    jobs = {8: [0, 1], 16: [2, 3]}
+    procs = {}
+    try:
+        for window, hosts in jobs.items():
+            env = {"SMARTCOLL_SWITCH_SLOTS": str(window), "SMARTCOLL_CMA": "off"}
+            procs[window] = start_ranks(c, _SHARED_JOB, env=env, port=29600 + window, hosts=hosts,
+                                        args=[str(tmp_path / f"gate{window}"), str(window // 8)])
+
+        def query() -> dict:
+            cli = [sys.executable, "-m", "smartcoll.tools.cli", "switch", "--query", c.aggregator,
+                   "--query-interval", "0", "--json"]
+            q = subprocess.run(c.exec_prefix(0) + cli, env=clean_env(), capture_output=True, text=True,
+                               timeout=30)
+            assert q.returncode == 0, q.stderr
+            return json.loads(q.stdout)
+
+        def at_gate(window: int) -> bool:
+            return all((tmp_path / f"gate{window}.rank{r}").exists() for r in range(2))
+
+        deadline = time.monotonic() + 120
+        samples = 0
+        while not all(at_gate(w) for w in jobs):  # both jobs running: each within its window
+            assert time.monotonic() < deadline, "the jobs did not finish their calls"
+            assert all(p.poll() is None for ps in procs.values() for p in ps), "a rank exited early"
+            for j in query()["jobs"]:
+                assert j["busy_slots"] <= j["window"], j
+            samples += 1
+        answer = query()
+        for window in jobs:
+            (tmp_path / f"gate{window}").touch()
+        outputs = {w: wait_ranks(ps, 60) for w, ps in procs.items()}
+    finally:
+        for ps in procs.values():
+            kill_all(ps)
+        cl.down(c.name)
+    assert samples > 0
+    assert answer["unknown_job"] == 0 and answer["malformed"] == 0 and answer["jobs_joined"] == 2, answer
+    assert answer["slots_total"] - answer["slots_free"] == sum(jobs), answer  # each holds its window alone
+    seen = {j["window"]: j for j in answer["jobs"]}
+    assert sorted(seen) == sorted(jobs), answer
+    for window, out in outputs.items():
+        assert all(rc == 0 for rc, _ in out), out
+        sent = [json.loads(line) for _, text in out for line in text.splitlines() if line.startswith("{")]
+        assert len(sent) == 2 and sent[0] == sent[1], out
+        j, chunks, payload = seen[window], sent[0]["chunks"], sent[0]["payload"]
+        # Every rank's first copy of every chunk counted once, in its own job; retransmitted copies elsewhere.
+        assert j["world"] == 2 and j["contributions"] == 2 * chunks and j["results"] == chunks, (j, sent[0])
+        assert j["bytes_in"] == 2 * payload and j["bytes_out"] >= 2 * (payload + 48 * chunks), (j, sent[0])
+        # No datagram of the other job reached this one (stale or early copies are the protocol's own).
+        assert j["busy_slots"] == 0, j
+        assert j["drops"]["bad_mac"] + j["drops"]["bad_field"] + j["drops"]["mismatch"] == 0, j
