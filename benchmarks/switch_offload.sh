@@ -4,8 +4,10 @@
 #
 #   bash benchmarks/switch_offload.sh loopback N PACKET [THREADS]   # offload on, off, and the ring, on loopback
 #   bash benchmarks/switch_offload.sh cluster                       # the 1 Gbit/s cluster (root); always taken down
+#   bash benchmarks/switch_offload.sh jobs                          # two 4-rank jobs on one switch, 8 hosts (root)
 #
-# SMARTCOLL: the smartcoll command (default: smartcoll on PATH).
+# SMARTCOLL: the smartcoll command (default: smartcoll on PATH); PYTHON: the Python that has smartcoll (default:
+# python3).
 set -u
 SC=${SMARTCOLL:-smartcoll}
 ROWS='^ *[0-9]+ +[0-9]+ +float32|link limit'
@@ -66,8 +68,17 @@ cluster() {
   bench allreduce --cluster switchc8 -n 8 --no-iperf $sw --codec bfp16
 }
 
+# Two jobs of 4 ranks on separate hosts sharing the switch, next to each alone (benchmarks/switch_jobs.py).
+jobs() {
+  trap '"$SC" cluster down --name sw_jobs > /dev/null' EXIT
+  "$SC" cluster up --name sw_jobs --hosts 8 --link 1gbit --topology switch --aggregator --aggregator-threads 2
+  timeout 900 "${PYTHON:-python3}" "$(dirname "$0")/switch_jobs.py" --cluster sw_jobs \
+    --sizes 16M,64M --iters 3 "$@"
+}
+
 case "${1:-}" in
   loopback) shift; loopback "$@" ;;
   cluster) cluster ;;
-  *) echo "usage: $0 loopback N PACKET [THREADS] | cluster" >&2; exit 2 ;;
+  jobs) shift; jobs "$@" ;;
+  *) echo "usage: $0 loopback N PACKET [THREADS] | cluster | jobs [--json FILE]" >&2; exit 2 ;;
 esac
