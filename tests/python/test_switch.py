@@ -129,6 +129,15 @@ def test_every_dtype_and_op_matches_the_ring(tmp_path, cli_switch):
     assert "jobs joined 1, left 1" in final, final
 
 
+def test_reduce_scatter_and_allgather_through_the_switch_match_the_ring(tmp_path, cli_switch):
+    sw = cli_switch("--threads", "2", "--drop", "0.01", "--dup", "0.01")
+    outdir, results = run_scenario(tmp_path, 3, "scatter_gather", switch_env(sw.address))
+    got = assert_ok(outdir, 3, results)
+    assert got[0]["checked"] == 2 * (4 * 3 + 2 * 1) + 4, got[0]
+    final = sw.stop()
+    assert "jobs joined 1, left 1" in final, final
+
+
 def test_loss_duplication_and_reordering_change_nothing(tmp_path, cli_switch):
     stats = tmp_path / "stats.json"
     sw = cli_switch("--drop", "0.01", "--dup", "0.01", "--reorder", "0.05", "--stats-json", str(stats),
@@ -439,3 +448,56 @@ def test_two_jobs_share_a_cluster_switch_exactly_and_apart(tmp_path):
         # No datagram of the other job reached this one (stale or early copies are the protocol's own).
         assert j["busy_slots"] == 0, j
         assert j["drops"]["bad_mac"] + j["drops"]["bad_field"] + j["drops"]["mismatch"] == 0, j
+
+
+# A rank of the lost-path test: a call through the switch, a wait at a gate (the test cuts one host's path to
+# the switch meanwhile), then a call through the switch that must end like the ring's on every rank, timed.
+_LOST_PATH = r"""
+import json, os, sys, time, numpy as np, smartcoll
+gate = sys.argv[1]
+with smartcoll.init(timeout=60) as comm:
+    x = ((np.arange(400000) * 7 + 3 * comm.rank) % 23 - 11).astype(np.int32)
+    ring = comm.allreduce(x, out=np.empty_like(x), algo="ring")
+    assert np.array_equal(comm.allreduce(x, out=np.empty_like(x), algo="switch"), ring)
+    comm.barrier()
+    open(f"{gate}.rank{comm.rank}", "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    start = time.monotonic()
+    via_switch = comm.allreduce(x, out=np.empty_like(x), algo="switch")
+    seconds = time.monotonic() - start
+    assert np.array_equal(via_switch, ring), int(np.count_nonzero(via_switch != ring))
+    print(json.dumps({"seconds": seconds}), flush=True)
+"""
+
+
+def test_a_rank_that_loses_its_own_path_to_the_switch_takes_every_rank_to_the_ring(tmp_path):
+    """Host 2's path to a live switch is cut (cluster fault cut-aggregator): the switch keeps answering ranks 0
+    and 1 while it waits for rank 2, yet every rank falls back to the ring together within about
+    switch_timeout, not after the 60 s timeout."""
+    from cluster_fixture import cl, kill_all, new_cluster, start_ranks, wait_ranks
+
+    c = new_cluster(3, "1gbit", "switch", aggregator="switch", aggregator_threads=1)
+    gate = tmp_path / "gate"
+    procs = []
+    try:
+        env = {"SMARTCOLL_SWITCH_TIMEOUT": "1", "SMARTCOLL_CMA": "off"}
+        procs = start_ranks(c, _LOST_PATH, env=env, port=29650, args=[str(gate)])
+        deadline = time.monotonic() + 60
+        while not all(Path(f"{gate}.rank{r}").exists() for r in range(3)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "ranks did not start"
+            time.sleep(0.05)
+        c.cut_aggregator(2)
+        gate.touch()
+        out = wait_ranks(procs, 60)
+        assert cl.get(c.name).faults["2"]["cut"] == c.aggregator.split(":")[0]
+    finally:
+        kill_all(procs)
+        cl.down(c.name)
+    for rank, (rc, text) in enumerate(out):
+        assert rc == 0, f"rank {rank}:\n{text}"
+        (timed,) = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        assert timed["seconds"] < 15, (rank, timed, text)  # switch_timeout 1 s, timeout 60 s
+        assert "switch_fallback=ring" in text, text
+    assert "lost the switch" in out[0][1] + out[1][1], out
