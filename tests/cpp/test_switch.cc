@@ -1098,7 +1098,7 @@ TEST(SwitchRetry, AfterAFallbackEveryRankProbesTheSwitchAtTheSameCall) {
     auto call = [&](int i) { e2e::compare_with_ring<int32_t>(comm, DataType::i32, ReduceOp::sum, 20000 + i); };
     call(1);  // through the switch
     comm.barrier()->wait();
-    if (comm.rank() == 0) sw->sw->stop();
+    if (comm.rank() == 0) sw.reset();  // its sockets closed: the port is free again
     comm.barrier()->wait();
     call(2);  // falls back; the next probe is at call 2 + 2
     call(3);
@@ -1108,7 +1108,9 @@ TEST(SwitchRetry, AfterAFallbackEveryRankProbesTheSwitchAtTheSameCall) {
     comm.barrier()->wait();
     for (int i = 5; i < 8; ++i) call(i);  // on the ring: nobody asks the new switch
     comm.barrier()->wait();
-    if (comm.rank() == 0) EXPECT_EQ(second->stats().jobs_joined, 0u);
+    if (comm.rank() == 0) {
+      EXPECT_EQ(second->stats().jobs_joined, 0u);
+    }
     comm.barrier()->wait();
     call(8);  // probes: every rank joins a fresh job, and this call goes through the switch again
     comm.barrier()->wait();
@@ -1129,7 +1131,7 @@ TEST(SwitchRetry, NeverProbesWithRetryZero) {
   std::unique_ptr<Switch> second;
   harness::run_ranks(2, [&](Communicator& comm) {
     comm.barrier()->wait();
-    if (comm.rank() == 0) sw->sw->stop();
+    if (comm.rank() == 0) sw.reset();  // its sockets closed: the port is free again
     comm.barrier()->wait();
     e2e::compare_with_ring<int32_t>(comm, DataType::i32, ReduceOp::sum, 5000);  // falls back
     comm.barrier()->wait();
@@ -1137,7 +1139,9 @@ TEST(SwitchRetry, NeverProbesWithRetryZero) {
     comm.barrier()->wait();
     for (int i = 0; i < 8; ++i) e2e::compare_with_ring<int32_t>(comm, DataType::i32, ReduceOp::sum, 5000);
     comm.barrier()->wait();
-    if (comm.rank() == 0) EXPECT_EQ(second->stats().datagrams_in, 0u);
+    if (comm.rank() == 0) {
+      EXPECT_EQ(second->stats().datagrams_in, 0u);
+    }
   }, e2e::switch_options(sw->address(), {{"switch_retry", "0"}}));
   second->stop();
 }
