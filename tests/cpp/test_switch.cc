@@ -1142,6 +1142,7 @@ TEST(SwitchRetry, NeverProbesWithRetryZero) {
     if (comm.rank() == 0) {
       EXPECT_EQ(second->stats().datagrams_in, 0u);
     }
+    comm.barrier()->wait();  // nobody closes (and sends its leave) before rank 0 has looked
   }, e2e::switch_options(sw->address(), {{"switch_retry", "0"}}));
   second->stop();
 }
