@@ -492,6 +492,17 @@ def test_a_rank_that_loses_its_own_path_to_the_switch_takes_every_rank_to_the_ri
         gate.touch()
         out = wait_ranks(procs, 60)
         assert cl.get(c.name).faults["2"]["cut"] == c.aggregator.split(":")[0]
+
+        def query_from(host: int) -> subprocess.CompletedProcess:
+            cli = [sys.executable, "-m", "smartcoll.tools.cli", "switch", "--query", c.aggregator,
+                   "--query-interval", "0", "--json"]
+            return subprocess.run(c.exec_prefix(host) + cli, env=clean_env(), capture_output=True, text=True,
+                                  timeout=30)
+
+        # Only host 2's path is cut, and `clear` restores it.
+        assert query_from(1).returncode == 0 and query_from(2).returncode == 1
+        c.clear_faults(2)
+        assert query_from(2).returncode == 0 and "2" not in cl.get(c.name).faults
     finally:
         kill_all(procs)
         cl.down(c.name)
