@@ -187,7 +187,7 @@ class Communicator:
                         algo: Optional[str] = None) -> Request:
         """algo: auto, ring, cma or switch (the aggregation switch sends each rank its own block's sums)."""
         if isinstance(x, (list, tuple)):
-            return _vectored().ireduce_scatter(self, x, out, op, codec)
+            return _vectored().ireduce_scatter(self, x, out, op, codec, algo)
         _check_array(x, "x")
         _check_pair(x, out, 1 / self.size, "reduce_scatter")
         return Request(self._core.reduce_scatter(x, out, op, codec or "", algo or "auto"), out, (x, out), self._core)
@@ -195,7 +195,7 @@ class Communicator:
     def iallgather(self, x: Any, out: Any, codec: Optional[str] = None, algo: Optional[str] = None) -> Request:
         """algo: auto, ring, bruck, cma or switch (the aggregation switch forwards each rank's block)."""
         if isinstance(x, (list, tuple)):
-            return _vectored().iallgather(self, x, out, codec)
+            return _vectored().iallgather(self, x, out, codec, algo)
         _check_array(x, "x")
         _check_pair(x, out, self.size, "allgather")
         return Request(self._core.allgather(x, out, codec or "", algo or "auto"), out, (x, out), self._core)
