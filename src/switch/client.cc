@@ -219,6 +219,7 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
   const ReduceOp op = call_args.op;
   const Codec* codec = call_args.codec;
   const uint8_t share = call_args.share;
+  if (codec && share) throw InvalidArgument("reduce_scatter and allgather with algo=switch take no codec; use ring");
   if (codec && !(*codec == settings_.codec))
     throw InvalidArgument("codec '" + codec->name() + "' with algo=switch: the job joined its switches with codec '" +
                           settings_.codec.name() + "' (SMARTCOLL_CODEC); a call may use that one or none");
