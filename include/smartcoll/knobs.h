@@ -26,8 +26,9 @@ inline constexpr Knob kKnobs[] = {
      "allreduce algorithm (smartcoll info lists them): ring (pipelined, segmented; bandwidth-optimal), rhd "
      "(recursive halving-doubling), rd (recursive doubling; fewest steps for tiny messages), cma (ranks on one "
      "host read each other's buffers once), hier (several ranks per host: reduce-scatter per host, allreduce "
-     "across hosts, allgather per host), switch (the aggregation switches of the switch option sum the vector; "
-     "only when asked for) or auto (chosen per call from the size, world size and host layout)"},
+     "across hosts, allgather per host), switch (the aggregation switches of the switch option sum the vector) "
+     "or auto (chosen per call from the size, world size and host layout; the switch where one is set and the "
+     "built-in cost model predicts it beats the ring)"},
     {"cma", "auto", "choice:auto|off", 0, 0, true,
      "same-host fast path: auto probes at start-up whether every rank shares this host and can read its peers' "
      "memory (process_vm_readv); off never uses it"},
