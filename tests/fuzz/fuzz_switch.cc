@@ -47,7 +47,8 @@ Seeds switch_packet_seeds() {
     h.count = 16;
     const size_t len = owned[i][1] ? 64 : 0;
     std::string d(kHeaderBytes + len, '\2');
-    write_header(h, key, reinterpret_cast<uint8_t*>(d.data()) + kHeaderBytes, len, reinterpret_cast<uint8_t*>(d.data()));
+    auto* bytes = reinterpret_cast<uint8_t*>(d.data());
+    write_header(h, key, bytes + kHeaderBytes, len, bytes);
     seeds.push_back(d);
   }
   {
