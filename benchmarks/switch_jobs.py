@@ -6,7 +6,8 @@ NAME: a cluster of an even number of hosts with the switch topology and the aggr
 namespace (`smartcoll cluster up --name NAME --hosts 8 --link 1gbit --topology switch --aggregator`). Job A
 runs one rank on each host of the first half, job B on the second half; each times allreduce(algo="switch") of
 float32 vectors. Per size: A alone, B alone, then A and B at once (both wait at a gate until every rank of both
-is ready, so that their timed calls overlap). Prints each job's algbw and its fraction of the link: of the
+is ready, so that their timed calls overlap), then one job of every host (the same traffic through the switch
+from one job, for comparison). Prints each job's algbw and its fraction of the link: of the
 TCP goodput iperf3 measures on the same cluster first (ring pattern) and of the raw shaped rate.
 """
 
@@ -99,6 +100,17 @@ def run_jobs(c, jobs: dict[str, list[int]], sizes: list[int], iters: int, timeou
                     p.wait(timeout=10)
 
 
+def ended_counters(c) -> dict:
+    """The switch's counters of the jobs that have ended (asked from host 0: the switch namespace's address is
+    reachable from the hosts only)."""
+    cli = [sys.executable, "-m", "smartcoll.tools.cli", "switch", "--query", c.aggregator, "--query-interval", "0",
+           "--json"]
+    out = subprocess.run(c.exec_prefix(0) + cli, capture_output=True, text=True, timeout=30, check=True)
+    ended = json.loads(out.stdout)["ended"]
+    return {k: ended[k] for k in ("contributions", "results", "retransmits", "duplicates", "resent")} | {
+        "dropped": sum(ended["drops"].values())}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cluster", required=True, help="the emulated cluster (switch topology, --aggregator)")
@@ -115,12 +127,19 @@ def main() -> int:
     sizes = parse_sizes(a.sizes)
     link = measure_link(c)
     raw = c.rate_bps / 8 / 1e9
-    runs = {"A alone": {"A": jobs["A"]}, "B alone": {"B": jobs["B"]}, "A and B at once": jobs}
-    got = {what: run_jobs(c, js, sizes, a.iters, a.timeout) for what, js in runs.items()}
+    # And one job of every host: the same 8 links' worth through the switch, from one job.
+    runs = {"A alone": {"A": jobs["A"]}, "B alone": {"B": jobs["B"]}, "A and B at once": jobs,
+            "one job, all hosts": {"AB": jobs["A"] + jobs["B"]}}
+    got, counters = {}, {}
+    for what, js in runs.items():  # each run's jobs leave before the next: their counters are in "ended"
+        before = ended_counters(c)
+        got[what] = run_jobs(c, js, sizes, a.iters, a.timeout)
+        after = ended_counters(c)
+        counters[what] = {k: after[k] - before[k] for k in after}
     goodput = link["GBps"]
     print(f"cluster {c.name}: {c.size} hosts, {c.rate} links; link goodput (iperf3) "
           f"{goodput:.4f} GB/s, raw {raw:.4f} GB/s; jobs of {half} ranks; float32 sum, algo=switch")
-    print(f"{'size':>10} {'run':>16} {'job':>4} {'algbw GB/s':>11} {'of goodput':>11} {'of raw':>7}")
+    print(f"{'size':>10} {'run':>18} {'job':>4} {'algbw GB/s':>11} {'of goodput':>11} {'of raw':>7}")
     rows = []
     for size in sizes:
         for what, res in got.items():
@@ -129,9 +148,12 @@ def main() -> int:
                 rows.append({"size": size, "run": what, "job": job, "seconds": per_size[size], "algbw_GBps": bw,
                              "of_goodput": bw / goodput if goodput else None, "of_raw": bw / raw})
                 share = f"{bw / goodput:11.2f}" if goodput else f"{'-':>11}"
-                print(f"{size:>10} {what:>16} {job:>4} {bw:11.4f} {share} {bw / raw:7.2f}")
+                print(f"{size:>10} {what:>18} {job:>4} {bw:11.4f} {share} {bw / raw:7.2f}")
+    print("the switch's counters per run (every size): " + "; ".join(
+        f"{what}: " + ", ".join(f"{k} {v}" for k, v in n.items()) for what, n in counters.items()))
     if a.json:
-        Path(a.json).write_text(json.dumps({"link": link, "jobs": jobs, "iters": a.iters, "rows": rows}, indent=1))
+        Path(a.json).write_text(json.dumps({"link": link, "jobs": jobs, "iters": a.iters, "rows": rows,
+                                            "counters": counters}, indent=1))
     return 0
 
 
