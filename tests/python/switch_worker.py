@@ -62,9 +62,9 @@ def scenario_scatter_gather(comm, outdir: Path) -> dict:
     """reduce_scatter and allgather with algo="switch" against the ring, every dtype (and op) the switch's
     allreduce takes; allgather bit for bit even for -0.0 and NaN."""
     checked = 0
-    for dtype in DTYPES:
+    for dtype in DTYPES + ["float16", "int8", "uint8"]:
         for op in OPS:
-            if op == "avg" and dtype.startswith("int"):
+            if op == "avg" and dtype.startswith(("int", "uint")):
                 continue
             for count in (1, 5003):
                 x = values(comm.rank + 1, count * comm.size, dtype)

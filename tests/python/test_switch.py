@@ -133,7 +133,7 @@ def test_reduce_scatter_and_allgather_through_the_switch_match_the_ring(tmp_path
     sw = cli_switch("--threads", "2", "--drop", "0.01", "--dup", "0.01")
     outdir, results = run_scenario(tmp_path, 3, "scatter_gather", switch_env(sw.address))
     got = assert_ok(outdir, 3, results)
-    assert got[0]["checked"] == 2 * (4 * 3 + 2 * 1) + 4, got[0]
+    assert got[0]["checked"] == 2 * (3 * 4 + 4 * 3) + 7, got[0]  # 3 float, 4 integer dtypes
     final = sw.stop()
     assert "jobs joined 1, left 1" in final, final
 
