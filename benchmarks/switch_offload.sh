@@ -4,8 +4,11 @@
 #
 #   bash benchmarks/switch_offload.sh loopback N PACKET [THREADS]   # offload on, off, and the ring, on loopback
 #   bash benchmarks/switch_offload.sh cluster                       # the 1 Gbit/s cluster (root); always taken down
+#   bash benchmarks/switch_offload.sh jobs                          # two 4-rank jobs on one switch, 8 hosts (root)
+#   bash benchmarks/switch_offload.sh scatter                       # reduce_scatter, allgather: switch and ring (root)
 #
-# SMARTCOLL: the smartcoll command (default: smartcoll on PATH).
+# SMARTCOLL: the smartcoll command (default: smartcoll on PATH); PYTHON: the Python that has smartcoll (default:
+# python3).
 set -u
 SC=${SMARTCOLL:-smartcoll}
 ROWS='^ *[0-9]+ +[0-9]+ +float32|link limit'
@@ -66,8 +69,33 @@ cluster() {
   bench allreduce --cluster switchc8 -n 8 --no-iperf $sw --codec bfp16
 }
 
+# Two jobs of 4 ranks on separate hosts sharing the switch, next to each alone (benchmarks/switch_jobs.py).
+jobs() {
+  trap '"$SC" cluster down --name sw_jobs > /dev/null' EXIT
+  "$SC" cluster up --name sw_jobs --hosts 8 --link 1gbit --topology switch --aggregator --aggregator-threads 2
+  timeout 900 "${PYTHON:-python3}" "$(dirname "$0")/switch_jobs.py" --cluster sw_jobs \
+    --sizes 16M,64M --iters 3 "$@"
+}
+
+# reduce_scatter and allgather through the switch next to the ring, and the allreduce of the whole vector (what
+# an allgather of zero-padded vectors through the switch's sum would cost), 4 hosts.
+scatter() {
+  trap '"$SC" cluster down --name sw_sg > /dev/null' EXIT
+  "$SC" cluster up --name sw_sg --hosts 4 --link 1gbit --topology switch --aggregator --aggregator-threads 2
+  local coll algo
+  for coll in allgather reduce_scatter allreduce; do
+    for algo in ring switch; do
+      echo "== $coll, $algo"
+      timeout 300 "$SC" bench $coll --cluster sw_sg -n 4 --no-iperf --algo $algo --sizes 4M,16M --iters 3 \
+        --warmup 1 2>&1 | grep -E "$ROWS"
+    done
+  done
+}
+
 case "${1:-}" in
   loopback) shift; loopback "$@" ;;
   cluster) cluster ;;
-  *) echo "usage: $0 loopback N PACKET [THREADS] | cluster" >&2; exit 2 ;;
+  jobs) shift; jobs "$@" ;;
+  scatter) scatter ;;
+  *) echo "usage: $0 loopback N PACKET [THREADS] | cluster | jobs [--json FILE] | scatter" >&2; exit 2 ;;
 esac

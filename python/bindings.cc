@@ -360,14 +360,17 @@ NB_MODULE(_core, m) {
         Buffer i = buffer(in), o = buffer(out);
         return c.allreduce(i.data, o.data, i.count, i.dtype, parse_op(op), parse_algorithm(algo), parse_codec(codec));
       }, "in"_a, "out"_a, "op"_a, "algo"_a, "codec"_a = "")
-      .def("reduce_scatter", [](Communicator& c, InArray in, Array out, const std::string& op, const std::string& codec) {
+      .def("reduce_scatter", [](Communicator& c, InArray in, Array out, const std::string& op, const std::string& codec,
+                                const std::string& algo) {
         Buffer i = buffer(in), o = buffer(out);
-        return c.reduce_scatter(i.data, o.data, o.count, i.dtype, parse_op(op), parse_codec(codec));
-      }, "in"_a, "out"_a, "op"_a, "codec"_a = "")
-      .def("allgather", [](Communicator& c, InArray in, Array out, const std::string& codec) {
+        return c.reduce_scatter(i.data, o.data, o.count, i.dtype, parse_op(op), parse_codec(codec),
+                                parse_algorithm(algo, Collective::reduce_scatter));
+      }, "in"_a, "out"_a, "op"_a, "codec"_a = "", "algo"_a = "auto")
+      .def("allgather", [](Communicator& c, InArray in, Array out, const std::string& codec, const std::string& algo) {
         Buffer i = buffer(in), o = buffer(out);
-        return c.allgather(i.data, o.data, i.count, i.dtype, parse_codec(codec));
-      }, "in"_a, "out"_a, "codec"_a = "")
+        return c.allgather(i.data, o.data, i.count, i.dtype, parse_codec(codec),
+                           parse_algorithm(algo, Collective::allgather));
+      }, "in"_a, "out"_a, "codec"_a = "", "algo"_a = "auto")
       .def("broadcast", [](Communicator& c, Array buf, int root) {
         Buffer b = buffer(buf);
         return c.broadcast(b.data, b.count, b.dtype, root);

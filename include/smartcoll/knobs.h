@@ -26,8 +26,9 @@ inline constexpr Knob kKnobs[] = {
      "allreduce algorithm (smartcoll info lists them): ring (pipelined, segmented; bandwidth-optimal), rhd "
      "(recursive halving-doubling), rd (recursive doubling; fewest steps for tiny messages), cma (ranks on one "
      "host read each other's buffers once), hier (several ranks per host: reduce-scatter per host, allreduce "
-     "across hosts, allgather per host), switch (the aggregation switches of the switch option sum the vector; "
-     "only when asked for) or auto (chosen per call from the size, world size and host layout)"},
+     "across hosts, allgather per host), switch (the aggregation switches of the switch option sum the vector) "
+     "or auto (chosen per call from the size, world size and host layout; the switch where one is set and the "
+     "built-in cost model predicts it beats the ring)"},
     {"cma", "auto", "choice:auto|off", 0, 0, true,
      "same-host fast path: auto probes at start-up whether every rank shares this host and can read its peers' "
      "memory (process_vm_readv); off never uses it"},
@@ -88,11 +89,17 @@ inline constexpr Knob kKnobs[] = {
      "SLURM_JOB_ID.SLURM_STEP_ID, else one drawn by rank 0 and shared through the store"},
     {"switch", "", "str", 0, 0, true,
      "aggregation switches (smartcoll switch) as host:port[,host:port...]: allreduce can then sum in the "
-     "network (algo=switch; auto picks it above rhd_max_bytes for 3 ranks or more when the same-host path is "
-     "not usable); chunk c of a vector goes to switch c mod k. Empty: no switch"},
+     "network (algo=switch; auto picks it where the built-in cost model predicts it beats the ring: 3 ranks or "
+     "more, above rhd_max_bytes, no codec, neither the same-host path nor hier usable); reduce_scatter and "
+     "allgather too with algo=switch; chunk c of a vector goes to switch c mod k. Empty: no switch"},
     {"switch_fallback", "ring", "choice:ring|fail", 0, 0, true,
-     "when a switch stops answering (or cannot be joined at start-up): ring (every rank finishes the call, and "
-     "all later ones, with a ring over TCP; logged once) or fail (the call fails naming the switch)"},
+     "when a switch stops answering, or a rank loses its path to it (or it cannot be joined at start-up): ring "
+     "(every rank finishes the call, and later ones until the next probe (switch_retry), with a ring over TCP; "
+     "logged once) or fail (the call fails on every rank naming the switch or the rank that lost it)"},
+    {"switch_retry", "100", "int", 0, 1000000, true,
+     "after a fallback to the ring, calls with algo=switch that go to the ring before every rank probes the "
+     "switches again (joining afresh; they are used again only if every rank can); doubled after each failed "
+     "probe, up to 64 times. Counted in calls, alike on every rank. 0: never probe"},
     {"switch_timeout", "2", "float", 0.05, 1e6, false,
      "seconds a switch may leave this rank without any answer, while it waits for results, before it counts as "
      "gone (a live switch answers every retransmission, even while it waits for slower ranks)"},

@@ -202,19 +202,22 @@ class Communicator:
         _check_pair(x, out, 1, "allreduce")
         return self._core.allreduce(x, out, op, algo or "auto", codec or ""), out, (x, out)
 
-    def ireduce_scatter(self, x: Any, out: Any, op: str = "sum", codec: Optional[str] = None) -> Request:
+    def ireduce_scatter(self, x: Any, out: Any, op: str = "sum", codec: Optional[str] = None,
+                        algo: Optional[str] = None) -> Request:
+        """algo: auto, ring, cma or switch (the aggregation switch sends each rank its own block's sums)."""
         if isinstance(x, (list, tuple)):
-            return _vectored().ireduce_scatter(self, x, out, op, codec)
+            return _vectored().ireduce_scatter(self, x, out, op, codec, algo)
         _check_array(x, "x")
         _check_pair(x, out, 1 / self.size, "reduce_scatter")
-        return Request(self._core.reduce_scatter(x, out, op, codec or ""), out, (x, out), self._core)
+        return Request(self._core.reduce_scatter(x, out, op, codec or "", algo or "auto"), out, (x, out), self._core)
 
-    def iallgather(self, x: Any, out: Any, codec: Optional[str] = None) -> Request:
+    def iallgather(self, x: Any, out: Any, codec: Optional[str] = None, algo: Optional[str] = None) -> Request:
+        """algo: auto, ring, bruck, cma or switch (the aggregation switch forwards each rank's block)."""
         if isinstance(x, (list, tuple)):
-            return _vectored().iallgather(self, x, out, codec)
+            return _vectored().iallgather(self, x, out, codec, algo)
         _check_array(x, "x")
         _check_pair(x, out, self.size, "allgather")
-        return Request(self._core.allgather(x, out, codec or ""), out, (x, out), self._core)
+        return Request(self._core.allgather(x, out, codec or "", algo or "auto"), out, (x, out), self._core)
 
     def ibroadcast(self, x: Any, root: int = 0) -> Request:
         if isinstance(x, (list, tuple)):
@@ -261,11 +264,12 @@ class Communicator:
             return self.iallreduce(x, op, out, algo, codec).wait()
         return _finish(*self._post_allreduce(x, op, out, algo, codec), self._core)
 
-    def reduce_scatter(self, x: Any, out: Any, op: str = "sum", codec: Optional[str] = None) -> Any:
-        return self.ireduce_scatter(x, out, op, codec).wait()
+    def reduce_scatter(self, x: Any, out: Any, op: str = "sum", codec: Optional[str] = None,
+                       algo: Optional[str] = None) -> Any:
+        return self.ireduce_scatter(x, out, op, codec, algo).wait()
 
-    def allgather(self, x: Any, out: Any, codec: Optional[str] = None) -> Any:
-        return self.iallgather(x, out, codec).wait()
+    def allgather(self, x: Any, out: Any, codec: Optional[str] = None, algo: Optional[str] = None) -> Any:
+        return self.iallgather(x, out, codec, algo).wait()
 
     def broadcast(self, x: Any, root: int = 0) -> Any:
         return self.ibroadcast(x, root).wait()

@@ -71,7 +71,8 @@ def ibroadcast(comm: Any, xs: Sequence[Any], root: int) -> Request:
     return Request(req, xs, tuple(xs), comm._core)
 
 
-def ireduce_scatter(comm: Any, xs: Sequence[Any], outs: Sequence[Any], op: str, codec: Optional[str]) -> Request:
+def ireduce_scatter(comm: Any, xs: Sequence[Any], outs: Sequence[Any], op: str, codec: Optional[str],
+                    algo: Optional[str] = None) -> Request:
     dtype = _check_list(xs, "x", "reduce_scatter", writable=False)
     _check_list(outs, "out", "reduce_scatter", writable=True, dtype=dtype)
     for i, x in enumerate(xs):
@@ -79,18 +80,19 @@ def ireduce_scatter(comm: Any, xs: Sequence[Any], outs: Sequence[Any], op: str, 
             raise ValueError(f"reduce_scatter: x[{i}] has {_numel(x)} elements, not a multiple of {comm.size} ranks")
     counts = _check_lengths(xs, outs, 1 / comm.size, "reduce_scatter")
     req = comm._core.list_call("reduce_scatter", [_address(x) for x in xs], [_address(o) for o in outs], counts, dtype,
-                               op, "auto", -1, codec or "")
+                               op, algo or "auto", -1, codec or "")
     return Request(req, outs, (tuple(xs), tuple(outs)), comm._core)
 
 
-def iallgather(comm: Any, xs: Sequence[Any], outs: Sequence[Any], codec: Optional[str]) -> Request:
+def iallgather(comm: Any, xs: Sequence[Any], outs: Sequence[Any], codec: Optional[str],
+               algo: Optional[str] = None) -> Request:
     if codec:
         raise ValueError(f"allgather: a list call takes no codec (got '{codec}'); call it without one")
     dtype = _check_list(xs, "x", "allgather", writable=False)
     _check_list(outs, "out", "allgather", writable=True, dtype=dtype)
     _check_lengths(xs, outs, comm.size, "allgather")
     req = comm._core.list_call("allgather", [_address(x) for x in xs], [_address(o) for o in outs],
-                               [_numel(x) for x in xs], dtype, "sum", "auto", -1, "")
+                               [_numel(x) for x in xs], dtype, "sum", algo or "auto", -1, "")
     return Request(req, outs, (tuple(xs), tuple(outs)), comm._core)
 
 

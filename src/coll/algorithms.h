@@ -37,6 +37,9 @@ void allreduce_rd(Builder& b, const Args& a);
 // Every collective among ranks of one host, by single-copy reads (transport/cma.h).
 void same_host_cma(Builder& b, const Args& a);
 void allreduce_switch(Builder& b, const Args& a);
+// Through the switches too: each rank gets its own block's sums; each rank's block is forwarded to the others.
+void reduce_scatter_switch(Builder& b, const Args& a);
+void allgather_switch(Builder& b, const Args& a);
 void reduce_scatter_ring(Builder& b, const Args& a);
 void allgather_ring(Builder& b, const Args& a);
 void allgather_bruck(Builder& b, const Args& a);

@@ -1,11 +1,18 @@
 // In-network aggregation: every rank sends its vector to the aggregation switches in chunks and receives the
-// sums (switch/client.h). With a codec, float32 chunks travel encoded and the switch sums them in float32. It drives its own UDP protocol, so it runs alone (a task with `exclusive`).
+// sums (switch/client.h). With a codec, float32 chunks travel encoded and the switch sums them in float32. It
+// drives its own UDP protocol, so it runs alone (a task with `exclusive`). reduce_scatter and allgather go the
+// same way with each chunk owned by one rank's block: the switch sends a block's sums to its owner alone, or
+// forwards the owner's block to the others (sw::kScatter, sw::kGather).
 //
 // With switch_fallback=ring, a switch that stops answering does not fail the call: after its switch part, every
 // rank tells every other (one byte over TCP) whether it finished. If one did not, the ranks share which chunks
 // each one has; a chunk some ranks have goes from the lowest of them to the others, the chunks nobody has (every
-// rank still holds its input there, in place or not) are reduced with a ring over TCP, and every later call uses
-// the ring at once. With fail, the call fails naming the switch.
+// rank still holds its input there, in place or not) are reduced with a ring over TCP, and later calls use the
+// ring at once (reduce_scatter and allgather: the whole call again over TCP, from the inputs) until every rank
+// probes the switches again, at a call number all agree on (switch_retry). A rank that loses its own path to a
+// live switch says so in the store, so that the others stop waiting for it. With fail, the call fails naming
+// the switch, or the rank that lost it.
+#include <algorithm>
 #include <cstring>
 
 #include "coll/algorithms.h"
@@ -18,12 +25,28 @@ namespace smartcoll::coll {
 
 namespace {
 
+// Part p of m elements cut n ways, the first m % n parts one longer: [part_begin(p), part_begin(p + 1)).
+size_t part_begin(size_t m, int n, int p) { return static_cast<size_t>(p) * (m / n) + std::min<size_t>(p, m % n); }
+
+// The allgather half of a ring over the transport's stream 0: rank r starts with part own(r) of x (m elements
+// of esize bytes), where own(r + 1) = own(r) + 1; after n - 1 steps every rank has every part.
+void ring_pass(Transport& t, char* x, size_t m, size_t esize, int own) {
+  const int n = t.size(), r = t.rank();
+  auto at = [&](int p) { return x + part_begin(m, n, p) * esize; };
+  auto bytes = [&](int p) { return (part_begin(m, n, p + 1) - part_begin(m, n, p)) * esize; };
+  for (int k = 0; k < n - 1; ++k) {
+    const int s = mod(own - k, n), g = mod(own - k - 1, n);
+    Transport::Op ops[] = {{mod(r + 1, n), true, at(s), bytes(s)}, {mod(r - 1, n), false, at(g), bytes(g)}};
+    t.run(ops);
+  }
+}
+
 // A ring allreduce of x (m elements, in place) over the transport's stream 0, step by step: reduce-scatter,
 // then allgather. Each part is reduced by one rank and copied by the others, so every rank has the same bits.
 void ring_in_place(Transport& t, char* x, size_t m, DataType dt, ReduceOp op) {
   const int n = t.size(), r = t.rank();
   const size_t esize = dtype_size(dt);
-  auto begin = [&](int p) { return static_cast<size_t>(p) * (m / n) + std::min<size_t>(p, m % n); };
+  auto begin = [&](int p) { return part_begin(m, n, p); };
   auto len = [&](int p) { return begin(p + 1) - begin(p); };
   std::vector<char> tmp(len(0) * esize);
   const int right = mod(r + 1, n), left = mod(r - 1, n);
@@ -37,19 +60,31 @@ void ring_in_place(Transport& t, char* x, size_t m, DataType dt, ReduceOp op) {
   }
   const int own = mod(r + 1, n);
   if (op == ReduceOp::avg) scale_divide(dt, x + begin(own) * esize, len(own), n);
-  for (int k = 0; k < n - 1; ++k) {
-    const int s = mod(r + 1 - k, n), g = mod(r - k, n);
-    Transport::Op ops[] = {{right, true, x + begin(s) * esize, len(s) * esize},
-                           {left, false, x + begin(g) * esize, len(g) * esize}};
-    t.run(ops);
+  ring_pass(t, x, m, esize, own);
+}
+
+// The whole call over TCP, from the inputs (which the switch part never writes): allreduce; reduce_scatter as
+// an allreduce of a copy of every block; allgather as the ring's passes of blocks (this rank's own block is
+// already in place).
+void ring_call(Transport& t, const sw::Call& c) {
+  const size_t esize = dtype_size(c.dt), n = static_cast<size_t>(t.size()), block = c.count * esize;
+  if (c.share == sw::kScatter) {
+    std::vector<char> all(c.in, c.in + n * block);
+    ring_in_place(t, all.data(), n * c.count, c.dt, c.op);
+    std::memcpy(c.out, all.data() + static_cast<size_t>(t.rank()) * block, block);
+  } else if (c.share == sw::kGather) {
+    ring_pass(t, c.out, n * c.count, esize, t.rank());
+  } else {
+    if (c.out != c.in) std::memcpy(c.out, c.in, block);
+    ring_in_place(t, c.out, c.count, c.dt, c.op);
   }
 }
 
 // Finishes a call the switches did not: done[c] says which chunks this rank has.
-void finish_with_ring(Transport& t, const sw::Client& client, const Args& a, DataType dt, ReduceOp op,
-                      const Codec* codec, const std::vector<uint8_t>& done) {
+void finish_with_ring(Transport& t, const sw::Client& client, const sw::Call& a, const std::vector<uint8_t>& done) {
   const int n = t.size(), r = t.rank();
-  const size_t chunks = done.size(), per = client.chunk_elems(dt, codec), esize = dtype_size(dt);
+  const DataType dt = a.dt;
+  const size_t chunks = done.size(), per = client.chunk_elems(dt, a.codec), esize = dtype_size(dt);
   auto bytes_of = [&](size_t c) { return (std::min(per, a.count - c * per)) * esize; };
   std::vector<uint8_t> all(chunks * static_cast<size_t>(n));
   exchange(t, done.data(), all.data(), chunks);
@@ -93,7 +128,7 @@ void finish_with_ring(Transport& t, const sw::Client& client, const Args& a, Dat
   if (orphans.empty()) return;
   std::vector<char> packed;
   for (size_t c : orphans) packed.insert(packed.end(), a.in + c * per * esize, a.in + c * per * esize + bytes_of(c));
-  ring_in_place(t, packed.data(), packed.size() / esize, dt, op);
+  ring_in_place(t, packed.data(), packed.size() / esize, dt, a.op);
   size_t off = 0;
   for (size_t c : orphans) {
     std::memcpy(a.out + c * per * esize, packed.data() + off, bytes_of(c));
@@ -101,19 +136,66 @@ void finish_with_ring(Transport& t, const sw::Client& client, const Args& a, Dat
   }
 }
 
-void run(sw::Path& path, Transport& t, const Args& a, DataType dt, ReduceOp op, const Codec* codec) {
-  const size_t bytes = a.count * dtype_size(dt);
-  if (path.gone) {
-    if (a.out != a.in) std::memcpy(a.out, a.in, bytes);
-    return ring_in_place(t, a.out, a.count, dt, op);
-  }
-  std::vector<uint8_t> done(path.client->chunks(a.count, dt, codec), 0);
-  std::string failure;
+// Every rank joins a fresh job on the switches; they are used again only if every rank could join.
+void probe(sw::Path& path, Transport& t, const char* what) {
+  std::string why;
+  std::unique_ptr<sw::Client> fresh;
   try {
-    path.client->allreduce(a.in, a.out, a.count, dt, op, codec, done);
+    fresh = path.make_client(++path.epoch);
+    fresh->join();
+  } catch (const CommError& e) {
+    why = e.what();
+  }
+  const uint8_t mine = why.empty() ? 1 : 0;
+  std::vector<uint8_t> joined(static_cast<size_t>(t.size()));
+  exchange(t, &mine, joined.data(), 1);
+  if (std::all_of(joined.begin(), joined.end(), [](uint8_t j) { return j == 1; })) {
+    path.client = std::move(fresh);  // the old client leaves the old job
+    path.gone = false;
+    path.failed_probes = 0;
+    SC_LOG(LogLevel::warn, t.rank(), what) << "every rank reached the switch again (probe at call " << path.calls
+                                           << "): calls with algo=switch use it again";
+    return;
+  }
+  ++path.failed_probes;
+  path.schedule_probe();
+  SC_LOG(LogLevel::info, t.rank(), what) << "probe at call " << path.calls << ": the switch is still unusable"
+                                         << (why.empty() ? "" : " here (" + why + ")") << "; next probe at call "
+                                         << path.next_probe;
+}
+
+void run(sw::Path& path, Transport& t, const sw::Call& a, const char* what) {
+  if (a.share == sw::kGather) {  // this rank's own block; the switch or the ring brings the others
+    const size_t block = a.count * dtype_size(a.dt);
+    char* mine = a.out + static_cast<size_t>(t.rank()) * block;
+    if (mine != a.in) std::memcpy(mine, a.in, block);
+  }
+  const uint64_t call = ++path.calls;
+  if (path.gone && call >= path.next_probe) probe(path, t, what);
+  if (path.gone) return ring_call(t, a);
+  std::vector<uint8_t> done(path.client->chunks(a), 0);
+  std::string failure;
+  // A rank that loses its own path to a live switch says so in the store: the others, whom the switch keeps
+  // answering while it waits for that rank, stop waiting and fall back (or fail) with it.
+  const std::string lost = "switch/lost/" + std::to_string(call);
+  auto peers_lost = [&]() -> std::string {
+    try {
+      return path.store->get(lost, std::chrono::milliseconds(50));
+    } catch (const CommError&) {
+      return "";
+    }
+  };
+  try {
+    path.client->run(a, done, path.store ? std::function<std::string()>(peers_lost) : nullptr);
   } catch (const sw::SwitchGone& e) {
-    if (!path.fallback_ring) throw CommError(std::string(e.what()) + " (switch_fallback=fail)");
     failure = e.what();
+    if (path.store && !dynamic_cast<const sw::PeerLostSwitch*>(&e)) {
+      try {  // best effort: a store that is gone (its rank failed first) must not hide this failure
+        path.store->set(lost, "rank " + std::to_string(t.rank()) + " lost the switch: " + failure);
+      } catch (const CommError&) {
+      }
+    }
+    if (!path.fallback_ring) throw CommError(failure + " (switch_fallback=fail)");
   }
   if (!path.fallback_ring) return;
   const uint8_t mine = failure.empty() ? 1 : 0;
@@ -123,24 +205,39 @@ void run(sw::Path& path, Transport& t, const Args& a, DataType dt, ReduceOp op, 
   for (int p = 0; p < t.size(); ++p)
     if (!finished[p]) who += (who.empty() ? "" : ",") + std::to_string(p);
   if (who.empty()) return;
-  SC_LOG(LogLevel::warn, t.rank(), "allreduce (switch)")
-      << (failure.empty() ? "rank(s) " + who + " lost the switch" : failure)
-      << "; every rank finishes this call, and makes every later one, with the ring (switch_fallback=ring)";
   path.gone = true;
-  finish_with_ring(t, *path.client, a, dt, op, codec, done);
+  path.schedule_probe();
+  SC_LOG(LogLevel::warn, t.rank(), what)
+      << (failure.empty() ? "rank(s) " + who + " lost the switch" : failure)
+      << "; every rank finishes this call, and makes the later ones, with the ring (switch_fallback=ring)"
+      << (path.retry ? " until every rank probes the switch again at call " + std::to_string(path.next_probe) : "");
+  if (a.share) return ring_call(t, a);  // every rank still has its input: the switch wrote outputs alone
+  finish_with_ring(t, *path.client, a, done);
+}
+
+void through_switch(Builder& b, const Args& a, uint8_t share, const char* what) {
+  sw::Path* path = b.cx.sw;
+  Transport* t = b.cx.transport;
+  const DataType dt = b.spec.dtype;
+  const ReduceOp op = share == sw::kGather ? ReduceOp::sum : b.spec.op;
+  const Codec codec = b.spec.codec;  // identity: raw elements
+  b.exclusive([path, t, a, dt, op, codec, share, what] {
+    sw::Call c{a.in, a.out, a.count, dt, op, codec.kind() == CodecKind::identity ? nullptr : &codec, share};
+    std::vector<char> input;
+    const size_t block = a.count * dtype_size(dt), n = static_cast<size_t>(t->size());
+    if (share == sw::kScatter && a.out + block > a.in && a.in + n * block > a.out) {
+      // In place: results land where inputs may still have to be sent again (a lost datagram).
+      input.assign(a.in, a.in + n * block);
+      c.in = input.data();
+    }
+    run(*path, *t, c, what);
+  });
 }
 
 }  // namespace
 
-void allreduce_switch(Builder& b, const Args& a) {
-  sw::Path* path = b.cx.sw;
-  Transport* t = b.cx.transport;
-  const DataType dt = b.spec.dtype;
-  const ReduceOp op = b.spec.op;
-  const Codec codec = b.spec.codec;  // identity: raw elements
-  b.exclusive([path, t, a, dt, op, codec] {
-    run(*path, *t, a, dt, op, codec.kind() == CodecKind::identity ? nullptr : &codec);
-  });
-}
+void allreduce_switch(Builder& b, const Args& a) { through_switch(b, a, 0, "allreduce (switch)"); }
+void reduce_scatter_switch(Builder& b, const Args& a) { through_switch(b, a, sw::kScatter, "reduce_scatter (switch)"); }
+void allgather_switch(Builder& b, const Args& a) { through_switch(b, a, sw::kGather, "allgather (switch)"); }
 
 }  // namespace smartcoll::coll

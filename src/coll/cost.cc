@@ -112,6 +112,11 @@ Profile Profile::builtin() {
   p.alpha_algo = {{"ring", 200e-6}, {"chain", 500e-6}, {"cma", 3e-3}, {"rhd", 50e-6}, {"rd", 20e-6},
                   {"bruck", 20e-6}, {"tree", 20e-6}, {"direct", 50e-6}};
   p.efficiency_algo = {{"rhd", 0.5}, {"rd", 0.5}, {"bruck", 0.5}};
+  // The aggregation switch: a round trip through it per call, and 1408-byte payloads in 1456-byte datagrams
+  // (0.91-0.98 of TCP's goodput where measured, BENCHMARKS.md). Its summing rate stays unmeasured (0), so a
+  // profile's cheapest() never picks it; auto without a profile compares it with the ring (table.cc).
+  p.alpha_algo["switch"] = 300e-6;
+  p.efficiency_algo["switch"] = 0.9;
   return p;
 }
 
@@ -268,10 +273,11 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
       // Each rank sends its vector and receives the sum; each of the k switches takes n/k of the vector's
       // chunks from every rank and sums them. A switch that is a host has one link for all n ranks: n S / k each
       // way (the DPDK paper's 2MN/B against 2M/B in the network).
-      const double switches = std::max(1, q.switches);
-      k.link = bytes / link;
-      if (p.switch_link_Bps > 0) k.link = std::max(k.link, n * bytes / (switches * p.switch_link_Bps));
-      if (p.switch_Bps > 0) k.reduce = n * bytes / (switches * p.switch_Bps);
+      // reduce_scatter: every rank sends all n blocks; allgather: the switch forwards, it sums nothing.
+      const double switches = std::max(1, q.switches), vector = c == Collective::allreduce ? bytes : n * bytes;
+      k.link = moved / link;
+      if (p.switch_link_Bps > 0) k.link = std::max(k.link, n * vector / (switches * p.switch_link_Bps));
+      if (p.switch_Bps > 0 && c != Collective::allgather) k.reduce = n * vector / (switches * p.switch_Bps);
       break;
     }
     default: k.link = k.wire_bytes / link;

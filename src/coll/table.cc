@@ -24,6 +24,9 @@ std::string needs_switch(const Query& q) {
   // Codecs too: the switch decodes, sums in float32 and encodes the result once.
   return q.switch_set ? "" : "no aggregation switch is set: SMARTCOLL_SWITCH=host:port (start one with smartcoll switch)";
 }
+std::string needs_switch_raw(const Query& q) {
+  return q.compressed ? "it does not support codecs; use ring" : needs_switch(q);
+}
 double ring_wire(int n) { return 2.0 * (n - 1) / n; }
 double share(int n) { return (n - 1.0) / n; }  // all but this rank's 1/n of the vector
 double none(int) { return 0.0; }
@@ -67,6 +70,10 @@ constexpr AlgorithmInfo kReduceScatterAlgos[] = {
     // `bytes` is one rank's block here: it reads and adds the n-1 other ranks' copies of its block.
     {Algorithm::cma, kCmaReduceText, same_host_cma, needs_cma, [](int) { return 4.0; }, [](int n) { return n - 1.0; },
      [](int n) { return n - 1.0; }},
+    // Each rank sends all n blocks and gets its own block's sums: more bytes out than the ring's n - 1.
+    {Algorithm::switch_, "in-network aggregation: every rank sends every block, the switch sends each block's sums "
+     "to its owner alone", reduce_scatter_switch, needs_switch_raw, [](int) { return 2.0; },
+     [](int n) { return static_cast<double>(n); }, none},
 };
 constexpr AlgorithmInfo kAllgatherAlgos[] = {
     {Algorithm::ring, "pipelined ring, any codec", allgather_ring, any, [](int n) { return n - 1.0; },
@@ -74,6 +81,10 @@ constexpr AlgorithmInfo kAllgatherAlgos[] = {
     {Algorithm::bruck, "Bruck: ceil(log2 n) steps, blocks rotated into place at the end", allgather_bruck, raw_only,
      [](int n) { return log2n(n); }, [](int n) { return n - 1.0; }, none},
     kCmaGather,
+    // Each rank sends its block once and receives the n - 1 others (and 48-byte headers of theirs).
+    {Algorithm::switch_, "through the aggregation switches: each rank sends its block once, the switch forwards it "
+     "to the others", allgather_switch, needs_switch_raw, [](int) { return 2.0; }, [](int n) { return n - 1.0; },
+     none},
 };
 constexpr AlgorithmInfo kBroadcastAlgos[] = {
     {Algorithm::tree, "binomial tree: log2(n) steps", broadcast_tree, raw_only, [](int n) { return log2n(n); },
@@ -103,6 +114,15 @@ constexpr AlgorithmInfo kBarrierAlgos[] = {
     {Algorithm::dissemination, "dissemination: ceil(log2 n) rounds of one signal each", barrier_dissemination,
      any, [](int n) { return log2n(n); }, none, none},
 };
+
+// auto without a profile, where a switch is set: the switch when the built-in cost model predicts it faster than
+// the ring for this size and world (each rank moves S each way where the ring moves 2(n-1)/n S, against one
+// round trip through the switch where the ring pays 2(n-1) steps): from 3 ranks on, above the small sizes.
+bool switch_beats_ring(const Query& q) {
+  static const Profile builtin = Profile::builtin();
+  return predict(Collective::allreduce, Algorithm::switch_, q, builtin).total <
+         predict(Collective::allreduce, Algorithm::ring, q, builtin).total;
+}
 
 }  // namespace
 
@@ -166,8 +186,7 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
       if (small) return q.bytes <= 8192 || q.n < 4 ? Algorithm::rd : Algorithm::rhd;
       if (same_host) return Algorithm::cma;
       if (needs_hosts(q).empty()) return Algorithm::hier;
-      // The switch moves S each way per rank where the ring moves 2(n-1)/n S, but on the machines measured so far
-      // (BENCHMARKS.md) its per-datagram cost loses to the ring: it runs only when asked for (algo=switch).
+      if (q.switch_set && switch_beats_ring(q)) return Algorithm::switch_;
       return Algorithm::ring;
     case Collective::allgather:
       if (small_total) return q.compressed ? Algorithm::ring : Algorithm::bruck;

@@ -288,7 +288,14 @@ void Communicator::join_switches() {
   const SipKey key = SipKey::from_bytes(bytes);
   switch_ = std::make_unique<sw::Path>();
   switch_->fallback_ring = config_->switch_fallback_ring;
-  switch_->client = std::make_unique<sw::Client>(rank_, size_, settings, key, sw::job_tag(key, config_->job_id));
+  switch_->retry = config_->switch_retry;
+  switch_->store = store_;
+  // Probe e joins job "<job id>/<e>": a fresh job with the same secret, whatever the old one left at the switch.
+  switch_->make_client = [rank = rank_, size = size_, settings, key, id = config_->job_id](uint64_t epoch) {
+    return std::make_unique<sw::Client>(rank, size, settings, key,
+                                        sw::job_tag(key, epoch ? id + "/" + std::to_string(epoch) : id));
+  };
+  switch_->client = switch_->make_client(0);
   std::string why;
   try {
     switch_->client->join();
@@ -310,6 +317,7 @@ void Communicator::join_switches() {
   if (!switch_->fallback_ring)
     throw CommError("cannot use the aggregation switch: " + verdict + " (switch_fallback=fail)");
   switch_->gone = true;
+  switch_->schedule_probe();
   SC_LOG(rank_ == 0 ? LogLevel::warn : LogLevel::info, rank_, "")
       << "cannot use the aggregation switch (" << verdict << "); allreduce with algo=switch uses the ring "
       << "(switch_fallback=ring)";

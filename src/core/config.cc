@@ -142,6 +142,7 @@ Config Config::from(const Options& o) {
   c.switch_fallback_ring = o.str("switch_fallback") == "ring";
   c.switch_timeout = o.real("switch_timeout");
   c.switch_slots = static_cast<uint32_t>(o.integer("switch_slots"));
+  c.switch_retry = static_cast<uint64_t>(o.integer("switch_retry"));
   c.switch_packet = static_cast<uint32_t>(o.integer("switch_packet"));
   if (c.switch_packet % 8)
     throw InvalidArgument("option 'switch_packet' (SMARTCOLL_SWITCH_PACKET) = " + o.str("switch_packet") +

@@ -40,6 +40,7 @@ struct Config {
   bool switch_fallback_ring = true;
   double switch_timeout = 2;
   uint32_t switch_slots = 128, switch_packet = 1408;
+  uint64_t switch_retry = 100;  // calls on the ring after a fallback before a probe (0: never)
   bool switch_full_auth = false;
   bool switch_offload = true;
   bool nicd = false;        // engine=nicd

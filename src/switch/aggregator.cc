@@ -53,6 +53,11 @@ struct Aggregator::Slot {
   uint32_t call = 0;
   uint16_t count = 0, arrived = 0, first_rank = 0;
   uint8_t codec = 0;  // the header's codec byte: kEncoded when the contributions are encoded
+  uint8_t share = 0;  // the contributions' kShare flags: which ranks get the data (gets_data)
+  int owner = -1;     // the rank that sent kOwner (reduce_scatter, allgather)
+  uint8_t result_share = 0;  // share and owner of the chunk whose result `result` holds
+  int result_owner = -1;
+  uint32_t result_call = 0;
   DataType dtype = DataType::f32;
   ReduceOp op = ReduceOp::sum;
   bool poisoned = false;  // workers sent different calls to this chunk: it never completes
@@ -137,7 +142,7 @@ void Aggregator::reply(int t, const Job& job, Type type, const Header& about, co
   h.type = type;
   h.flags = job.full_auth ? kFullAuth : 0;
   h.count = 0;
-  std::memcpy(buf + kHeaderBytes, body, len);
+  if (len) std::memcpy(buf + kHeaderBytes, body, len);
   write_header(h, job.key, buf + kHeaderBytes, len, buf);
   out.send(to, buf, kHeaderBytes + len, false);
 }
@@ -344,6 +349,7 @@ void Aggregator::contribute(int t, const Packet& p, const uint8_t* raw, const so
 
   if (h.seq == s.result_seq) {  // its result went out already and was lost on the way: send it again
     bump(c.resent);
+    if (!gets_data(s.result_share, s.result_owner, h.rank)) return send_done(t, *job, s, h.rank, from, out);
     bump(c.bytes_out, s.result_len);
     out.send(from, s.result, s.result_len, true);
     return;
@@ -356,6 +362,8 @@ void Aggregator::contribute(int t, const Packet& p, const uint8_t* raw, const so
     s.dtype = h.dtype;
     s.op = h.op;
     s.codec = h.codec;
+    s.share = h.flags & kShare;
+    s.owner = -1;
     s.arrived = 0;
     s.first_rank = h.rank;
     s.poisoned = false;
@@ -364,8 +372,9 @@ void Aggregator::contribute(int t, const Packet& p, const uint8_t* raw, const so
   } else if (h.seq != s.seq) {
     return drop(h.seq < s.seq ? Drop::stale : Drop::early);
   }
+  const bool second_owner = (h.flags & kOwner) && s.owner >= 0 && s.owner != h.rank;
   if (s.poisoned || h.call != s.call || h.count != s.count || h.dtype != s.dtype || h.op != s.op ||
-      h.codec != s.codec) {
+      h.codec != s.codec || (h.flags & kShare) != s.share || second_owner) {
     // Workers disagree on the call. Nothing of this chunk is ever summed; each of them is told.
     s.poisoned = true;
     drop(Drop::mismatch);
@@ -383,13 +392,21 @@ void Aggregator::contribute(int t, const Packet& p, const uint8_t* raw, const so
   std::memcpy(s.contrib + size_t{h.rank} * job->max_payload, p.payload, p.payload_len);
   s.in[h.rank] = 1;
   s.from[h.rank] = from;
+  if (h.flags & kOwner) s.owner = h.rank;
   bump(c.contributions);
   bump(c.bytes_in, p.payload_len);
   if (++s.arrived < job->world) return;
+  if (s.share && s.owner < 0) {
+    // Every rank is in and none owns the chunk: they disagree on the call. Told on their next copy.
+    s.poisoned = true;
+    return drop(Drop::mismatch);
+  }
 
   // Everyone is in: sum in rank order into the result datagram, which stays as the shadow copy. Overwriting the
   // previous shadow is safe: every worker has sent this chunk, so every worker had the previous result.
   uint8_t* res = s.result + kHeaderBytes;
+  // (An allgather chunk's last contribution may be an empty one: the length comes from the slot.)
+  const size_t bytes = s.codec == kEncoded ? p.payload_len : s.count * dtype_size(s.dtype);
   auto contribution = [&](int r) { return s.contrib + size_t{static_cast<unsigned>(r)} * job->max_payload; };
   if (s.codec == kEncoded) {
     // Decoded and summed in float32, encoded once: every worker decodes the same bits, and the rounding of the
@@ -398,22 +415,45 @@ void Aggregator::contribute(int t, const Packet& p, const uint8_t* raw, const so
     job->codec.decode(contribution(0), s.count, sum);
     for (int r = 1; r < job->world; ++r) job->codec.decode_add(contribution(r), s.count, sum, sum);
     job->codec.encode(sum, s.count, res);
+  } else if (s.share == kGather) {  // the owner's data, for the others
+    std::memcpy(res, contribution(s.owner), bytes);
   } else {
-    std::memcpy(res, contribution(0), p.payload_len);
+    std::memcpy(res, contribution(0), bytes);
     for (int r = 1; r < job->world; ++r) reduce(s.dtype, s.op, res, res, contribution(r), s.count);
   }
   Header rh = h;
   rh.type = Type::result;
   rh.flags = job->full_auth ? kFullAuth : 0;
-  rh.rank = kAllRanks;
-  write_header(rh, job->key, res, p.payload_len, s.result);
-  s.result_len = kHeaderBytes + p.payload_len;
+  rh.rank = s.share == kScatter ? static_cast<uint16_t>(s.owner) : kAllRanks;
+  write_header(rh, job->key, res, bytes, s.result);
+  s.result_len = kHeaderBytes + bytes;
   s.result_seq = s.seq;
+  s.result_share = s.share;
+  s.result_owner = s.owner;
+  s.result_call = s.call;
   s.seq = kIdle;
   bump(c.busy, UINT64_MAX);  // -1
   bump(c.results);
-  bump(c.bytes_out, s.result_len * job->world);
-  for (int r = 0; r < job->world; ++r) out.send(s.from[r], s.result, s.result_len, true);
+  for (int r = 0; r < job->world; ++r) {
+    if (!gets_data(s.share, s.owner, r)) {
+      send_done(t, *job, s, r, s.from[r], out);
+      continue;
+    }
+    bump(c.bytes_out, s.result_len);
+    out.send(s.from[r], s.result, s.result_len, true);
+  }
+}
+
+void Aggregator::send_done(int t, const Job& job, const Slot& s, int rank, const sockaddr_in& to, Outbox& out) {
+  Header h;
+  h.job = job.id;
+  h.seq = s.result_seq;
+  h.slot = static_cast<uint32_t>(s.result_seq % job.window);
+  h.call = s.result_call;
+  h.rank = static_cast<uint16_t>(rank);
+  h.world = job.world;
+  bump(job.counters[t].bytes_out, kHeaderBytes);
+  reply(t, job, Type::done, h, nullptr, 0, to, out);
 }
 
 std::vector<uint64_t> Aggregator::expire(Clock::time_point now, Clock::duration idle) {

@@ -109,6 +109,8 @@ class Aggregator {
   void retire(const Job& job);  // mu_ held: the job leaves the table; its counters go to ended_
   void reply(int t, const Job& job, Type type, const Header& about, const void* body, size_t len,
              const sockaddr_in& to, Outbox& out);
+  // Tells `rank` that the chunk of slot s whose result is out is complete (its data went to other ranks).
+  void send_done(int t, const Job& job, const Slot& s, int rank, const sockaddr_in& to, Outbox& out);
 
   const int threads_;
   const uint32_t budget_;

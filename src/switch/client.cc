@@ -211,20 +211,41 @@ size_t Client::chunk_elems(DataType dt, const Codec* codec) const {
   return std::min(settings_.packet / block_bytes, UINT16_MAX / block) * block;
 }
 
-void Client::allreduce(const char* in, char* out, size_t count, DataType dt, ReduceOp op, const Codec* codec,
-                       std::vector<uint8_t>& done) {
+void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::function<std::string()>& peers_lost) {
+  const char* in = call_args.in;
+  char* out = call_args.out;
+  const size_t count = call_args.count;
+  const DataType dt = call_args.dt;
+  const ReduceOp op = call_args.op;
+  const Codec* codec = call_args.codec;
+  const uint8_t share = call_args.share;
+  if (codec && share) throw InvalidArgument("reduce_scatter and allgather with algo=switch take no codec; use ring");
   if (codec && !(*codec == settings_.codec))
     throw InvalidArgument("codec '" + codec->name() + "' with algo=switch: the job joined its switches with codec '" +
                           settings_.codec.name() + "' (SMARTCOLL_CODEC); a call may use that one or none");
-  const size_t esize = dtype_size(dt), per = chunk_elems(dt, codec), total = chunks(count, dt, codec),
-               k = remotes_.size();
+  const size_t esize = dtype_size(dt), per = chunk_elems(dt, codec), total = chunks(call_args),
+               per_block = chunks_per_block(call_args), k = remotes_.size();
+  // Chunk c is piece c % per_block of block c / per_block: its offset in the block, its length, and where its
+  // data comes from and goes (null: this rank sends an empty one, or gets `done` instead of data).
+  auto block_of = [&](size_t c) { return static_cast<int>(c / per_block); };
+  auto offset = [&](size_t c) { return (c % per_block) * per; };
+  auto length = [&](size_t c) { return std::min(per, count - offset(c)); };
+  auto source = [&](size_t c) -> const char* {
+    if (share == kScatter) return in + (block_of(c) * count + offset(c)) * esize;
+    if (share == kGather && block_of(c) != rank_) return nullptr;
+    return in + offset(c) * esize;
+  };
+  auto target = [&](size_t c) -> char* {
+    if (!gets_data(share, block_of(c), rank_)) return nullptr;
+    return out + ((share == kGather ? block_of(c) * count : 0) + offset(c)) * esize;
+  };
   // Encoded once: chunk c is bytes [c, c + 1) x encoded_size(per) (whole blocks encode alike in pieces).
   const size_t enc_per = codec ? codec->encoded_size(per) : 0;
   if (codec) {
     encoded_.resize(codec->encoded_size(count));
     codec->encode(reinterpret_cast<const float*>(in), count, encoded_.data());
   }
-  const uint32_t call = call_digest(calls_++, count, dt, op);
+  const uint32_t call = call_digest(calls_++, count, dt, op, share);
   const ReduceOp wire_op = op == ReduceOp::avg ? ReduceOp::sum : op;  // avg: the sum, divided here
   const uint32_t window = settings_.window;
   const auto now0 = Clock::now();
@@ -246,9 +267,10 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
 
   // Queues chunk f.chunk for its slot's port (thread); a retry carries the retransmit flag.
   auto post = [&](Remote& r, Flight& f) {
-    const size_t off = f.chunk * per, len = std::min(per, count - off);
+    const size_t len = length(f.chunk);
     Header h = header(Type::contribution);
     if (f.tries) h.flags |= kRetransmit;
+    h.flags |= share | (share && block_of(f.chunk) == rank_ ? kOwner : 0);
     h.dtype = dt;
     h.seq = f.seq;
     h.slot = static_cast<uint32_t>(f.seq % window);
@@ -257,8 +279,8 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
     h.count = static_cast<uint16_t>(len);
     h.op = wire_op;
     h.codec = codec ? kEncoded : 0;
-    const void* payload = codec ? static_cast<const void*>(encoded_.data() + f.chunk * enc_per) : in + off * esize;
-    const size_t bytes = codec ? codec->encoded_size(len) : len * esize;
+    const void* payload = codec ? static_cast<const void*>(encoded_.data() + f.chunk * enc_per) : source(f.chunk);
+    const size_t bytes = codec ? codec->encoded_size(len) : payload ? len * esize : 0;
     write_header(h, key_, payload, bytes, f.header);
     sockaddr_in to = r.addr;
     to.sin_port = htons(static_cast<uint16_t>(r.ep.port + h.slot % r.threads));
@@ -303,17 +325,20 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
       f.acked = true;
       return;
     }
-    if (h.type != Type::result) return;
-    const size_t off = f.chunk * per, len = std::min(per, count - off);
-    if (h.count != len || h.dtype != dt || h.call != call || h.codec != (codec ? kEncoded : 0) ||
-        got.pkt.payload_len != payload_bytes(h, settings_.codec))
-      return;  // cannot be ours: never used
-    char* dst = out + off * esize;
-    if (codec)
-      codec->decode(got.pkt.payload, len, reinterpret_cast<float*>(dst));
-    else
-      std::memcpy(dst, got.pkt.payload, len * esize);
-    if (op == ReduceOp::avg) scale_divide(dt, dst, len, world_);
+    char* dst = target(f.chunk);
+    if (h.type == Type::done) {
+      if (dst || h.call != call) return;  // cannot be ours: this rank waits for data
+    } else {
+      const size_t len = length(f.chunk);
+      if (h.type != Type::result || !dst || h.count != len || h.dtype != dt || h.call != call ||
+          h.codec != (codec ? kEncoded : 0) || got.pkt.payload_len != payload_bytes(h, settings_.codec))
+        return;  // cannot be ours: never used
+      if (codec)
+        codec->decode(got.pkt.payload, len, reinterpret_cast<float*>(dst));
+      else
+        std::memcpy(dst, got.pkt.payload, len * esize);
+      if (op == ReduceOp::avg) scale_divide(dt, dst, len, world_);
+    }
     if (f.tries == 0) {  // Karn: only first transmissions time the round trip
       const double sample = Seconds(now - f.sent).count();
       if (r.srtt == 0) {
@@ -334,6 +359,8 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
   };
 
   double wait_s = 0.05;
+  const auto ask_every = std::chrono::milliseconds(200);
+  auto next_ask = now0 + ask_every;
   while (left > 0) {
     auto now = Clock::now();
     // New chunks, into the slots that are free, in order per switch.
@@ -393,6 +420,10 @@ void Client::allreduce(const char* in, char* out, size_t count, DataType dt, Red
       if (busy && now - heard[j] > silence)
         throw SwitchGone(name(j) + " stopped answering: nothing for " + seconds(settings_.switch_timeout) +
                          " (SMARTCOLL_SWITCH_TIMEOUT) while chunks were waiting for their results");
+    }
+    if (peers_lost && now - last_result > ask_every && now >= next_ask) {
+      next_ask = now + ask_every;
+      if (std::string who = peers_lost(); !who.empty()) throw PeerLostSwitch(who);
     }
     if (now - last_result > stall) {
       std::string who;

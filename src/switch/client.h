@@ -8,12 +8,15 @@
 // answers nothing at all for switch_timeout seconds is taken for gone.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
-#include <memory>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "smartcoll/store.h"
 #include "switch/protocol.h"
 #include "transport/socket.h"
 #include "transport/udp.h"
@@ -24,6 +27,25 @@ namespace smartcoll::sw {
 class SwitchGone : public CommError {
  public:
   using CommError::CommError;
+};
+// Another rank lost the switch (it said so through the rendezvous store): this one stops waiting for it.
+class PeerLostSwitch : public SwitchGone {
+ public:
+  using SwitchGone::SwitchGone;
+};
+
+// One call through the switches. allreduce (share 0): every rank sends the whole vector of `count` elements
+// and gets every sum. reduce_scatter (kScatter): `count` elements per rank's block, `in` holds every block;
+// every rank sends them all and gets the sums of its own block alone. allgather (kGather): every rank sends its
+// block of `count` elements and gets the others' into `out` (n blocks; its own block is not written).
+struct Call {
+  const char* in;
+  char* out;
+  size_t count;
+  DataType dt;
+  ReduceOp op;
+  const Codec* codec = nullptr;  // allreduce only
+  uint8_t share = 0;             // 0, kScatter or kGather
 };
 
 struct ClientSettings {
@@ -52,15 +74,19 @@ class Client {
   void join();
   // Elements per chunk: a packet's worth, raw or encoded with `codec` (null: raw; a whole number of blocks).
   size_t chunk_elems(DataType dt, const Codec* codec) const;
-  size_t chunks(size_t count, DataType dt, const Codec* codec) const {
-    return (count + chunk_elems(dt, codec) - 1) / chunk_elems(dt, codec);
+  // Chunks of a call: each block of `count` elements (one for allreduce, one per rank otherwise) is cut alone.
+  size_t chunks_per_block(const Call& c) const {
+    return (c.count + chunk_elems(c.dt, c.codec) - 1) / chunk_elems(c.dt, c.codec);
   }
-  // One allreduce through the switches; done[c] becomes 1 for each chunk c whose result is in `out` (avg already
-  // divided). With `codec` (float32 sum or avg; it must be the job's), chunks travel encoded and the switch sums
-  // them in float32. Throws SwitchGone when a switch stops answering, CommError when the call cannot complete
-  // (ranks disagree, or no result for `timeout` seconds, naming the ranks the switch waits for).
-  void allreduce(const char* in, char* out, size_t count, DataType dt, ReduceOp op, const Codec* codec,
-                 std::vector<uint8_t>& done);
+  size_t chunks(const Call& c) const { return chunks_per_block(c) * (c.share ? static_cast<size_t>(world_) : 1); }
+  // One call through the switches; done[c] becomes 1 for each chunk c this rank is finished with: its result is
+  // in `out` (avg already divided), or the switch said it is done. With `codec` (float32 sum or avg; it must be
+  // the job's), chunks travel encoded and the switch sums them in float32. Throws SwitchGone when a switch
+  // stops answering, CommError when the call cannot complete (ranks disagree, or no result for `timeout`
+  // seconds, naming the ranks the switch waits for).
+  // `peers_lost`, when set, is asked now and then while no result comes (at most every 200 ms, only after 200 ms
+  // without one): a non-empty answer (which rank lost the switch, and why) ends the call with PeerLostSwitch.
+  void run(const Call& call, std::vector<uint8_t>& done, const std::function<std::string()>& peers_lost = {});
   std::string name(size_t j) const;  // "switch 10.0.0.1:7000"
 
  private:
@@ -86,8 +112,20 @@ class Client {
 struct Path {
   std::unique_ptr<Client> client;
   bool fallback_ring = true;  // switch_fallback=ring
-  // Every rank agreed that a switch is gone (at start-up or during a call): calls go straight to the ring.
+  // Every rank agreed that a switch is gone (at start-up or during a call): calls go straight to the ring until
+  // the next probe.
   bool gone = false;
+  // Calls with algo=switch so far. Every rank makes the same calls in the same order, so this number (not a
+  // clock) says alike on every rank when to probe the switches again and names a call in the store.
+  uint64_t calls = 0;
+  uint64_t retry = 0;       // switch_retry: calls on the ring after a fallback before a probe (0: never)
+  uint64_t next_probe = 0;  // the call that probes
+  int failed_probes = 0;    // each doubles the wait, up to 64 x retry
+  uint64_t epoch = 0;       // probes so far: each joins a fresh job, whatever the last one left at the switch
+  std::function<std::unique_ptr<Client>(uint64_t epoch)> make_client;
+  // Where a rank that lost its switch says so (key switch/lost/<call>), so that the others stop waiting for it.
+  std::shared_ptr<Store> store;
+  void schedule_probe() { next_probe = retry ? calls + (retry << std::min(failed_probes, 6)) : UINT64_MAX; }
 };
 
 }  // namespace smartcoll::sw

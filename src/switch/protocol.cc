@@ -33,7 +33,8 @@ size_t expected_payload(const Header& h) {
     case Type::joined: return sizeof(JoinedBody);
     case Type::pending: return (h.world + 7u) / 8u;
     case Type::error: return sizeof(ErrorBody);
-    case Type::leave: return 0;
+    case Type::leave:
+    case Type::done: return 0;
     case Type::query:
     case Type::stats: return SIZE_MAX - 1;  // any length up to kMaxPayload
     case Type::contribution:
@@ -61,7 +62,9 @@ Parsed parse(const uint8_t* data, size_t len) {
   if (get<uint32_t>(data) != kMagic) return reject(Reject::bad_magic);
   if (data[4] != kVersion) return reject(Reject::bad_version);
   if (data[5] == 0 || data[5] > kLastType) return reject(Reject::bad_type);
-  if (data[6] & ~kKnownFlags) return reject(Reject::bad_flags);
+  // At most one of kScatter and kGather; kOwner only with one of them.
+  const uint8_t share = data[6] & kShare;
+  if ((data[6] & ~kKnownFlags) || share == kShare || ((data[6] & kOwner) && !share)) return reject(Reject::bad_flags);
   if (data[7] >= std::size(kAllDataTypes)) return reject(Reject::bad_dtype);
   // avg never travels: workers send sums and divide the result themselves.
   if (data[38] > static_cast<uint8_t>(ReduceOp::max)) return reject(Reject::bad_op);
@@ -92,8 +95,9 @@ Parsed parse(const uint8_t* data, size_t len) {
     const size_t esize = dtype_size(h.dtype);
     if (h.count == 0 || (h.codec == 0 && h.count * esize > kMaxPayload)) return reject(Reject::bad_count);
     // Encoded: only float32 sums; the length depends on the job's codec, which the receiver checks.
-    if (h.codec == kEncoded && (h.dtype != DataType::f32 || h.op != ReduceOp::sum)) return reject(Reject::bad_codec);
-    expect = h.codec == kEncoded ? std::clamp<size_t>(payload, 1, kMaxPayload) : h.count * esize;
+    if (h.codec == kEncoded && (h.dtype != DataType::f32 || h.op != ReduceOp::sum || share))
+      return reject(Reject::bad_codec);
+    expect = h.codec == kEncoded ? std::clamp<size_t>(payload, 1, kMaxPayload) : payload_bytes(h, Codec());
   } else if (h.count != 0 || h.codec != 0) {
     return reject(h.count != 0 ? Reject::bad_count : Reject::bad_codec);
   }
@@ -167,14 +171,16 @@ bool get_codec(const JoinBody& body, Codec& codec) {
 }
 
 size_t payload_bytes(const Header& h, const Codec& codec) {
+  if (h.type == Type::contribution && (h.flags & kShare) == kGather && !(h.flags & kOwner)) return 0;
   return h.codec == kEncoded ? codec.encoded_size(h.count) : h.count * dtype_size(h.dtype);
 }
 
 uint64_t job_tag(const SipKey& key, std::string_view job_id) { return siphash24(key, job_id.data(), job_id.size()); }
 
-uint32_t call_digest(uint64_t number, size_t count, DataType dt, ReduceOp op) {
+uint32_t call_digest(uint64_t number, size_t count, DataType dt, ReduceOp op, uint8_t share) {
   const uint64_t words[3] = {number, static_cast<uint64_t>(count),
-                             static_cast<uint64_t>(dt) | static_cast<uint64_t>(op) << 8};
+                             static_cast<uint64_t>(dt) | static_cast<uint64_t>(op) << 8 |
+                                 static_cast<uint64_t>(share) << 16};
   const uint64_t h = siphash24(SipKey{0x736d617274636f6cULL, 0x6c2d63616c6c2d31ULL}, words, sizeof words);
   return static_cast<uint32_t>(h ^ (h >> 32));
 }

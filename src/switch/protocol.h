@@ -37,16 +37,24 @@ enum class Type : uint8_t {
   leave = 7,         // worker -> switch: this rank is done with the job
   query = 8,         // anyone -> switch: asks for the open counters; payload: padding, the room for the answer
   stats = 9,         // switch -> asker: the open counters as JSON, never longer than the query
+  done = 10,         // switch -> worker: a chunk of reduce_scatter or allgather is complete, its data went to others
 };
-inline constexpr uint8_t kLastType = 9;
+inline constexpr uint8_t kLastType = 10;
 // query and stats are open (docs/wire-format.md): their MAC uses this public key, so it only checks integrity.
 inline constexpr SipKey kOpenKey{0, 0};
 
 enum Flags : uint8_t {
   kFullAuth = 1,    // the MAC covers the payload too
   kRetransmit = 2,  // a worker's copy sent again after a timeout (statistics only)
+  // A chunk of one rank's block (its owner's; docs/wire-format.md). reduce_scatter: every rank sends its copy,
+  // the sum goes to the owner alone. allgather: the owner sends the data, every other rank an empty payload,
+  // and the data goes to the others. The ranks that get no data get a `done`.
+  kScatter = 4,
+  kGather = 8,
+  kOwner = 16,  // the sender owns the chunk (with kScatter or kGather only)
 };
-inline constexpr uint8_t kKnownFlags = kFullAuth | kRetransmit;
+inline constexpr uint8_t kShare = kScatter | kGather;
+inline constexpr uint8_t kKnownFlags = kFullAuth | kRetransmit | kShare | kOwner;
 
 struct Header {
   Type type = Type::contribution;
@@ -84,8 +92,13 @@ static_assert(sizeof(JoinBody) == 32);
 void put_codec(JoinBody& body, const Codec& codec);
 // The codec a join asks for; false when its fields name none (the join is refused as too_large).
 bool get_codec(const JoinBody& body, Codec& codec);
-// Payload bytes of `count` elements of a contribution or result: raw, or encoded with `codec`.
+// Payload bytes of `count` elements of a contribution or result: raw, or encoded with `codec`; none for an
+// allgather contribution of a rank that does not own the chunk.
 size_t payload_bytes(const Header& h, const Codec& codec);
+// Whether rank r gets a chunk's data (a result) rather than a `done`, for the chunk's kShare flags and owner.
+inline bool gets_data(uint8_t share, int owner, int r) {
+  return share == 0 || (share == kScatter) == (r == owner);
+}
 
 enum class JoinStatus : uint32_t { ok = 0, no_room = 1, needs_full_auth = 2, too_large = 3, conflict = 4 };
 struct JoinedBody {
@@ -150,7 +163,7 @@ bool authentic(const Packet& p, const uint8_t* raw, const SipKey& key, bool need
 // The 64-bit job id the switch knows a job by: the job id string keyed with the job's secret, so that it is new
 // for every communicator and cannot be guessed before the job joins.
 uint64_t job_tag(const SipKey& key, std::string_view job_id);
-// The digest of one call as every worker computes it.
-uint32_t call_digest(uint64_t number, size_t count, DataType dt, ReduceOp op);
+// The digest of one call as every worker computes it (share: its kShare flags).
+uint32_t call_digest(uint64_t number, size_t count, DataType dt, ReduceOp op, uint8_t share = 0);
 
 }  // namespace smartcoll::sw

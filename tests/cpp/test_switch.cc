@@ -4,9 +4,11 @@
 
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <map>
 #include <cmath>
 #include <random>
+#include <type_traits>
 
 #include "core/siphash.h"
 #include "ranks.h"
@@ -121,8 +123,28 @@ TEST(SwitchProtocol, RejectsEachBadFieldForItsReason) {
   EXPECT_EQ(with(4, 1), Reject::bad_version);  // version 1 had no encoded payloads
   EXPECT_EQ(with(4, 3), Reject::bad_version);
   EXPECT_EQ(with(5, 0), Reject::bad_type);
-  EXPECT_EQ(with(5, 10), Reject::bad_type);
+  EXPECT_EQ(with(5, 11), Reject::bad_type);
   EXPECT_EQ(with(6, 0x80), Reject::bad_flags);
+  EXPECT_EQ(with(6, kScatter | kGather), Reject::bad_flags);  // one kind of owned chunk at a time
+  EXPECT_EQ(with(6, kOwner), Reject::bad_flags);               // an owner of a chunk nobody owns
+  EXPECT_EQ(with(6, kScatter | kOwner), Reject::none);
+  EXPECT_EQ(with(6, kGather | kOwner), Reject::none);         // the owner's allgather chunk carries its data
+  EXPECT_EQ(with(6, kGather), Reject::bad_length);            // the others' carry none
+  {
+    const auto empty = datagram(contribution(1, 4, 9, 8, 2), {});
+    auto gather = empty;
+    gather[6] = kGather;
+    EXPECT_EQ(parse(gather.data(), gather.size()).why, Reject::none);
+    EXPECT_EQ(parse(gather.data(), gather.size()).pkt.payload_len, 0u);
+    gather[39] = kEncoded;
+    EXPECT_EQ(parse(gather.data(), gather.size()).why, Reject::bad_codec);  // owned chunks travel raw
+    Header done = contribution(1, 4, 9, 8, 0);
+    done.type = Type::done;
+    auto d = datagram(done, {});
+    EXPECT_TRUE(parse(d.data(), d.size()).ok());
+    d = datagram(done, std::vector<uint8_t>(8));
+    EXPECT_EQ(parse(d.data(), d.size()).why, Reject::bad_length);  // a done carries nothing
+  }
   EXPECT_EQ(with(7, 8), Reject::bad_dtype);
   EXPECT_EQ(with(38, static_cast<uint8_t>(ReduceOp::avg)), Reject::bad_op);  // avg never travels
   EXPECT_EQ(with(39, 2), Reject::bad_codec);
@@ -672,6 +694,65 @@ void compare_with_ring(Communicator& comm, DataType dt, ReduceOp op, size_t coun
 
 }  // namespace e2e
 
+// ---- reduce_scatter and allgather through the switch ----
+
+namespace e2e {
+
+// reduce_scatter: every rank's own block of the sums, against the ring's.
+template <class T>
+void scatter_against_ring(Communicator& comm, DataType dt, ReduceOp op, size_t count) {
+  const auto in = values<T>(comm.rank() + 1, count * static_cast<size_t>(comm.size()));
+  std::vector<T> via_switch(count), via_ring(count);
+  comm.reduce_scatter(in.data(), via_switch.data(), count, dt, op, std::nullopt, Algorithm::switch_)->wait();
+  comm.reduce_scatter(in.data(), via_ring.data(), count, dt, op, std::nullopt, Algorithm::ring)->wait();
+  ASSERT_EQ(std::memcmp(via_switch.data(), via_ring.data(), count * sizeof(T)), 0)
+      << "reduce_scatter " << dtype_name(dt) << " " << op_name(op) << " " << count << " rank " << comm.rank();
+}
+
+// allgather: every rank's block, bit for bit (here -0.0 and NaN payloads too, which a sum of zero-padded
+// vectors would not keep).
+template <class T>
+void gather_against_ring(Communicator& comm, DataType dt, size_t count) {
+  auto in = values<T>(comm.rank(), count);
+  if constexpr (std::is_floating_point_v<T>) {
+    in[0] = comm.rank() % 2 ? std::numeric_limits<T>::quiet_NaN() : T(-0.0);
+  }
+  const size_t n = static_cast<size_t>(comm.size());
+  std::vector<T> via_switch(count * n), via_ring(count * n);
+  comm.allgather(in.data(), via_switch.data(), count, dt, std::nullopt, Algorithm::switch_)->wait();
+  comm.allgather(in.data(), via_ring.data(), count, dt, std::nullopt, Algorithm::ring)->wait();
+  ASSERT_EQ(std::memcmp(via_switch.data(), via_ring.data(), count * n * sizeof(T)), 0)
+      << "allgather " << dtype_name(dt) << " " << count << " rank " << comm.rank();
+}
+
+// A switch on a given port of 127.0.0.1 (where one stopped), started.
+std::unique_ptr<Switch> started_on(uint16_t port) {
+  SwitchOptions o;
+  o.host = "127.0.0.1";
+  o.port = port;
+  auto sw = std::make_unique<Switch>(o);
+  sw->start();
+  return sw;
+}
+
+void scatter_gather_matrix(Communicator& comm, std::initializer_list<size_t> counts) {
+  for (size_t count : counts) {
+    for (ReduceOp op : {ReduceOp::sum, ReduceOp::min, ReduceOp::max}) {
+      scatter_against_ring<float>(comm, DataType::f32, op, count);
+      scatter_against_ring<double>(comm, DataType::f64, op, count);
+      scatter_against_ring<int32_t>(comm, DataType::i32, op, count);
+      scatter_against_ring<int64_t>(comm, DataType::i64, op, count);
+    }
+    scatter_against_ring<float>(comm, DataType::f32, ReduceOp::avg, count);
+    gather_against_ring<float>(comm, DataType::f32, count);
+    gather_against_ring<double>(comm, DataType::f64, count);
+    gather_against_ring<int32_t>(comm, DataType::i32, count);
+    gather_against_ring<int64_t>(comm, DataType::i64, count);
+  }
+}
+
+}  // namespace e2e
+
 TEST(SwitchAllreduce, EveryDtypeAndOpMatchesTheRing) {
   e2e::Running sw;
   harness::run_ranks(3, [&](Communicator& comm) {
@@ -685,11 +766,12 @@ TEST(SwitchAllreduce, EveryDtypeAndOpMatchesTheRing) {
       e2e::compare_with_ring<float>(comm, DataType::f32, ReduceOp::avg, count);
       e2e::compare_with_ring<double>(comm, DataType::f64, ReduceOp::avg, count);
     }
-    // In place, large; auto leaves the switch to an explicit algo (it has not won where measured).
+    // In place, large; auto picks the switch for 3 ranks above rhd_max_bytes (the built-in cost model).
     auto x = e2e::values<float>(comm.rank(), 200000);
     auto expect = x;
     comm.allreduce(expect.data(), expect.data(), x.size(), DataType::f32, ReduceOp::sum, Algorithm::ring)->wait();
-    ASSERT_EQ(comm.choose(Collective::allreduce, x.size(), DataType::f32), Algorithm::ring);
+    ASSERT_EQ(comm.choose(Collective::allreduce, x.size(), DataType::f32), Algorithm::switch_);
+    ASSERT_EQ(comm.choose(Collective::allreduce, 1000, DataType::f32), Algorithm::rd);
     comm.allreduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum, Algorithm::switch_)->wait();
     ASSERT_EQ(x, expect);
   }, e2e::switch_options(sw.address()));
@@ -875,6 +957,9 @@ TEST(SwitchAllreduce, SurvivesLossDuplicationAndReordering) {
   harness::run_ranks(4, [&](Communicator& comm) {
     for (int i = 0; i < 3; ++i) e2e::compare_with_ring<float>(comm, DataType::f32, ReduceOp::sum, 300000);
     e2e::compare_with_ring<int64_t>(comm, DataType::i64, ReduceOp::sum, 100000);
+    // Owned chunks too: a lost result or done is sent again from the shadow, to the rank it was for.
+    e2e::scatter_against_ring<int32_t>(comm, DataType::i32, ReduceOp::sum, 60000);
+    e2e::gather_against_ring<float>(comm, DataType::f32, 60000);
     comm.barrier()->wait();
     if (comm.rank() == 0) {  // before anyone leaves: the faults made work for the protocol
       const SwitchStats s = sw.sw->stats();
@@ -887,20 +972,30 @@ TEST(SwitchAllreduce, SurvivesLossDuplicationAndReordering) {
 }
 
 TEST(SwitchAllreduce, FallsBackToTheRingWhenTheSwitchGoes) {
-  e2e::Running sw;
-  harness::run_ranks(3, [&](Communicator& comm) {
-    e2e::compare_with_ring<float>(comm, DataType::f32, ReduceOp::sum, 50000);
-    comm.barrier()->wait();
-    if (comm.rank() == 0) sw.sw->stop();
-    comm.barrier()->wait();
-    for (int i = 0; i < 2; ++i) {  // the first call notices, the second goes straight to the ring
-      auto x = e2e::values<int32_t>(comm.rank(), 70001);
-      std::vector<int32_t> expect(x.size());
-      comm.allreduce(x.data(), expect.data(), x.size(), DataType::i32, ReduceOp::sum, Algorithm::ring)->wait();
-      comm.allreduce(x.data(), x.data(), x.size(), DataType::i32, ReduceOp::sum, Algorithm::switch_)->wait();
-      ASSERT_EQ(x, expect) << "call " << i;
-    }
-  }, e2e::switch_options(sw.address()));
+  // The call that finds the switch gone is an allreduce, a reduce_scatter or an allgather (each finishes from
+  // what it has); the calls after it go straight to the ring.
+  for (int first = 0; first < 3; ++first) {
+    e2e::Running sw;
+    harness::run_ranks(3, [&](Communicator& comm) {
+      e2e::compare_with_ring<float>(comm, DataType::f32, ReduceOp::sum, 50000);
+      comm.barrier()->wait();
+      if (comm.rank() == 0) sw.sw->stop();
+      comm.barrier()->wait();
+      for (int i = 0; i < 3; ++i) {
+        if ((first + i) % 3 == 1) {
+          e2e::scatter_against_ring<int64_t>(comm, DataType::i64, ReduceOp::sum, 30001);
+        } else if ((first + i) % 3 == 2) {
+          e2e::gather_against_ring<double>(comm, DataType::f64, 30001);
+        } else {
+          auto x = e2e::values<int32_t>(comm.rank(), 70001);
+          std::vector<int32_t> expect(x.size());
+          comm.allreduce(x.data(), expect.data(), x.size(), DataType::i32, ReduceOp::sum, Algorithm::ring)->wait();
+          comm.allreduce(x.data(), x.data(), x.size(), DataType::i32, ReduceOp::sum, Algorithm::switch_)->wait();
+          ASSERT_EQ(x, expect) << "call " << i;
+        }
+      }
+    }, e2e::switch_options(sw.address()));
+  }
 }
 
 TEST(SwitchAllreduce, FailModeNamesTheSwitchWithinItsTimeout) {
@@ -937,6 +1032,119 @@ TEST(SwitchAllreduce, NoSwitchAtStartUpFallsBackOrFails) {
                               e2e::switch_options(nobody, {{"switch_timeout", "0.2"}, {"switch_fallback", "fail"}})),
                  CommError);
   });
+}
+
+TEST(SwitchScatterGather, EveryDtypeAndOpMatchesTheRing) {
+  e2e::Running sw;
+  harness::run_ranks(3, [&](Communicator& comm) {
+    e2e::scatter_gather_matrix(comm, {1, 1000, 30001});
+    // In place: reduce_scatter's output over its input's first block, allgather's input as its own block.
+    const size_t count = 20000, n = 3;
+    auto x = e2e::values<int32_t>(comm.rank(), count * n), expect = x;
+    comm.reduce_scatter(expect.data(), expect.data(), count, DataType::i32, ReduceOp::sum, std::nullopt,
+                        Algorithm::ring)->wait();
+    comm.reduce_scatter(x.data(), x.data(), count, DataType::i32, ReduceOp::sum, std::nullopt,
+                        Algorithm::switch_)->wait();
+    ASSERT_EQ(std::memcmp(x.data(), expect.data(), count * 4), 0);
+    auto g = e2e::values<int32_t>(comm.rank(), count * n), gexpect = g;
+    int32_t* mine = g.data() + comm.rank() * count;
+    comm.allgather(mine, g.data(), count, DataType::i32, std::nullopt, Algorithm::switch_)->wait();
+    comm.allgather(gexpect.data() + comm.rank() * count, gexpect.data(), count, DataType::i32, std::nullopt,
+                   Algorithm::ring)->wait();
+    ASSERT_EQ(g, gexpect);
+    ASSERT_THROW(comm.allgather(mine, g.data(), count, DataType::f32, Codec::parse("bfp16"), Algorithm::switch_),
+                 InvalidArgument);
+  }, e2e::switch_options(sw.address()));
+  const SwitchStats s = sw.stats_after_leaves(1);
+  EXPECT_EQ(s.jobs_left, 1u);
+  EXPECT_EQ(s.ended.drops[static_cast<size_t>(Drop::mismatch)], 0u);
+}
+
+TEST(SwitchScatterGather, OnlyTheOwnerGetsABlocksSumsAndOnlyTheOwnerSendsItsBlock) {
+  e2e::Running sw;
+  const size_t count = 1408 / 4 * 10;  // 10 whole chunks per block
+  harness::run_ranks(4, [&](Communicator& comm) {
+    e2e::scatter_against_ring<float>(comm, DataType::f32, ReduceOp::sum, count);
+    comm.barrier()->wait();
+    if (comm.rank() == 0) {
+      const SwitchStats s = sw.sw->stats();
+      ASSERT_EQ(s.jobs.size(), 1u);
+      // 4 blocks of 10 chunks, each from 4 ranks; each chunk's sums (1408 + 48 bytes) to its owner, a 48-byte
+      // done to the 3 others.
+      EXPECT_EQ(s.jobs[0].contributions, 4u * 40u);
+      EXPECT_EQ(s.jobs[0].bytes_in, 4u * 4u * count * 4u);
+      const uint64_t once = 40u * (1456u + 3u * 48u);
+      EXPECT_GE(s.jobs[0].bytes_out, once);
+      EXPECT_LE(s.jobs[0].bytes_out, once + 1456u * s.jobs[0].resent);
+    }
+    comm.barrier()->wait();
+    e2e::gather_against_ring<float>(comm, DataType::f32, count);
+    comm.barrier()->wait();
+    if (comm.rank() == 0) {
+      const SwitchStats s = sw.sw->stats();
+      // allgather: 40 chunks more, each with data from its owner alone: 4 x 1408 x 10 more bytes in.
+      EXPECT_EQ(s.jobs[0].bytes_in, 4u * 4u * count * 4u + 4u * count * 4u);
+    }
+    comm.barrier()->wait();
+  }, e2e::switch_options(sw.address()));
+}
+
+TEST(SwitchRetry, AfterAFallbackEveryRankProbesTheSwitchAtTheSameCall) {
+  auto sw = std::make_unique<e2e::Running>();
+  const uint16_t port = sw->sw->port();
+  const std::string address = sw->address();
+  std::unique_ptr<Switch> second;
+  harness::run_ranks(3, [&](Communicator& comm) {
+    auto call = [&](int i) { e2e::compare_with_ring<int32_t>(comm, DataType::i32, ReduceOp::sum, 20000 + i); };
+    call(1);  // through the switch
+    comm.barrier()->wait();
+    if (comm.rank() == 0) sw.reset();  // its sockets closed: the port is free again
+    comm.barrier()->wait();
+    call(2);  // falls back; the next probe is at call 2 + 2
+    call(3);
+    call(4);  // probes: the switch is still down (a join times out), so the next probe is at call 4 + 4
+    comm.barrier()->wait();
+    if (comm.rank() == 0) second = e2e::started_on(port);
+    comm.barrier()->wait();
+    for (int i = 5; i < 8; ++i) call(i);  // on the ring: nobody asks the new switch
+    comm.barrier()->wait();
+    if (comm.rank() == 0) {
+      EXPECT_EQ(second->stats().jobs_joined, 0u);
+    }
+    comm.barrier()->wait();
+    call(8);  // probes: every rank joins a fresh job, and this call goes through the switch again
+    comm.barrier()->wait();
+    if (comm.rank() == 0) {
+      const SwitchStats s = second->stats();
+      EXPECT_EQ(s.jobs_joined, 1u);
+      ASSERT_EQ(s.jobs.size(), 1u);
+      EXPECT_EQ(s.jobs[0].results, (20008u * 4 + 1407) / 1408);  // this call's chunks, once each
+    }
+    comm.barrier()->wait();
+  }, e2e::switch_options(address, {{"switch_retry", "2"}}));
+  second->stop();
+}
+
+TEST(SwitchRetry, NeverProbesWithRetryZero) {
+  auto sw = std::make_unique<e2e::Running>();
+  const uint16_t port = sw->sw->port();
+  std::unique_ptr<Switch> second;
+  harness::run_ranks(2, [&](Communicator& comm) {
+    comm.barrier()->wait();
+    if (comm.rank() == 0) sw.reset();  // its sockets closed: the port is free again
+    comm.barrier()->wait();
+    e2e::compare_with_ring<int32_t>(comm, DataType::i32, ReduceOp::sum, 5000);  // falls back
+    comm.barrier()->wait();
+    if (comm.rank() == 0) second = e2e::started_on(port);  // back on the same port: only a probe finds it
+    comm.barrier()->wait();
+    for (int i = 0; i < 8; ++i) e2e::compare_with_ring<int32_t>(comm, DataType::i32, ReduceOp::sum, 5000);
+    comm.barrier()->wait();
+    if (comm.rank() == 0) {
+      EXPECT_EQ(second->stats().datagrams_in, 0u);
+    }
+    comm.barrier()->wait();  // nobody closes (and sends its leave) before rank 0 has looked
+  }, e2e::switch_options(sw->address(), {{"switch_retry", "0"}}));
+  second->stop();
 }
 
 }  // namespace

@@ -134,18 +134,21 @@ def run_ranks(c, code: str, n: Optional[int] = None, env: Optional[dict] = None,
 
 
 def start_ranks(c, code: str, n: Optional[int] = None, env: Optional[dict] = None, port: int = 29500,
-                args: Sequence[str] = ()) -> list[subprocess.Popen]:
-    n = c.size if n is None else n
+                args: Sequence[str] = (), hosts: Optional[Sequence[int]] = None) -> list[subprocess.Popen]:
+    """Starts the ranks without waiting; rank i runs on host hosts[i] (default: host i), and the first of them
+    is the rendezvous host, so that several jobs can share one cluster."""
+    hosts = list(range(c.size if n is None else n)) if hosts is None else list(hosts)
+    n = len(hosts)
     # This process's environment without SMARTCOLL_* settings or rank variables: the ranks get their own.
     drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
     base = {k: v for k, v in os.environ.items() if not k.startswith("SMARTCOLL_") and k not in drop}
     procs = []
     try:
         for rank in range(n):
-            rank_env = {**base, **c.env(rank), "RANK": str(rank), "WORLD_SIZE": str(n),
-                        "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                        **(env or {})}
-            cmd = c.exec_prefix(rank) + [sys.executable, "-c", code, *args]
+            rank_env = {**base, **c.env(hosts[rank]), "RANK": str(rank), "WORLD_SIZE": str(n),
+                        "MASTER_ADDR": c.host(hosts[0]).addr, "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1",
+                        "OMP_NUM_THREADS": "1", **(env or {})}
+            cmd = c.exec_prefix(hosts[rank]) + [sys.executable, "-c", code, *args]
             procs.append(subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
     except BaseException:

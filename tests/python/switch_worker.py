@@ -58,6 +58,30 @@ def scenario_matrix(comm, outdir: Path) -> dict:
     return {"checked": checked}
 
 
+def scenario_scatter_gather(comm, outdir: Path) -> dict:
+    """reduce_scatter and allgather with algo="switch" against the ring, every dtype (and op) the switch's
+    allreduce takes; allgather bit for bit even for -0.0 and NaN."""
+    checked = 0
+    for dtype in DTYPES + ["float16", "int8", "uint8"]:
+        for op in OPS:
+            if op == "avg" and dtype.startswith(("int", "uint")):
+                continue
+            for count in (1, 5003):
+                x = values(comm.rank + 1, count * comm.size, dtype)
+                via_switch = comm.reduce_scatter(x, np.empty(count, dtype), op=op, algo="switch")
+                via_ring = comm.reduce_scatter(x, np.empty(count, dtype), op=op, algo="ring")
+                assert via_switch.tobytes() == via_ring.tobytes(), f"reduce_scatter {dtype} {op} {count}"
+                checked += 1
+        x = values(comm.rank, 7001, dtype)
+        if dtype.startswith("float"):
+            x[:2] = [-0.0, np.nan]
+        via_switch = comm.allgather(x, np.empty(7001 * comm.size, dtype), algo="switch")
+        via_ring = comm.allgather(x, np.empty(7001 * comm.size, dtype), algo="ring")
+        assert via_switch.tobytes() == via_ring.tobytes(), f"allgather {dtype}"
+        checked += 1
+    return {"checked": checked}
+
+
 def scenario_repeat(comm, outdir: Path) -> dict:
     for _ in range(3):
         against_ring(comm, 300001, "float32", "sum")

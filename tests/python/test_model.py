@@ -193,3 +193,22 @@ def test_builtin_profile_mostly_agrees_with_the_size_rules():
                     total += 1
                     agree += rules == _core.model_choose(coll, n, size, builtin, **layout)
     assert total == 420 and agree >= 0.85 * total, f"{agree} of {total}"
+
+
+def test_auto_picks_a_set_switch_where_the_builtin_model_says_it_beats_the_ring():
+    # Without a profile: the switch from 3 ranks on above the small sizes, never for 2 ranks (the ring moves as
+    # much and pays fewer round trips), never without a switch, never compressed or with a faster local path.
+    from smartcoll import _core
+
+    def pick(n: int, size: int, **kw) -> str:
+        return _core.model_choose("allreduce", n, size, "", hosts=n, per_host=1, **kw)
+
+    for n in (3, 4, 8, 16):
+        assert pick(n, 64 * MiB, switch=True) == "switch", n
+        assert pick(n, 1 * MiB, switch=True) == "switch", n
+        assert pick(n, 64 * MiB) == "ring", n
+        assert pick(n, 64 * MiB, switch=True, codec="bfp16") == "ring", n
+        assert pick(n, 4096, switch=True) != "switch", n  # latency: rd/rhd
+        assert _core.model_choose("allreduce", n, 64 * MiB, "", hosts=1, per_host=n, cma=True,
+                                  switch=True) == "cma", n
+    assert pick(2, 64 * MiB, switch=True) == "ring"

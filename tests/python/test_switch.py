@@ -129,6 +129,15 @@ def test_every_dtype_and_op_matches_the_ring(tmp_path, cli_switch):
     assert "jobs joined 1, left 1" in final, final
 
 
+def test_reduce_scatter_and_allgather_through_the_switch_match_the_ring(tmp_path, cli_switch):
+    sw = cli_switch("--threads", "2", "--drop", "0.01", "--dup", "0.01")
+    outdir, results = run_scenario(tmp_path, 3, "scatter_gather", switch_env(sw.address))
+    got = assert_ok(outdir, 3, results)
+    assert got[0]["checked"] == 2 * (3 * 4 + 4 * 3) + 7, got[0]  # 3 float, 4 integer dtypes
+    final = sw.stop()
+    assert "jobs joined 1, left 1" in final, final
+
+
 def test_loss_duplication_and_reordering_change_nothing(tmp_path, cli_switch):
     stats = tmp_path / "stats.json"
     sw = cli_switch("--drop", "0.01", "--dup", "0.01", "--reorder", "0.05", "--stats-json", str(stats),
@@ -351,3 +360,170 @@ def test_cluster_starts_and_stops_its_aggregation_switch(tmp_path):
         cl.down(c.name)
     with pytest.raises(ProcessLookupError):
         os.kill(server, 0)
+
+
+# One job of two ranks for the shared-switch test: integer and float vectors through the switch against the
+# ring (argv[2] rounds of them), then the totals it sent (chunks and payload bytes of 1408-byte raw chunks),
+# then a wait at a gate so that the test reads the switch's counters while the job is still joined.
+_SHARED_JOB = r"""
+import json, math, os, sys, time, numpy as np, smartcoll
+gate, rounds = sys.argv[1], int(sys.argv[2])
+chunks = payload = 0
+with smartcoll.init(timeout=30) as comm:
+    calls = (("int32", "sum", 150001), ("int64", "sum", 70001), ("int32", "max", 9001),
+             ("float32", "sum", 200003), ("float64", "min", 5001))
+    for dtype, op, count in rounds * calls:
+        i = np.arange(count, dtype=np.int64)
+        x = (((comm.rank * 31 + i * 17) % 41) - 20).astype(dtype)
+        ring = comm.allreduce(x, out=np.empty_like(x), op=op, algo="ring")
+        via_switch = comm.allreduce(x, out=np.empty_like(x), op=op, algo="switch")
+        assert via_switch.tobytes() == ring.tobytes(), f"{dtype} {op}: {np.count_nonzero(via_switch != ring)}"
+        chunks += math.ceil(count * x.itemsize / 1408)
+        payload += count * x.itemsize
+    print(json.dumps({"chunks": chunks, "payload": payload}), flush=True)
+    comm.barrier()
+    open(f"{gate}.rank{comm.rank}", "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+
+def test_two_jobs_share_a_cluster_switch_exactly_and_apart(tmp_path):
+    """Two jobs of two ranks on separate hosts of a switch-topology cluster, at once, through the aggregation
+    switch in the switch namespace: each gets the ring's bits, each job's counters hold exactly its own
+    traffic, and neither ever holds more slots than the window it asked for."""
+    from cluster_fixture import cl, kill_all, new_cluster, start_ranks, wait_ranks
+
+    c = new_cluster(4, "1gbit", "switch", aggregator="switch", aggregator_threads=2)
+    # window (switch_slots) -> hosts: the window tells the jobs apart; the second job sends twice as much.
+    jobs = {8: [0, 1], 16: [2, 3]}
+    procs = {}
+    try:
+        for window, hosts in jobs.items():
+            env = {"SMARTCOLL_SWITCH_SLOTS": str(window), "SMARTCOLL_CMA": "off"}
+            procs[window] = start_ranks(c, _SHARED_JOB, env=env, port=29600 + window, hosts=hosts,
+                                        args=[str(tmp_path / f"gate{window}"), str(window // 8)])
+
+        def query() -> dict:
+            cli = [sys.executable, "-m", "smartcoll.tools.cli", "switch", "--query", c.aggregator,
+                   "--query-interval", "0", "--json"]
+            q = subprocess.run(c.exec_prefix(0) + cli, env=clean_env(), capture_output=True, text=True,
+                               timeout=30)
+            assert q.returncode == 0, q.stderr
+            return json.loads(q.stdout)
+
+        def at_gate(window: int) -> bool:
+            return all((tmp_path / f"gate{window}.rank{r}").exists() for r in range(2))
+
+        deadline = time.monotonic() + 120
+        samples = 0
+        while not all(at_gate(w) for w in jobs):  # both jobs running: each within its window
+            assert time.monotonic() < deadline, "the jobs did not finish their calls"
+            assert all(p.poll() is None for ps in procs.values() for p in ps), "a rank exited early"
+            for j in query()["jobs"]:
+                assert j["busy_slots"] <= j["window"], j
+            samples += 1
+        answer = query()
+        for window in jobs:
+            (tmp_path / f"gate{window}").touch()
+        outputs = {w: wait_ranks(ps, 60) for w, ps in procs.items()}
+    finally:
+        for ps in procs.values():
+            kill_all(ps)
+        cl.down(c.name)
+    assert samples > 0
+    assert answer["unknown_job"] == 0 and answer["malformed"] == 0 and answer["jobs_joined"] == 2, answer
+    assert answer["slots_total"] - answer["slots_free"] == sum(jobs), answer  # each holds its window alone
+    seen = {j["window"]: j for j in answer["jobs"]}
+    assert sorted(seen) == sorted(jobs), answer
+    for window, out in outputs.items():
+        assert all(rc == 0 for rc, _ in out), out
+        sent = [json.loads(line) for _, text in out for line in text.splitlines() if line.startswith("{")]
+        assert len(sent) == 2 and sent[0] == sent[1], out
+        j, chunks, payload = seen[window], sent[0]["chunks"], sent[0]["payload"]
+        # Every rank's first copy of every chunk counted once, in its own job; retransmitted copies elsewhere.
+        assert j["world"] == 2 and j["contributions"] == 2 * chunks and j["results"] == chunks, (j, sent[0])
+        assert j["bytes_in"] == 2 * payload and j["bytes_out"] >= 2 * (payload + 48 * chunks), (j, sent[0])
+        # No datagram of the other job reached this one (stale or early copies are the protocol's own).
+        assert j["busy_slots"] == 0, j
+        assert j["drops"]["bad_mac"] + j["drops"]["bad_field"] + j["drops"]["mismatch"] == 0, j
+
+
+# A rank of the lost-path test: a call through the switch, a wait at a gate (the test cuts one host's path to
+# the switch meanwhile), then a call through the switch that must end like the ring's on every rank, timed.
+_LOST_PATH = r"""
+import json, os, sys, time, numpy as np, smartcoll
+gate = sys.argv[1]
+with smartcoll.init(timeout=60) as comm:
+    x = ((np.arange(400000) * 7 + 3 * comm.rank) % 23 - 11).astype(np.int32)
+    ring = comm.allreduce(x, out=np.empty_like(x), algo="ring")
+    assert np.array_equal(comm.allreduce(x, out=np.empty_like(x), algo="switch"), ring)
+    comm.barrier()
+    open(f"{gate}.rank{comm.rank}", "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    start = time.monotonic()
+    try:
+        via_switch = comm.allreduce(x, out=np.empty_like(x), algo="switch")
+        error = None
+    except smartcoll.CommError as e:
+        error = str(e)
+    seconds = time.monotonic() - start
+    if error is None:
+        assert np.array_equal(via_switch, ring), int(np.count_nonzero(via_switch != ring))
+    print(json.dumps({"seconds": seconds, "error": error}), flush=True)
+    if error is not None:  # the communicator failed: nothing more to close, once the others have read the
+        time.sleep(2)      # store rank 0 serves
+        os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("fallback", ["ring", "fail"])
+def test_a_rank_that_loses_its_own_path_to_the_switch_takes_every_rank_along(tmp_path, fallback):
+    """Host 2's path to a live switch is cut (cluster fault cut-aggregator): the switch keeps answering ranks 0
+    and 1 while it waits for rank 2, yet every rank falls back to the ring together (or, with
+    switch_fallback=fail, fails naming rank 2) within about switch_timeout, not after the 60 s timeout."""
+    from cluster_fixture import cl, kill_all, new_cluster, start_ranks, wait_ranks
+
+    c = new_cluster(3, "1gbit", "switch", aggregator="switch", aggregator_threads=1)
+    gate = tmp_path / "gate"
+    procs = []
+    try:
+        env = {"SMARTCOLL_SWITCH_TIMEOUT": "1", "SMARTCOLL_CMA": "off", "SMARTCOLL_SWITCH_FALLBACK": fallback}
+        procs = start_ranks(c, _LOST_PATH, env=env, port=29650, args=[str(gate)])
+        deadline = time.monotonic() + 60
+        while not all(Path(f"{gate}.rank{r}").exists() for r in range(3)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "ranks did not start"
+            time.sleep(0.05)
+        c.cut_aggregator(2)
+        gate.touch()
+        out = wait_ranks(procs, 60)
+        assert cl.get(c.name).faults["2"]["cut"] == c.aggregator.split(":")[0]
+
+        def query_from(host: int) -> subprocess.CompletedProcess:
+            cli = [sys.executable, "-m", "smartcoll.tools.cli", "switch", "--query", c.aggregator,
+                   "--query-interval", "0", "--json"]
+            return subprocess.run(c.exec_prefix(host) + cli, env=clean_env(), capture_output=True, text=True,
+                                  timeout=30)
+
+        # Only host 2's path is cut, and `clear` restores it.
+        assert query_from(1).returncode == 0 and query_from(2).returncode == 1
+        c.clear_faults(2)
+        assert query_from(2).returncode == 0 and "2" not in cl.get(c.name).faults
+    finally:
+        kill_all(procs)
+        cl.down(c.name)
+    for rank, (rc, text) in enumerate(out):
+        assert rc == 0, f"rank {rank}:\n{text}"
+        (timed,) = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        assert timed["seconds"] < 15, (rank, timed, text)  # switch_timeout 1 s, timeout 60 s
+        if fallback == "ring":
+            assert timed["error"] is None and "switch_fallback=ring" in text, text
+        else:
+            assert "switch_fallback=fail" in timed["error"], timed
+            if rank < 2:  # told by rank 2, through the store
+                assert "rank 2 lost the switch" in timed["error"], timed
+    if fallback == "ring":
+        assert "lost the switch" in out[0][1] + out[1][1], out

@@ -129,8 +129,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--algo",
         default="auto",
-        help="allreduce algorithm, passed to each call (the algo knob's choices; smartcoll info describes them) "
-        "(default: %(default)s)",
+        help="algorithm, passed to each allreduce, reduce_scatter and allgather call (the algo knob's choices; "
+        "smartcoll info describes them) (default: %(default)s)",
         **(_knob_option(algo_knob) if algo_knob else {}),
     )
     parser.add_argument(
@@ -312,8 +312,8 @@ def _validate(args: argparse.Namespace) -> Optional[str]:
         return f"--root {args.root} is not a rank of {args.nprocs}"
     if getattr(args, "nicd", False) and not getattr(args, "overlap", False):
         return "--nicd applies to the overlap mode (smartcoll bench overlap COLLECTIVE --nicd)"
-    if args.algo != "auto" and args.collective != "allreduce":
-        return f"--algo applies to allreduce only, not {args.collective}"
+    if args.algo != "auto" and args.collective not in ("allreduce", "reduce_scatter", "allgather"):
+        return f"--algo applies to allreduce, reduce_scatter and allgather only, not {args.collective}"
     return None
 
 

@@ -165,8 +165,8 @@ class SmartcollRunner:
         # Out of place wherever the API allows, so the input stays the same from one timed call to the next.
         calls = {
             "allreduce": lambda: comm.allreduce(x, op=op, out=y, algo=self.algo),
-            "reduce_scatter": lambda: comm.reduce_scatter(x, y, op=op),
-            "allgather": lambda: comm.allgather(x, y),
+            "reduce_scatter": lambda: comm.reduce_scatter(x, y, op=op, algo=self.algo),
+            "allgather": lambda: comm.allgather(x, y, algo=self.algo),
             "broadcast": lambda: comm.broadcast(x, root=root),
             "reduce": lambda: comm.reduce(x, root=root, op=op, out=y),
             "alltoall": lambda: comm.alltoall(x, y),
@@ -179,8 +179,8 @@ class SmartcollRunner:
         comm, x, y, op, root = self.comm, case.send, case.recv, self.op, self.root
         posts = {
             "allreduce": lambda: comm.iallreduce(x, op=op, out=y, algo=self.algo),
-            "reduce_scatter": lambda: comm.ireduce_scatter(x, y, op=op),
-            "allgather": lambda: comm.iallgather(x, y),
+            "reduce_scatter": lambda: comm.ireduce_scatter(x, y, op=op, algo=self.algo),
+            "allgather": lambda: comm.iallgather(x, y, algo=self.algo),
             "broadcast": lambda: comm.ibroadcast(x, root=root),
             "reduce": lambda: comm.ireduce(x, root=root, op=op, out=y),
             "alltoall": lambda: comm.ialltoall(x, y),

@@ -33,7 +33,7 @@ also ``python -m smartcoll.tools.netemu``). This package re-exports their public
 
 from .cli import add_arguments, main, run_cli
 from .cluster import Cluster, Host, _resolve, down, exists, get, list_clusters, up
-from .faults import clear_faults, kill_host, link_down, link_up, set_loss
+from .faults import clear_faults, cut_aggregator, kill_host, link_down, link_up, set_loss
 from .iperf import measure_iperf
 from .namespaces import (
     MAX_HOSTS, PREFIX, SUBNET, TOPOLOGIES, ClusterError, Ref, _netns_list, _netns_pids, state_dir, unique_name,
@@ -48,6 +48,7 @@ __all__ = [
     "add_arguments",
     "clear_faults",
     "counters",
+    "cut_aggregator",
     "down",
     "exists",
     "format_rate",

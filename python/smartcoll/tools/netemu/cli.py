@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from .cluster import down, get, list_clusters, up
-from .faults import clear_faults, kill_host, link_down, link_up, set_loss
+from .faults import clear_faults, cut_aggregator, kill_host, link_down, link_up, set_loss
 from .iperf import measure_iperf
 from .namespaces import TOPOLOGIES, ClusterError
 from .status import status
@@ -49,9 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = named(actions.add_parser("fault", help="inject or clear a fault on one host's link"))
     p.add_argument("host", help="host index (or namespace name or address)")
-    p.add_argument("fault", choices=["link-down", "link-up", "loss", "clear", "kill"],
-                   help="link-down/link-up: pull/plug the cable; loss PCT: random loss each way; clear: link "
-                        "up, no loss; kill [SIGNAL]: signal every process on the host (default KILL)")
+    p.add_argument("fault", choices=["link-down", "link-up", "loss", "cut-aggregator", "clear", "kill"],
+                   help="link-down/link-up: pull/plug the cable; loss PCT: random loss each way; cut-aggregator: "
+                        "drop every packet between the host and the aggregation switch alone; clear: link up, no "
+                        "loss, no cut; kill [SIGNAL]: signal every process on the host (default KILL)")
     p.add_argument("value", nargs="?", help="loss: percent; kill: signal name or number")
 
     p = named(actions.add_parser("iperf", help="measure TCP goodput per link with iperf3"))
@@ -135,6 +136,8 @@ def run_cli(args: argparse.Namespace) -> int:
                           file=sys.stderr)
                     return 2
                 set_loss(c, args.host, float(args.value))
+            elif f == "cut-aggregator":
+                cut_aggregator(c, args.host)
             elif f == "clear":
                 clear_faults(c, args.host)
             elif f == "kill":

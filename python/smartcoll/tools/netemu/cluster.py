@@ -159,6 +159,11 @@ class Cluster:
 
         set_loss(self, host, percent)
 
+    def cut_aggregator(self, host: Union[int, str]) -> None:
+        from .faults import cut_aggregator
+
+        cut_aggregator(self, host)
+
     def clear_faults(self, host: Union[int, str, None] = None) -> None:
         from .faults import clear_faults
 

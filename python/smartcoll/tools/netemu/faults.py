@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import signal
-from typing import Any, Union
+from typing import Any, Optional, Union
 import contextlib
 
 from .cluster import Cluster, Host, _resolve, get
@@ -51,6 +51,19 @@ def link_up(ref: Ref, host: Union[int, str]) -> None:
     _set_fault(c, h, link=None)
 
 
+def _reshape(c: Cluster, h: Host, loss_percent: float, cut: Optional[str]) -> None:
+    """Both ends of host's link: `loss_percent` % random loss, and every packet to and from `cut` (an address)
+    dropped."""
+    _shape(h.ns, h.ifname, c, loss_percent, ("dst", f"{cut}/32") if cut else ())
+    _shape(c.switch_ns, h.port, c, loss_percent, ("src", f"{cut}/32") if cut else ())
+
+
+def _faults_of(c: Cluster, h: Host) -> dict[str, Any]:
+    with contextlib.suppress(ClusterError):
+        c.faults = get(c.name).faults
+    return c.faults.get(str(h.index), {})
+
+
 def set_loss(ref: Ref, host: Union[int, str], percent: float) -> None:
     """Drops `percent` % of the packets in each direction of host's link, at random (qdisc packets: a GSO
     batch of up to 64 KiB counts as one); 0 restores a clean link. Works without netem (classic BPF + htb)."""
@@ -59,19 +72,32 @@ def set_loss(ref: Ref, host: Union[int, str], percent: float) -> None:
     percent = float(percent)
     if not 0 <= percent <= 100:
         raise ValueError(f"loss must be 0..100 percent, not {percent}")
-    _shape(h.ns, h.ifname, c, percent)
-    _shape(c.switch_ns, h.port, c, percent)
+    _reshape(c, h, percent, _faults_of(c, h).get("cut"))
     _set_fault(c, h, loss_percent=percent or None)
 
 
+def cut_aggregator(ref: Ref, host: Union[int, str]) -> None:
+    """Cuts host's path to the cluster's aggregation switch alone: every packet between them is dropped on the
+    link (both ways), while the host's traffic with the other hosts flows on. The switch must run in the switch
+    namespace (`--aggregator`), not on a host."""
+    c = _resolve(ref)
+    h = c.host(host)
+    if not c.aggregator:
+        raise ClusterError(f"cluster {c.name!r} runs no aggregation switch (cluster up --aggregator)")
+    addr = c.aggregator.rsplit(":", 1)[0]
+    if any(x.addr == addr for x in c.hosts):
+        raise ClusterError(f"the aggregation switch runs on a host ({addr}): cutting it would cut that host")
+    _reshape(c, h, _faults_of(c, h).get("loss_percent") or 0.0, addr)
+    _set_fault(c, h, cut=addr)
+
+
 def clear_faults(ref: Ref, host: Union[int, str, None] = None) -> None:
-    """Link up and no loss on `host` (every host if None)."""
+    """Link up, no loss and no cut path on `host` (every host if None)."""
     c = _resolve(ref)
     for h in c.hosts if host is None else [c.host(host)]:
         link_up(c, h.index)
-        _shape(h.ns, h.ifname, c)
-        _shape(c.switch_ns, h.port, c)
-        _set_fault(c, h, link=None, loss_percent=None)
+        _reshape(c, h, 0.0, None)
+        _set_fault(c, h, link=None, loss_percent=None, cut=None)
 
 
 def kill_host(ref: Ref, host: Union[int, str], sig: int = signal.SIGKILL) -> list[int]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from .namespaces import _tc
 
@@ -97,10 +97,11 @@ def _shape_cmds(dev: str, parent: str, rate_bps: int, latency_us: Optional[int],
     return [["qdisc", "replace", "dev", dev] + where + ["handle", "20:"] + tbf]
 
 
-def _shape(ns: str, dev: str, c: Cluster, loss_percent: float = 0.0) -> None:
-    """Puts `dev`'s qdiscs in the state of a healthy link, or one dropping `loss_percent` % of its packets."""
+def _shape(ns: str, dev: str, c: Cluster, loss_percent: float = 0.0, drop: Sequence[str] = ()) -> None:
+    """Puts `dev`'s qdiscs in the state of a healthy link, or one dropping `loss_percent` % of its packets, and
+    with `drop` (a u32 match, e.g. ("dst", "10.77.1.254/32")) every IPv4 packet that matches."""
     _tc(ns, "qdisc", "del", "dev", dev, "root", check=False)
-    if not loss_percent:
+    if not loss_percent and not drop:
         for cmd in _shape_cmds(dev, "root", c.rate_bps, c.latency_us, c.burst, c.limit):
             _tc(ns, *cmd)
         return
@@ -117,8 +118,12 @@ def _shape(ns: str, dev: str, c: Cluster, loss_percent: float = 0.0) -> None:
     _tc(ns, "qdisc", "add", "dev", dev, "parent", "1:2", "handle", "2:", "pfifo", "limit", "0")
     for cmd in _shape_cmds(dev, "1:1", c.rate_bps, c.latency_us, c.burst, c.limit):
         _tc(ns, *cmd)
-    _tc(ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "all", "prio", "1",
-        "bpf", "bytecode", bytecode)
+    if drop:
+        _tc(ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
+            *drop, "flowid", "1:2")
+    if loss_percent:
+        _tc(ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "all", "prio", "2",
+            "bpf", "bytecode", bytecode)
 
 
 _NETEM_OK: Optional[bool] = None
