@@ -87,6 +87,14 @@ size_t segment_bytes(int n) {
   return (bytes + page - 1) / page * page;
 }
 
+// Spinning only pays when every rank can have a core: where ranks share cores, a spinning rank takes the core from
+// the peer it waits for (sched_yield does not hand it over under CFS), and a futex wait is much faster.
+double spin_for(int n, double spin_us) {
+  cpu_set_t set;
+  const int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+  return cpus >= n ? spin_us : 0;
+}
+
 long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
   // Not FUTEX_PRIVATE_FLAG: the waiters are other processes (or other mappings of the same memfd).
   return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
@@ -101,7 +109,7 @@ class ShmControl final : public Control {
         rank_(t.rank()),
         n_(t.size()),
         timeout_(t.timeout),
-        spin_(std::chrono::duration<double, std::micro>(spin_us)),
+        spin_(std::chrono::duration<double, std::micro>(spin_for(t.size(), spin_us))),
         check_alive_(std::move(check_alive)) {}
 
   ~ShmControl() override { leave(); }

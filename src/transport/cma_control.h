@@ -76,8 +76,9 @@ class Segment {
 };
 
 // The control channel over a mapped segment, for the ranks of `t` (its rank, size and timeout). `check_alive`
-// throws naming a peer whose process has exited; it runs between waits. A wait spins (yielding the core, so that
-// ranks sharing cores run) for `spin_us`, then sleeps on a futex in short slices.
+// throws naming a peer whose process has exited; it runs between waits. A wait spins for `spin_us` where this
+// process may use at least as many CPUs as there are ranks (none otherwise), then sleeps on a futex in short
+// slices.
 std::unique_ptr<Control> shm_control(Segment segment, const Transport& t, double spin_us,
                                      std::function<void()> check_alive);
 
