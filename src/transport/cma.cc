@@ -407,9 +407,9 @@ void Local::run_call(Transport& t, const Call& c) {
       break;
   }
   check_alive(t);
-  // No rank returns (and lets its caller touch its buffers) while a peer may still be reading them, nor
-  // publishes its next call before every peer has read this one.
-  control_->barrier(2);
+  // No rank returns (and lets its caller touch its buffers) while a peer may still be reading them. In a
+  // broadcast only the root's buffer is read: the others go on to their next call at once.
+  control_->barrier(2, c.coll != Collective::broadcast || r == c.root);
 }
 
 }  // namespace smartcoll::cma

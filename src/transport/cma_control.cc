@@ -43,7 +43,7 @@ class TcpControl final : public Control {
   void exchange(const Addresses& mine, Addresses* all) override {
     smartcoll::exchange(t_, &mine, all, sizeof(Addresses));
   }
-  void barrier(uint8_t phase) override {
+  void barrier(uint8_t phase, bool /*wait: every rank exchanges its phase*/) override {
     const int n = t_.size(), r = t_.rank();
     std::vector<uint8_t> got(static_cast<size_t>(n), 0);
     smartcoll::exchange(t_, &phase, got.data(), 1);
@@ -70,13 +70,15 @@ struct alignas(64) Header {
   std::atomic<uint32_t> waiters;  // ranks asleep (or about to sleep) on the bell
 };
 
-// Written by its rank only. A rank overwrites `call` only after every peer has passed the closing barrier of
-// the call before, that is after they have read it.
+// Written by its rank only. Call k goes to call[k % 2]: a rank reaches call k + 2 only after every peer has
+// published call k + 1, which each does after reading call k, so a slot is never overwritten while a peer may
+// read it (a rank that does not wait at the end of a call may publish the next one before its peers have read
+// this one).
 struct alignas(64) Slot {
   std::atomic<uint64_t> published;  // number of this rank's latest call whose `call` is final (from 1)
   std::atomic<uint64_t> arrived;    // number of barriers this rank has reached (from 1)
   std::atomic<uint32_t> gone;       // 1: this rank failed or closed its communicator
-  Addresses call;
+  Addresses call[2];
 };
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free);
@@ -116,19 +118,21 @@ class ShmControl final : public Control {
 
   void exchange(const Addresses& mine, Addresses* all) override {
     const uint64_t k = ++calls_;
-    slots_[rank_].call = mine;
+    slots_[rank_].call[k % 2] = mine;
     slots_[rank_].published.store(k, std::memory_order_release);
     ring();
     wait([&](const Slot& s) { return s.published.load(std::memory_order_acquire) >= k; },
          "its call #" + std::to_string(k) + " on this path");
-    for (int p = 0; p < n_; ++p) all[p] = slots_[p].call;
+    for (int p = 0; p < n_; ++p) all[p] = slots_[p].call[k % 2];
   }
 
-  void barrier(uint8_t /*phase: the calls were compared, so every rank passes the same barriers*/) override {
+  void barrier(uint8_t /*phase: the calls were compared, so every rank passes the same barriers*/,
+               bool wait_for_all) override {
     const uint64_t k = ++barriers_;
     slots_[rank_].arrived.store(k, std::memory_order_release);
     ring();
-    wait([&](const Slot& s) { return s.arrived.load(std::memory_order_acquire) >= k; },
+    if (wait_for_all)
+      wait([&](const Slot& s) { return s.arrived.load(std::memory_order_acquire) >= k; },
          "barrier #" + std::to_string(k));
   }
 

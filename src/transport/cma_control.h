@@ -42,8 +42,10 @@ class Control {
   // published; throws CommError naming a rank that died, failed or did not publish within the timeout.
   virtual void exchange(const Addresses& mine, Addresses* all) = 0;
   // Returns once every rank has reached this barrier (every rank passes the same barriers in the same order;
-  // `phase` tells them apart where the channel can check it). Throws as exchange() does.
-  virtual void barrier(uint8_t phase) = 0;
+  // `phase` tells them apart where the channel can check it). Throws as exchange() does. Without `wait` the
+  // channel may return as soon as this rank is counted in (the shared segment does; TCP waits anyway): for a
+  // rank whose buffers nobody reads any more, while the ranks that wait on it still know when it is done.
+  virtual void barrier(uint8_t phase, bool wait = true) = 0;
   // This rank fails or closes: peers that wait on it fail at once, naming it, instead of timing out.
   virtual void leave() {}
   virtual const char* kind() const = 0;  // "shm" or "tcp"

@@ -213,6 +213,32 @@ TEST(CmaThreads, TcpControlGivesTheSameBits) {
   for (int r = 0; r < n; ++r) EXPECT_EQ(first_difference(n, count, results[r], want), "") << "rank " << r;
 }
 
+// Broadcasts whose non-roots do not wait for each other at the end, back to back with rotating roots and other
+// collectives in between: every rank gets every root's values of that very call.
+TEST(CmaThreads, BackToBackBroadcastsGetEachCallsValues) {
+  const int n = 4, calls = 200;
+  const size_t count = 4099;
+  std::vector<std::string> problems(n);
+  run_threads(n, [&](Transport& t, cma::Local& local) {
+    std::vector<uint32_t> buf(count), gathered(count * n);
+    for (int i = 0; i < calls && problems[t.rank()].empty(); ++i) {
+      const int root = i % n;
+      for (size_t j = 0; j < count; ++j) buf[j] = t.rank() == root ? static_cast<uint32_t>(i * 1000003 + j) : 0;
+      char* p = reinterpret_cast<char*>(buf.data());
+      local.run(t, {Collective::broadcast, DataType::i32, ReduceOp::sum, root, count, p, p});
+      for (size_t j = 0; j < count; ++j)
+        if (buf[j] != static_cast<uint32_t>(i * 1000003 + j)) {
+          problems[t.rank()] = "call " + std::to_string(i) + " element " + std::to_string(j);
+          break;
+        }
+      if (i % 7 == 0)
+        local.run(t, {Collective::allgather, DataType::i32, ReduceOp::sum, -1, count, p,
+                      reinterpret_cast<char*>(gathered.data())});
+    }
+  });
+  for (int r = 0; r < n; ++r) EXPECT_EQ(problems[r], "") << "rank " << r;
+}
+
 TEST(CmaThreadsSingle, WorldOfOneIsUsableAndCopies) {
   run_threads(1, [](Transport& t, cma::Local& local) {
     EXPECT_EQ(local.why_not(), "");
