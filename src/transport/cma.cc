@@ -21,8 +21,8 @@ namespace smartcoll::cma {
 
 namespace {
 
-constexpr uint32_t kHelloMagic = 0x434d4131;    // "CMA1"
-constexpr uint32_t kVerdictMagic = 0x434d4156;  // "CMAV"
+constexpr uint32_t kHelloMagic = 0x434d4132;    // "CMA2": with the control segment
+constexpr uint32_t kVerdictMagic = 0x434d4157;  // "CMAW": with the segment flag
 
 struct Hello {
   uint32_t magic;

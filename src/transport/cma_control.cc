@@ -119,21 +119,16 @@ class ShmControl final : public Control {
   void exchange(const Addresses& mine, Addresses* all) override {
     const uint64_t k = ++calls_;
     slots_[rank_].call[k % 2] = mine;
-    slots_[rank_].published.store(k, std::memory_order_release);
-    ring();
-    wait([&](const Slot& s) { return s.published.load(std::memory_order_acquire) >= k; },
-         "its call #" + std::to_string(k) + " on this path");
+    arrive(&Slot::published, k);
+    wait(&Slot::published, k, "its call #", " on this path");
     for (int p = 0; p < n_; ++p) all[p] = slots_[p].call[k % 2];
   }
 
   void barrier(uint8_t /*phase: the calls were compared, so every rank passes the same barriers*/,
                bool wait_for_all) override {
     const uint64_t k = ++barriers_;
-    slots_[rank_].arrived.store(k, std::memory_order_release);
-    ring();
-    if (wait_for_all)
-      wait([&](const Slot& s) { return s.arrived.load(std::memory_order_acquire) >= k; },
-         "barrier #" + std::to_string(k));
+    arrive(&Slot::arrived, k);
+    if (wait_for_all) wait(&Slot::arrived, k, "barrier #", "");
   }
 
   void leave() override {
@@ -145,24 +140,37 @@ class ShmControl final : public Control {
  private:
   using Clock = std::chrono::steady_clock;
 
+  using Counter = std::atomic<uint64_t> Slot::*;
+
   void ring() {
     header_->bell.fetch_add(1);
     if (header_->waiters.load() > 0) futex(&header_->bell, FUTEX_WAKE, INT_MAX, nullptr);
   }
 
-  template <class Reached>
-  void wait(Reached reached, const std::string& what) {
+  bool all_reached(Counter counter, uint64_t k) const {
+    for (int p = 0; p < n_; ++p)
+      if ((slots_[p].*counter).load() < k) return false;
+    return true;
+  }
+
+  // Counts this rank in; only the store that completes the set rings, so that sleepers wake once per wait
+  // instead of once per arrival. The stores and loads are sequentially consistent: of two ranks arriving last at
+  // once, at least one sees the other's store.
+  void arrive(Counter counter, uint64_t k) {
+    (slots_[rank_].*counter).store(k);
+    if (all_reached(counter, k)) ring();
+  }
+
+  // Returns once every rank's `counter` is at least k (acquire: their stores before it are visible).
+  void wait(Counter counter, uint64_t k, const char* what, const char* suffix) {
     auto missing = [&] {
       std::vector<int> m;
       for (int p = 0; p < n_; ++p)
-        if (p != rank_ && !reached(slots_[p])) m.push_back(p);
+        if ((slots_[p].*counter).load(std::memory_order_acquire) < k) m.push_back(p);
       return m;
     };
-    auto all_there = [&] {
-      for (int p = 0; p < n_; ++p)
-        if (p != rank_ && !reached(slots_[p])) return false;
-      return true;
-    };
+    auto all_there = [&] { return all_reached(counter, k); };
+    auto waited_for = [&] { return what + std::to_string(k) + suffix; };
     if (all_there()) return;
     const auto start = Clock::now();
     while (Clock::now() - start < spin_) {
@@ -175,17 +183,17 @@ class ShmControl final : public Control {
       for (int p : missing())
         if (slots_[p].gone.load())
           throw CommError("cma: rank " + std::to_string(p) + " failed or closed its communicator before getting to " +
-                          what + " (this rank: " + std::to_string(rank_) + ")");
+                          waited_for() + " (this rank: " + std::to_string(rank_) + ")");
       check_alive_();
       if (Clock::now() - start > timeout_) {
         std::string who;
         for (int p : missing()) who += (who.empty() ? "rank " : ", rank ") + std::to_string(p);
         throw CommError("cma: no progress for " + std::to_string(timeout_.count()) + " s: " + who +
-                        " has not got to " + what + "; is that rank alive (not stopped) and calling the same "
+                        " has not got to " + waited_for() + "; is that rank alive (not stopped) and calling the same "
                         "collective? (SMARTCOLL_TIMEOUT raises the limit)");
       }
-      // Publications bump the bell after their store, and ring() wakes sleepers when it sees waiters: a
-      // publication after `bell` was read makes the futex wait return at once.
+      // The last arrival bumps the bell after its store, and ring() wakes sleepers when it sees waiters: an
+      // arrival after `bell` was read makes the futex wait return at once.
       header_->waiters.fetch_add(1);
       if (!all_there()) {
         const timespec slice{0, 10'000'000};  // checks for dead peers and the timeout in between
