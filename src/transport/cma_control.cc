@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <iterator>
 #include <utility>
@@ -188,7 +189,9 @@ class ShmControl final : public Control {
       if (Clock::now() - start > timeout_) {
         std::string who;
         for (int p : missing()) who += (who.empty() ? "rank " : ", rank ") + std::to_string(p);
-        throw CommError("cma: no progress for " + std::to_string(timeout_.count()) + " s: " + who +
+        char seconds[32];
+        std::snprintf(seconds, sizeof seconds, "%g", timeout_.count());
+        throw CommError("cma: no progress for " + std::string(seconds) + " s: " + who +
                         " has not got to " + waited_for() + "; is that rank alive (not stopped) and calling the same "
                         "collective? (SMARTCOLL_TIMEOUT raises the limit)");
       }
