@@ -333,6 +333,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("size", &Communicator::size)
       .def_prop_ro("options", [](const Communicator& c) { return c.options().values(); })
       .def_prop_ro("cma_unusable_reason", &Communicator::cma_unusable_reason)
+      .def_prop_ro("cma_control", &Communicator::cma_control)
       .def_prop_ro("hosts", &Communicator::hosts)
       .def("choose", [](const Communicator& c, const std::string& collective, size_t count, const std::string& dtype,
                         const std::string& algo, const std::string& op, const std::string& codec) {

@@ -158,6 +158,8 @@ class Communicator {
 
   // Empty when the same-host path (cma) is usable; otherwise why not.
   std::string cma_unusable_reason() const;
+  // Where the same-host path's control messages go: "shm" (a shared segment), "tcp", or "" when it is unusable.
+  std::string cma_control() const;
 
   // Finishes queued tasks, stops the engine and closes connections. Idempotent. In a child made by fork() it only
   // lets go of the parent's engine (whose threads do not exist there).

@@ -29,9 +29,10 @@ inline constexpr Knob kKnobs[] = {
      "across hosts, allgather per host), switch (the aggregation switches of the switch option sum the vector) "
      "or auto (chosen per call from the size, world size and host layout; the switch where one is set and the "
      "built-in cost model predicts it beats the ring)"},
-    {"cma", "auto", "choice:auto|off", 0, 0, true,
+    {"cma", "auto", "choice:auto|tcp|off", 0, 0, true,
      "same-host fast path: auto probes at start-up whether every rank shares this host and can read its peers' "
-     "memory (process_vm_readv); off never uses it"},
+     "memory (process_vm_readv), and the ranks then signal each other through a shared-memory segment; tcp "
+     "sends those control messages over TCP instead (as when the segment cannot be made); off never uses it"},
     {"rhd_max_bytes", "262144", "int", 0, kNoLimit, true,
      "auto uses latency-optimized algorithms (recursive doubling/halving, trees, Bruck) up to this many bytes"},
     {"model_profile", "", "str", 0, 0, false,

@@ -158,6 +158,12 @@ class Communicator:
         """'usable' when allreduce can use the same-host path (algo 'cma'), otherwise why it cannot."""
         return self._core.cma_unusable_reason or "usable"
 
+    @property
+    def same_host_control(self) -> str:
+        """Where the same-host path's control messages go: 'shm' (a shared-memory segment), 'tcp' (cma=tcp, or
+        the segment could not be made), or '' when the path is unusable."""
+        return self._core.cma_control
+
     def __enter__(self) -> "Communicator":
         return self
 

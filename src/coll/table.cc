@@ -172,12 +172,10 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
   const bool small = q.bytes <= small_bytes;
   // q.bytes is one rank's block for these; what the call moves is n of them.
   const bool small_total = q.bytes * static_cast<size_t>(q.n) <= small_bytes;
-  // On one host, single-copy reads beat copying every byte through TCP twice once the call is not tiny. Calls
-  // that move n blocks pay two all-to-all control rounds on top, which the TCP ring still beat at 1 MiB in all
-  // (BENCHMARKS.md, "Same-host collectives"); from 16 MiB the reads won by 2-3x. So those go through TCP up to
-  // 16 x small_bytes (4 MiB by default).
+  // On one host, single-copy reads beat copying every byte through TCP twice once the call is not tiny: with
+  // the control messages in shared memory they won from 256 KiB in all for every collective, measured side by
+  // side (BENCHMARKS.md, "Same-host collectives with a shared-memory control channel").
   const bool same_host = q.cma_usable && !q.compressed;
-  const bool gather_below_cma = q.bytes * static_cast<size_t>(q.n) <= 16 * small_bytes;
   switch (c) {
     case Collective::allreduce:
       if (q.compressed) return Algorithm::ring;
@@ -190,10 +188,10 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
       return Algorithm::ring;
     case Collective::allgather:
       if (small_total) return q.compressed ? Algorithm::ring : Algorithm::bruck;
-      return same_host && !gather_below_cma ? Algorithm::cma : Algorithm::ring;
+      return same_host ? Algorithm::cma : Algorithm::ring;
     case Collective::reduce_scatter:
     case Collective::alltoall:
-      return same_host && !small_total && !gather_below_cma ? Algorithm::cma : algorithms(c).front().algo;
+      return same_host && !small_total ? Algorithm::cma : algorithms(c).front().algo;
     case Collective::broadcast:
     case Collective::reduce:
       if (small) return Algorithm::tree;

@@ -161,7 +161,8 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
     nicd_ = std::make_unique<nicd::Client>(config_->nicd_socket, nicd::Hello{rank, size, config_->timeout,
         config_->connect_timeout, config_->job_id, store_locator, route_hint, Config::must_match(options_),
         std::vector<int32_t>(hosts_.begin(), hosts_.end())});
-  if (size > 1 && config_->cma && !spans_hosts && !nicd_) cma_ = std::make_unique<cma::Local>(*transport_);
+  if (size > 1 && config_->cma && !spans_hosts && !nicd_)
+    cma_ = std::make_unique<cma::Local>(*transport_, config_->cma_shm, config_->spin_us);
   cma_usable_ = cma_ && cma_->usable();
   if (size == 1)
     cma_reason_ = "";
@@ -258,6 +259,7 @@ void Communicator::abort(const std::string& reason) {
   std::lock_guard closing(close_mu_);
   const std::string why = "rank " + std::to_string(rank_) + " aborted: " + reason;
   if (nicd_) nicd_->abort(why);
+  if (cma_) cma_->leave();  // peers waiting on this rank in a same-host call fail at once
   if (engine_) engine_->abort(why);
 }
 
@@ -324,6 +326,8 @@ void Communicator::join_switches() {
 }
 
 std::string Communicator::cma_unusable_reason() const { return cma_reason_; }
+
+std::string Communicator::cma_control() const { return cma_usable_ ? cma_->control() : ""; }
 
 void Communicator::close() {
   std::lock_guard closing(close_mu_);  // two threads closing at once must not both stop the engine
@@ -468,7 +472,10 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
                                             call.root, call.displs});
   if (views) coll::resolve(*task, *views);
   req->engine_ = engine_;
-  req->driver_ = !task->exclusive && task->lanes.size() == 1 ? engine_->worker_of(task->lanes[0].stream) : -1;
+  // A call on one worker may run on its waiting caller's thread (Engine::wait); an exclusive one runs on worker 0.
+  req->driver_ = task->exclusive            ? engine_->worker_of(0)
+                 : task->lanes.size() == 1 ? engine_->worker_of(task->lanes[0].stream)
+                                           : -1;
   std::lock_guard lock(submit_mu_);  // numbers and queue order agree
   check_one_poster();
   last_posted_ = req;

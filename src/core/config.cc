@@ -116,7 +116,8 @@ int default_engine_threads() {
 Config Config::from(const Options& o) {
   Config c;
   c.algo = o.str("algo");
-  c.cma = o.str("cma") == "auto";
+  c.cma = o.str("cma") != "off";
+  c.cma_shm = o.str("cma") == "auto";
   c.rhd_max_bytes = static_cast<size_t>(o.integer("rhd_max_bytes"));
   if (const std::string& path = o.str("model_profile"); !path.empty())
     c.profile = std::make_shared<const coll::Profile>(coll::Profile::load(path));

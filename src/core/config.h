@@ -18,6 +18,7 @@ enum class LogLevel : uint8_t { error, warn, info, debug };
 struct Config {
   std::string algo;
   bool cma = true;
+  bool cma_shm = true;  // the same-host path's control messages go through a shared segment (cma=auto)
   size_t rhd_max_bytes = 0;
   std::shared_ptr<const coll::Profile> profile;  // model_profile, loaded; null: the size rules
   size_t segment_size = 0;

@@ -14,52 +14,35 @@
 #include <fstream>
 #include <random>
 
+#include "core/log.h"
 #include "smartcoll/reduce.h"
 
 namespace smartcoll::cma {
 
-// What each rank calls, and where its buffers are (a non-root's `out` in reduce: its reduced chunk).
-struct Addresses {
-  uint32_t magic;
-  uint8_t coll, dtype, op, pad;
-  int64_t root;
-  uint64_t count;
-  uint64_t in, out;
-};
-static_assert(sizeof(Addresses) == 40);
-
 namespace {
 
-constexpr uint32_t kHelloMagic = 0x434d4131;    // "CMA1"
-constexpr uint32_t kVerdictMagic = 0x434d4156;  // "CMAV"
-constexpr uint32_t kAddrMagic = 0x434d4142;     // "CMAB"
+constexpr uint32_t kHelloMagic = 0x434d4132;    // "CMA2": with the control segment
+constexpr uint32_t kVerdictMagic = 0x434d4157;  // "CMAW": with the segment flag
 
 struct Hello {
   uint32_t magic;
   int32_t pid;
   uint64_t token_addr;  // address of an 8-byte token in the sender's memory
   uint64_t token;       // its value
-  char identity[232];   // host identity, NUL-terminated; empty when it could not be read
+  int32_t segment_fd;   // rank 0: its descriptor of the control segment (-1: none); others: -1
+  uint32_t pad;
+  uint64_t segment_token;  // rank 0: the token stamped in the segment
+  char identity[216];   // host identity, NUL-terminated; empty when it could not be read
 };
 static_assert(sizeof(Hello) == 256);
 
 struct Verdict {
   uint32_t magic;
   uint32_t ok;
-  char reason[248];  // NUL-terminated
+  uint32_t shm;      // 1: this rank has mapped the control segment
+  char reason[244];  // NUL-terminated
 };
 static_assert(sizeof(Verdict) == 256);
-
-std::string describe(const Addresses& a) {
-  std::string coll = a.coll < kCollectives ? std::string(collective_name(static_cast<Collective>(a.coll)))
-                                           : "collective " + std::to_string(a.coll);
-  std::string dt = a.dtype < std::size(kAllDataTypes) ? std::string(dtype_name(static_cast<DataType>(a.dtype)))
-                                                      : "dtype " + std::to_string(a.dtype);
-  std::string op = a.op < std::size(kAllReduceOps) ? std::string(op_name(static_cast<ReduceOp>(a.op)))
-                                                   : "op " + std::to_string(a.op);
-  return coll + "(count=" + std::to_string(a.count) + ", " + dt + ", op=" + op +
-         ", root=" + std::to_string(a.root) + ")";
-}
 
 std::string first_line(const char* path) {
   std::ifstream f(path);
@@ -148,7 +131,7 @@ std::string host_identity(std::string& error) {
 }
 
 
-Local::Local(Transport& t) : pids_(t.size(), 0), pidfds_(t.size(), -1) {
+Local::Local(Transport& t, bool shm, double spin_us) : pids_(t.size(), 0), pidfds_(t.size(), -1) {
   const int n = t.size(), r = t.rank();
   pids_[r] = static_cast<int>(getpid());
   if (n == 1) {
@@ -171,6 +154,13 @@ Local::Local(Transport& t) : pids_(t.size(), 0), pidfds_(t.size(), -1) {
   mine.token_addr = reinterpret_cast<uintptr_t>(&token_);
   mine.token = token_;
   copy_cstr(mine.identity, identity);
+  // Rank 0's control segment; the others map it once their probe of rank 0 has shown that it is who it says.
+  Segment segment;
+  std::string no_segment = shm ? "" : "cma=tcp";
+  const uint64_t segment_token = random_token();
+  if (shm && r == 0) segment = Segment::create(n, segment_token, no_segment);
+  mine.segment_fd = segment.fd();
+  mine.segment_token = segment_token;
   std::vector<Hello> hellos(n);
   exchange(t, &mine, hellos.data(), sizeof(Hello));
 
@@ -207,9 +197,17 @@ Local::Local(Transport& t) : pids_(t.size(), 0), pidfds_(t.size(), -1) {
     }
   }
 
+  if (shm && r != 0 && reason.empty()) {
+    if (hellos[0].segment_fd >= 0)
+      segment = Segment::open(pids_[0], hellos[0].segment_fd, n, hellos[0].segment_token, no_segment);
+    else if (no_segment.empty())
+      no_segment = "rank 0 has no control segment";
+  }
+
   Verdict v{};
   v.magic = kVerdictMagic;
   v.ok = reason.empty() ? 1 : 0;
+  v.shm = segment.mapped() ? 1 : 0;
   copy_cstr(v.reason, reason);
   std::vector<Verdict> verdicts(n);
   exchange(t, &v, verdicts.data(), sizeof(Verdict));
@@ -227,9 +225,22 @@ Local::Local(Transport& t) : pids_(t.size(), 0), pidfds_(t.size(), -1) {
     return;
   }
   staging_.resize(2 * kPieceBytes + 64);
+  // Every rank has mapped the segment (or given up on it) by now: rank 0's descriptor is no longer needed.
+  segment.close_fd();
+  bool all_mapped = true;
+  for (int p = 0; p < n; ++p) all_mapped &= verdicts[p].shm == 1;
+  if (all_mapped) {
+    control_ = shm_control(std::move(segment), t, spin_us, [this, &t] { check_alive(t); });
+  } else {
+    control_ = tcp_control(t);
+    SC_LOG(r == 0 ? LogLevel::info : LogLevel::debug, r, "")
+        << "cma: control messages go over TCP: "
+        << (no_segment.empty() ? "a rank could not map the control segment" : no_segment);
+  }
 }
 
 Local::~Local() {
+  control_.reset();  // peers still waiting on this rank fail at once
   for (int fd : pidfds_)
     if (fd >= 0) close(fd);
   narrow();
@@ -277,16 +288,6 @@ void Local::check_alive(Transport& t) {
                       ") exited during the call; that rank crashed or failed (see its output)");
 }
 
-void Local::barrier(Transport& t, uint8_t phase) {
-  const int n = t.size(), r = t.rank();
-  std::vector<uint8_t> got(n, 0);
-  exchange(t, &phase, got.data(), 1);
-  for (int p = 0; p < n; ++p)
-    if (p != r && got[p] != phase)
-      throw CommError(prefix(t) + ": rank " + std::to_string(p) + " is out of step (barrier " +
-                      std::to_string(got[p]) + ", expected " + std::to_string(phase) + ")");
-}
-
 void Local::reduce_from_all(Transport& t, const std::vector<Addresses>& addrs, const Call& c, size_t from,
                             size_t len, char* dst) {
   const int n = t.size(), r = t.rank();
@@ -316,6 +317,15 @@ void Local::reduce_from_all(Transport& t, const std::vector<Addresses>& addrs, c
 
 void Local::run(Transport& t, const Call& c) {
   if (!usable_) throw InvalidArgument("cma: cross-memory attach is not usable here: " + why_not_);
+  try {
+    run_call(t, c);
+  } catch (...) {
+    leave();  // peers waiting on this rank fail now, not after the timeout
+    throw;
+  }
+}
+
+void Local::run_call(Transport& t, const Call& c) {
   const int n = t.size(), r = t.rank();
   const size_t esize = dtype_size(c.dt), block = c.count * esize;
   const bool reduces = c.coll == Collective::allreduce || c.coll == Collective::reduce_scatter ||
@@ -341,7 +351,7 @@ void Local::run(Transport& t, const Call& c) {
                        static_cast<uint8_t>(reduces ? c.op : ReduceOp::sum), 0, c.root, c.count,
                        reinterpret_cast<uintptr_t>(c.in), reinterpret_cast<uintptr_t>(out)};
   std::vector<Addresses> addrs(n);
-  exchange(t, &mine, addrs.data(), sizeof(Addresses));
+  control_->exchange(mine, addrs.data());
   for (int p = 0; p < n; ++p) {
     const Addresses& a = addrs[p];
     if (a.magic != kAddrMagic || a.coll != mine.coll || a.dtype != mine.dtype || a.op != mine.op ||
@@ -350,15 +360,14 @@ void Local::run(Transport& t, const Call& c) {
                       (a.magic == kAddrMagic ? describe(a) : "something else (a corrupted message)") +
                       ", this rank (" + std::to_string(r) + ") " + describe(mine));
   }
-  if (c.count == 0) return;
-
-  switch (c.coll) {
+  // A call of no elements reads nothing, but still passes the closing barrier that keeps the calls in step.
+  switch (c.count == 0 ? Collective::barrier : c.coll) {
     case Collective::allreduce:
       reduce_from_all(t, addrs, c, chunk_begin(r), chunk_len(r), out + chunk_begin(r) * esize);
       check_alive(t);
       // Every chunk is final in its owner's out, and nobody reads any in any more: out may now be overwritten
       // (in place, out[chunk p] of this rank is in[chunk p], which rank p was reading until this barrier).
-      barrier(t, 1);
+      control_->barrier(1);
       for (int k = 1; k < n; ++k) {
         const int p = (r + k) % n;
         const size_t b = chunk_begin(p) * esize;
@@ -372,7 +381,7 @@ void Local::run(Transport& t, const Call& c) {
       reduce_from_all(t, addrs, c, chunk_begin(r), chunk_len(r),
                       r == c.root ? out + chunk_begin(r) * esize : chunk.data());
       check_alive(t);
-      barrier(t, 1);  // every chunk is reduced: the root gathers them
+      control_->barrier(1);  // every chunk is reduced: the root gathers them
       if (r == c.root)
         for (int p = 0; p < n; ++p)
           if (p != r && chunk_len(p))
@@ -398,8 +407,9 @@ void Local::run(Transport& t, const Call& c) {
       break;
   }
   check_alive(t);
-  // No rank returns (and lets its caller touch its buffers) while a peer may still be reading them.
-  barrier(t, 2);
+  // No rank returns (and lets its caller touch its buffers) while a peer may still be reading them. In a
+  // broadcast only the root's buffer is read: the others go on to their next call at once.
+  control_->barrier(2, c.coll != Collective::broadcast || r == c.root);
 }
 
 }  // namespace smartcoll::cma

@@ -1,16 +1,19 @@
 // Same-host fast path: collectives between processes on one host that read each other's buffers directly with
 // Linux cross-memory attach (process_vm_readv), so each byte is copied once instead of going through two socket
-// copies per hop. The Transport still carries the small control messages (addresses, barriers), so a dead or stalled
-// peer is reported the same way (by name, within the no-progress timeout).
+// copies per hop. The small control messages (what each rank calls, its buffer addresses, barriers) go through a
+// shared-memory segment, or through the Transport where the segment cannot be made (transport/cma_control.h);
+// either way a dead or stalled peer is reported by name within the no-progress timeout.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "smartcoll/comm.h"
 #include "smartcoll/types.h"
+#include "transport/cma_control.h"
 #include "transport/transport.h"
 
 namespace smartcoll::cma {
@@ -19,23 +22,30 @@ namespace smartcoll::cma {
 // these all match. Empty (and `error` says why) when it cannot be read.
 std::string host_identity(std::string& error);
 
-struct Addresses;  // what a rank calls and where its buffers are (exchanged at the start of each call)
-
 class Local {
  public:
   // Exchanges pid and host identity (boot id, host name, network and pid namespaces) with every rank through the
   // Transport, then probes that process_vm_readv of every peer works (each rank reads a random token from every
   // peer). All ranks reach the same verdict: usable() is true everywhere only if every rank found every peer on
   // its host and readable. Under Yama ptrace_scope=1 it calls prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY) first so
-  // that sibling processes may read this one, and undoes that when the path is unusable and at destruction. Throws CommError only when the Transport fails (a peer died).
+  // that sibling processes may read this one, and undoes that when the path is unusable and at destruction.
+  // With `shm`, rank 0 also creates the control segment and every rank maps it during the probe; the ranks use it
+  // only if all of them could, else the Transport carries the control messages. `spin_us`: how long a wait for
+  // the peers spins before it sleeps. Throws CommError only when the Transport fails (a peer died).
   // A world of size 1 is usable (allreduce is a copy).
-  explicit Local(Transport& t);
+  explicit Local(Transport& t, bool shm = true, double spin_us = 200);
   ~Local();
   Local(const Local&) = delete;
   Local& operator=(const Local&) = delete;
 
   bool usable() const { return usable_; }
   std::string why_not() const { return why_not_; }  // empty when usable
+  // Where the control messages go: "shm" (the shared segment), "tcp" (the Transport), "" when unusable.
+  std::string control() const { return control_ ? control_->kind() : ""; }
+  // Peers waiting on this rank in a call fail at once, naming it (an abort; the destructor does the same).
+  void leave() {
+    if (control_) control_->leave();
+  }
 
   // A collective among ranks that all share this host, as the communicator's call passes it (count per rank for
   // reduce_scatter, allgather and alltoall; broadcast's buffer is `out`; reduce's out is read on the root only).
@@ -64,8 +74,8 @@ class Local {
   static constexpr size_t kPieceBytes = 256 * 1024;
 
  private:
-  void barrier(Transport& t, uint8_t phase);
   // dst[0, len) = elements [from, from + len) of every rank's input, reduced in rank order, piece by piece.
+  void run_call(Transport& t, const Call& c);
   void reduce_from_all(Transport& t, const std::vector<Addresses>& addrs, const Call& c, size_t from,
                        size_t len, char* dst);
   // Reads `len` bytes at `remote` in rank `peer`'s memory into `local`; throws CommError naming the peer.
@@ -81,6 +91,7 @@ class Local {
   std::vector<int> pidfds_;  // [rank]; -1 for this rank or where pidfd_open is unavailable
   std::vector<char> staging_;
   uint64_t token_ = 0;  // read by every peer's probe during setup
+  std::unique_ptr<Control> control_;
 };
 
 }  // namespace smartcoll::cma

@@ -1,5 +1,6 @@
 // Same-host allreduce over cross-memory attach (src/cma.h). Ranks as threads (one pid: checks the algorithm) and
-// as forked processes (real cross-process reads, setup verdicts, a peer that dies mid-call).
+// as forked processes (real cross-process reads, setup verdicts, a peer that dies or stops mid-job). The control
+// messages go through the shared segment (transport/cma_control.h) unless a test asks for TCP.
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
@@ -8,8 +9,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <fstream>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -160,11 +163,13 @@ std::string first_difference(int n, size_t count, const std::vector<char>& got, 
 // ---- ranks as threads ----
 
 void run_threads(int n, const std::function<void(Transport&, cma::Local&)>& body,
-                 const Options& options = cma_options()) {
+                 const Options& options = cma_options(), bool shm = true) {
   harness::run_threads(n, [&](int r, std::shared_ptr<Store> store) {
     TcpTransport t(r, n, std::move(store), Config::from(options), "");
-    cma::Local local(t);
+    cma::Local local(t, shm);
     if (!local.usable()) throw std::runtime_error("not usable: " + local.why_not());
+    const std::string want = n == 1 ? "" : shm ? "shm" : "tcp";
+    if (local.control() != want) throw std::runtime_error("control over '" + local.control() + "', not " + want);
     body(t, local);
   });
 }
@@ -196,6 +201,44 @@ INSTANTIATE_TEST_SUITE_P(Cma, CmaThreads,
                                   std::to_string(info.param.count);
                          });
 
+// The fallback: the same calls with the control messages over TCP give the same bits.
+TEST(CmaThreads, TcpControlGivesTheSameBits) {
+  const int n = 3;
+  const size_t count = 100003;
+  std::vector<std::vector<char>> results(n);
+  run_threads(
+      n, [&](Transport& t, cma::Local& local) { results[t.rank()] = run_cases(t, local, count); }, cma_options(),
+      false);
+  const std::vector<char> want = expected_cases(n, count);
+  for (int r = 0; r < n; ++r) EXPECT_EQ(first_difference(n, count, results[r], want), "") << "rank " << r;
+}
+
+// Broadcasts whose non-roots do not wait for each other at the end, back to back with rotating roots and other
+// collectives in between: every rank gets every root's values of that very call.
+TEST(CmaThreads, BackToBackBroadcastsGetEachCallsValues) {
+  const int n = 4, calls = 200;
+  const size_t count = 4099;
+  std::vector<std::string> problems(n);
+  run_threads(n, [&](Transport& t, cma::Local& local) {
+    std::vector<uint32_t> buf(count), gathered(count * n);
+    for (int i = 0; i < calls && problems[t.rank()].empty(); ++i) {
+      const int root = i % n;
+      for (size_t j = 0; j < count; ++j) buf[j] = t.rank() == root ? static_cast<uint32_t>(i * 1000003 + j) : 0;
+      char* p = reinterpret_cast<char*>(buf.data());
+      local.run(t, {Collective::broadcast, DataType::i32, ReduceOp::sum, root, count, p, p});
+      for (size_t j = 0; j < count; ++j)
+        if (buf[j] != static_cast<uint32_t>(i * 1000003 + j)) {
+          problems[t.rank()] = "call " + std::to_string(i) + " element " + std::to_string(j);
+          break;
+        }
+      if (i % 7 == 0)
+        local.run(t, {Collective::allgather, DataType::i32, ReduceOp::sum, -1, count, p,
+                      reinterpret_cast<char*>(gathered.data())});
+    }
+  });
+  for (int r = 0; r < n; ++r) EXPECT_EQ(problems[r], "") << "rank " << r;
+}
+
 TEST(CmaThreadsSingle, WorldOfOneIsUsableAndCopies) {
   run_threads(1, [](Transport& t, cma::Local& local) {
     EXPECT_EQ(local.why_not(), "");
@@ -222,6 +265,34 @@ TEST(CmaThreadsErrors, MismatchedCountIsCommErrorOnEveryRank) {
   for (int r = 0; r < n; ++r) {
     EXPECT_NE(errors[r].find("disagree"), std::string::npos) << "rank " << r << ": " << errors[r];
     EXPECT_NE(errors[r].find("count=10"), std::string::npos) << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("count=12"), std::string::npos) << "rank " << r << ": " << errors[r];
+  }
+}
+
+// Ranks that call different collectives fail before any read, every one naming both calls; the calls after a
+// mismatch are numbered alike on every rank, so a later mismatch is caught the same way.
+TEST(CmaThreadsErrors, DifferentCollectivesFailEveryRankNamingBoth) {
+  const int n = 4;
+  std::vector<std::string> errors(n);
+  run_threads(n, [&](Transport& t, cma::Local& local) {
+    std::vector<float> in(8 * n, 1.0f), out(8 * n, 0.0f);
+    const cma::Local::Call call{t.rank() == 2 ? Collective::broadcast : Collective::allgather,
+                                DataType::f32,
+                                ReduceOp::sum,
+                                t.rank() == 2 ? 0 : -1,
+                                8,
+                                reinterpret_cast<const char*>(in.data()),
+                                reinterpret_cast<char*>(out.data())};
+    try {
+      local.run(t, call);
+    } catch (const CommError& e) {
+      errors[t.rank()] = e.what();
+    }
+  });
+  for (int r = 0; r < n; ++r) {
+    EXPECT_NE(errors[r].find("disagree"), std::string::npos) << "rank " << r << ": " << errors[r];
+    EXPECT_NE(errors[r].find("broadcast(count=8, float32, op=sum, root=0)"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("allgather(count=8, float32, op=sum, root=-1)"), std::string::npos) << errors[r];
   }
 }
 
@@ -366,6 +437,22 @@ bool exited_with(const ChildOutcome& o, int code) {
   return !o.killed && WIFEXITED(o.status) && WEXITSTATUS(o.status) == code;
 }
 
+// A child's rank as the process tests set it up: a file store in `dir`, the transport, the same-host path.
+struct ChildRank {
+  std::shared_ptr<FileStore> store;
+  TcpTransport t;
+  cma::Local local;
+  ChildRank(const std::string& dir, int rank, int n, const Options& options)
+      : store(std::make_shared<FileStore>(dir)), t(rank, n, store, Config::from(options), ""), local(t) {}
+  // False, reported and finished, unless the path is usable with its control segment.
+  bool over_shm(const ChildIo& io) {
+    if (local.usable() && local.control() == "shm") return true;
+    io.write("NOT USABLE OVER SHM: " + local.why_not() + local.control());
+    io.finish();
+    return false;
+  }
+};
+
 class CmaProcesses : public ::testing::TestWithParam<int> {};
 
 TEST_P(CmaProcesses, AllreduceAcrossProcessesMatchesReferenceBitwise) {
@@ -469,15 +556,10 @@ TEST(CmaProcessesErrors, PeerDyingMidCallIsCommErrorNamingIt) {
     TempDir dir;
     ASSERT_FALSE(dir.path.empty());
     auto outcomes = run_processes(n, [&](const ChildIo& io) {
-      auto store = std::make_shared<FileStore>(dir.path);
-      TcpTransport t(io.rank, n, store, Config::from(cma_options("3")), "");
+      ChildRank rank(dir.path, io.rank, n, cma_options("3"));
+      auto& [store, t, local] = rank;
       t.context = "allreduce on rank " + std::to_string(io.rank);
-      cma::Local local(t);
-      if (!local.usable()) {
-        io.write("NOT USABLE: " + local.why_not());
-        io.finish();
-        return 3;
-      }
+      if (!rank.over_shm(io)) return 3;
       std::vector<float> buf(count, 1.0f);
       char* p = reinterpret_cast<char*>(buf.data());
       local.allreduce(t, p, p, count, DataType::f32, ReduceOp::sum);  // all alive
@@ -513,6 +595,103 @@ TEST(CmaProcessesErrors, PeerDyingMidCallIsCommErrorNamingIt) {
     }
     EXPECT_TRUE(named) << outcomes[0].output << "\n" << outcomes[1].output;
   }
+}
+
+// Rank 2 stops (SIGSTOP) between two calls, as a rank stuck in a debugger or swapped out would: ranks 0 and 1
+// wait for it in the control segment and fail with a CommError naming it once the 2 s timeout has passed, not
+// before and not much later; then rank 0 lets it continue.
+TEST(CmaProcessesErrors, StoppedPeerFailsTheCallNamingItAfterTheTimeout) {
+  const int n = 3;
+  const double timeout = 2.0;
+  TempDir dir;
+  ASSERT_FALSE(dir.path.empty());
+  auto outcomes = run_processes(n, [&](const ChildIo& io) {
+    ChildRank rank(dir.path, io.rank, n, cma_options("2"));
+    auto& [store, t, local] = rank;
+    if (!rank.over_shm(io)) return 3;
+    std::vector<float> buf(1 << 18, 1.0f);
+    char* p = reinterpret_cast<char*>(buf.data());
+    local.allreduce(t, p, p, buf.size(), DataType::f32, ReduceOp::sum);  // all running
+    if (io.rank == 2) {
+      std::ofstream(dir.path + "/stopped.pid") << getpid();
+      raise(SIGSTOP);
+      io.write("continued");
+      io.finish();
+      return 0;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    std::string outcome = "no error";
+    try {
+      local.allreduce(t, p, p, buf.size(), DataType::f32, ReduceOp::sum);
+    } catch (const CommError& e) {
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      outcome = "COMMERROR after " + std::to_string(s) + " s: " + e.what();
+      if (s < timeout || s > timeout + 3) outcome = "WRONG TIME " + outcome;
+    }
+    if (io.rank == 0) {
+      int pid = 0;
+      std::ifstream(dir.path + "/stopped.pid") >> pid;
+      if (pid > 0) kill(pid, SIGCONT);
+    }
+    io.write(outcome);
+    io.finish();
+    return 0;
+  }, 60);
+  for (int r = 0; r < n; ++r) ASSERT_TRUE(exited_with(outcomes[r], 0)) << "rank " << r << ": " << outcomes[r].output;
+  EXPECT_EQ(outcomes[2].output, "continued");
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(outcomes[r].output.rfind("COMMERROR", 0), 0u) << outcomes[r].output;
+    EXPECT_NE(outcomes[r].output.find("no progress for 2 s: rank 2 has not got to its call #2 on this path"),
+              std::string::npos)
+        << outcomes[r].output;
+  }
+}
+
+// Lines of /proc/self/maps (or links under /proc/self/fd) that name the control segment.
+int segment_mentions(const std::string& what) {
+  int found = 0;
+  if (what == "maps") {
+    std::ifstream maps("/proc/self/maps");
+    for (std::string line; std::getline(maps, line);) found += line.find("memfd:smartcoll-cma") != std::string::npos;
+    return found;
+  }
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    found += std::filesystem::read_symlink(e.path(), ec).string().find("memfd:smartcoll-cma") != std::string::npos;
+  }
+  return found;
+}
+
+// The segment has no name: once set up, every rank holds a mapping of it and no descriptor, nothing appears under
+// /dev/shm, and the segment goes with the last process, also when ranks are killed.
+TEST(CmaProcessesSetup, SegmentIsMappedWithoutDescriptorsAndLeavesNothingBehind) {
+  const int n = 3;
+  auto dev_shm = [] {
+    std::vector<std::string> names;
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) names.push_back(e.path().string());
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  const auto before = dev_shm();
+  TempDir dir;
+  ASSERT_FALSE(dir.path.empty());
+  auto outcomes = run_processes(n, [&](const ChildIo& io) {
+    ChildRank rank(dir.path, io.rank, n, cma_options());
+    auto& [store, t, local] = rank;
+    float x = 1.0f;
+    local.allreduce(t, reinterpret_cast<char*>(&x), reinterpret_cast<char*>(&x), 1, DataType::f32, ReduceOp::sum);
+    io.write(local.control() + " maps=" + std::to_string(segment_mentions("maps")) +
+             " fds=" + std::to_string(segment_mentions("fd")) + " sum=" + std::to_string(x));
+    io.finish();
+    if (io.rank == 1) _exit(9);  // killed ranks leave nothing either
+    return 0;
+  });
+  for (int r = 0; r < n; ++r) {
+    EXPECT_TRUE(exited_with(outcomes[r], r == 1 ? 9 : 0)) << "rank " << r << ": " << outcomes[r].output;
+    EXPECT_EQ(outcomes[r].output, "shm maps=1 fds=0 sum=3.000000") << "rank " << r;
+  }
+  EXPECT_EQ(dev_shm(), before);
 }
 
 }  // namespace

@@ -159,9 +159,12 @@ TEST(Errors, PeerThatLeavesFailsTheOthersNamingIt) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
   for (int r : {0, 1, 3}) EXPECT_NE(errors[r], "") << "rank " << r << " did not fail";
   // Whoever notices first names rank 2; a rank that fails aborts its connections, so the others may instead
-  // see that rank's connection close first.
+  // see that rank's connection close first. On one host the call goes through the same-host path, whose control
+  // segment says that rank 2 closed its communicator.
   int naming = 0;
-  for (int r : {0, 1, 3}) naming += errors[r].find("connection to rank 2") != std::string::npos;
+  for (int r : {0, 1, 3})
+    naming += errors[r].find("connection to rank 2") != std::string::npos ||
+              errors[r].find("rank 2 failed or closed its communicator") != std::string::npos;
   EXPECT_GE(naming, 1) << errors[0] << "\n" << errors[1] << "\n" << errors[3];
 }
 

@@ -240,6 +240,7 @@ def scenario_collectives(outdir: Path, port2: int) -> None:
     with smartcoll.init(timeout=30, connect_timeout=30) as comm:
         n = comm.size
         info["same_host_path"] = comm.same_host_path
+        info["same_host_control"] = comm.same_host_control
         info["chosen"] = {c: comm.algorithm_for(c, 1003 * 4) for c in ("allgather", "alltoall", "broadcast")}
         for case in all_cases:
             if case.comm == "main":

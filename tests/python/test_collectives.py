@@ -75,6 +75,7 @@ def world(request, ranks, tmp_path_factory):
         info.append(json.loads((outdir / f"rank{r}.json").read_text()))
     if path == "cma":  # the run went where it was meant to
         assert all(i["same_host_path"] == "usable" for i in info), [i["same_host_path"] for i in info]
+        assert all(i["same_host_control"] == "shm" for i in info), [i["same_host_control"] for i in info]
         assert all(set(i["chosen"].values()) == {"cma"} for i in info), [i["chosen"] for i in info]
     return World(n, results, info, seconds)
 

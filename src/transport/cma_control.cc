@@ -1,0 +1,310 @@
+#include "transport/cma_control.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+#include <iterator>
+#include <utility>
+#include <vector>
+
+#include "smartcoll/comm.h"
+#include "smartcoll/types.h"
+
+namespace smartcoll::cma {
+
+std::string describe(const Addresses& a) {
+  std::string coll = a.coll < kCollectives ? std::string(collective_name(static_cast<Collective>(a.coll)))
+                                           : "collective " + std::to_string(a.coll);
+  std::string dt = a.dtype < std::size(kAllDataTypes) ? std::string(dtype_name(static_cast<DataType>(a.dtype)))
+                                                      : "dtype " + std::to_string(a.dtype);
+  std::string op = a.op < std::size(kAllReduceOps) ? std::string(op_name(static_cast<ReduceOp>(a.op)))
+                                                   : "op " + std::to_string(a.op);
+  return coll + "(count=" + std::to_string(a.count) + ", " + dt + ", op=" + op +
+         ", root=" + std::to_string(a.root) + ")";
+}
+
+namespace {
+
+// ---- over TCP ----
+
+class TcpControl final : public Control {
+ public:
+  explicit TcpControl(Transport& t) : t_(t) {}
+  void exchange(const Addresses& mine, Addresses* all) override {
+    smartcoll::exchange(t_, &mine, all, sizeof(Addresses));
+  }
+  void barrier(uint8_t phase, bool /*wait: every rank exchanges its phase*/) override {
+    const int n = t_.size(), r = t_.rank();
+    std::vector<uint8_t> got(static_cast<size_t>(n), 0);
+    smartcoll::exchange(t_, &phase, got.data(), 1);
+    for (int p = 0; p < n; ++p)
+      if (p != r && got[static_cast<size_t>(p)] != phase)
+        throw CommError("cma: rank " + std::to_string(p) + " is out of step (barrier " +
+                        std::to_string(got[static_cast<size_t>(p)]) + ", expected " + std::to_string(phase) + ")");
+  }
+  const char* kind() const override { return "tcp"; }
+
+ private:
+  Transport& t_;
+};
+
+// ---- over shared memory ----
+
+constexpr uint64_t kSegmentMagic = 0x534d43434d415331;  // "SMCCMAS1"
+
+struct alignas(64) Header {
+  uint64_t magic;
+  uint64_t token;  // rank 0's, announced in its setup message: a mapping of anything else is refused
+  uint32_t n;
+  std::atomic<uint32_t> bell;     // bumped by every publication; futex word of the waiters
+  std::atomic<uint32_t> waiters;  // ranks asleep (or about to sleep) on the bell
+};
+
+// Written by its rank only. Call k goes to call[k % 2]: a rank reaches call k + 2 only after every peer has
+// published call k + 1, which each does after reading call k, so a slot is never overwritten while a peer may
+// read it (a rank that does not wait at the end of a call may publish the next one before its peers have read
+// this one).
+struct alignas(64) Slot {
+  std::atomic<uint64_t> published;  // number of this rank's latest call whose `call` is final (from 1)
+  std::atomic<uint64_t> arrived;    // number of barriers this rank has reached (from 1)
+  std::atomic<uint32_t> gone;       // 1: this rank failed or closed its communicator
+  Addresses call[2];
+};
+
+static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free);
+
+size_t segment_bytes(int n) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t bytes = sizeof(Header) + static_cast<size_t>(n) * sizeof(Slot);
+  return (bytes + page - 1) / page * page;
+}
+
+// Spinning only pays when every rank can have a core: where ranks share cores, a spinning rank takes the core from
+// the peer it waits for (sched_yield does not hand it over under CFS), and a futex wait is much faster.
+double spin_for(int n, double spin_us) {
+  cpu_set_t set;
+  const int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+  return cpus >= n ? spin_us : 0;
+}
+
+long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
+  // Not FUTEX_PRIVATE_FLAG: the waiters are other processes (or other mappings of the same memfd).
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
+}
+
+class ShmControl final : public Control {
+ public:
+  ShmControl(Segment segment, const Transport& t, double spin_us, std::function<void()> check_alive)
+      : segment_(std::move(segment)),
+        header_(static_cast<Header*>(segment_.base())),
+        slots_(reinterpret_cast<Slot*>(header_ + 1)),
+        rank_(t.rank()),
+        n_(t.size()),
+        timeout_(t.timeout),
+        spin_(std::chrono::duration<double, std::micro>(spin_for(t.size(), spin_us))),
+        check_alive_(std::move(check_alive)) {}
+
+  ~ShmControl() override { leave(); }
+
+  void exchange(const Addresses& mine, Addresses* all) override {
+    const uint64_t k = ++calls_;
+    slots_[rank_].call[k % 2] = mine;
+    arrive(&Slot::published, k);
+    wait(&Slot::published, k, "its call #", " on this path");
+    for (int p = 0; p < n_; ++p) all[p] = slots_[p].call[k % 2];
+  }
+
+  void barrier(uint8_t /*phase: the calls were compared, so every rank passes the same barriers*/,
+               bool wait_for_all) override {
+    const uint64_t k = ++barriers_;
+    arrive(&Slot::arrived, k);
+    if (wait_for_all) wait(&Slot::arrived, k, "barrier #", "");
+  }
+
+  void leave() override {
+    if (slots_[rank_].gone.exchange(1) == 0) ring();
+  }
+
+  const char* kind() const override { return "shm"; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  using Counter = std::atomic<uint64_t> Slot::*;
+
+  void ring() {
+    header_->bell.fetch_add(1);
+    if (header_->waiters.load() > 0) futex(&header_->bell, FUTEX_WAKE, INT_MAX, nullptr);
+  }
+
+  bool all_reached(Counter counter, uint64_t k) const {
+    for (int p = 0; p < n_; ++p)
+      if ((slots_[p].*counter).load() < k) return false;
+    return true;
+  }
+
+  // Counts this rank in; only the store that completes the set rings, so that sleepers wake once per wait
+  // instead of once per arrival. The stores and loads are sequentially consistent: of two ranks arriving last at
+  // once, at least one sees the other's store.
+  void arrive(Counter counter, uint64_t k) {
+    (slots_[rank_].*counter).store(k);
+    if (all_reached(counter, k)) ring();
+  }
+
+  // Returns once every rank's `counter` is at least k (acquire: their stores before it are visible).
+  void wait(Counter counter, uint64_t k, const char* what, const char* suffix) {
+    auto missing = [&] {
+      std::vector<int> m;
+      for (int p = 0; p < n_; ++p)
+        if ((slots_[p].*counter).load(std::memory_order_acquire) < k) m.push_back(p);
+      return m;
+    };
+    auto all_there = [&] { return all_reached(counter, k); };
+    auto waited_for = [&] { return what + std::to_string(k) + suffix; };
+    if (all_there()) return;
+    const auto start = Clock::now();
+    while (Clock::now() - start < spin_) {
+      sched_yield();  // ranks that share cores: let the peer this rank waits for run
+      if (all_there()) return;
+    }
+    for (;;) {
+      const uint32_t bell = header_->bell.load();
+      if (all_there()) return;
+      for (int p : missing())
+        if (slots_[p].gone.load())
+          throw CommError("cma: rank " + std::to_string(p) + " failed or closed its communicator before getting to " +
+                          waited_for() + " (this rank: " + std::to_string(rank_) + ")");
+      check_alive_();
+      if (Clock::now() - start > timeout_) {
+        std::string who;
+        for (int p : missing()) who += (who.empty() ? "rank " : ", rank ") + std::to_string(p);
+        char seconds[32];
+        std::snprintf(seconds, sizeof seconds, "%g", timeout_.count());
+        throw CommError("cma: no progress for " + std::string(seconds) + " s: " + who +
+                        " has not got to " + waited_for() + "; is that rank alive (not stopped) and calling the same "
+                        "collective? (SMARTCOLL_TIMEOUT raises the limit)");
+      }
+      // The last arrival bumps the bell after its store, and ring() wakes sleepers when it sees waiters: an
+      // arrival after `bell` was read makes the futex wait return at once.
+      header_->waiters.fetch_add(1);
+      if (!all_there()) {
+        const timespec slice{0, 10'000'000};  // checks for dead peers and the timeout in between
+        futex(&header_->bell, FUTEX_WAIT, bell, &slice);
+      }
+      header_->waiters.fetch_sub(1);
+    }
+  }
+
+  Segment segment_;
+  Header* header_;
+  Slot* slots_;
+  const int rank_, n_;
+  const std::chrono::duration<double> timeout_;
+  const std::chrono::duration<double> spin_;
+  std::function<void()> check_alive_;
+  uint64_t calls_ = 0, barriers_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Control> tcp_control(Transport& t) { return std::make_unique<TcpControl>(t); }
+
+std::unique_ptr<Control> shm_control(Segment segment, const Transport& t, double spin_us,
+                                     std::function<void()> check_alive) {
+  return std::make_unique<ShmControl>(std::move(segment), t, spin_us, std::move(check_alive));
+}
+
+// ---- the segment ----
+
+Segment Segment::create(int n, uint64_t token, std::string& error) {
+  Segment s;
+  const size_t bytes = segment_bytes(n);
+  const int fd = static_cast<int>(syscall(SYS_memfd_create, "smartcoll-cma", MFD_CLOEXEC));
+  if (fd < 0) {
+    error = std::string("memfd_create failed: ") + std::strerror(errno);
+    return s;
+  }
+  void* base = ftruncate(fd, static_cast<off_t>(bytes)) == 0
+                   ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                   : MAP_FAILED;
+  if (base == MAP_FAILED) {
+    error = std::string("cannot size or map the control segment: ") + std::strerror(errno);
+    ::close(fd);
+    return s;
+  }
+  auto* h = new (base) Header{};
+  h->magic = kSegmentMagic;
+  h->token = token;
+  h->n = static_cast<uint32_t>(n);
+  auto* slots = reinterpret_cast<Slot*>(h + 1);
+  for (int p = 0; p < n; ++p) new (slots + p) Slot{};
+  s.base_ = base;
+  s.bytes_ = bytes;
+  s.fd_ = fd;
+  return s;
+}
+
+Segment Segment::open(int pid, int fd, int n, uint64_t token, std::string& error) {
+  Segment s;
+  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+  const int mine = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (mine < 0) {
+    error = "cannot open rank 0's control segment " + path + ": " + std::strerror(errno);
+    return s;
+  }
+  const size_t bytes = segment_bytes(n);
+  struct stat st {};
+  void* base = fstat(mine, &st) == 0 && static_cast<size_t>(st.st_size) == bytes
+                   ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, mine, 0)
+                   : MAP_FAILED;
+  ::close(mine);
+  if (base == MAP_FAILED) {
+    error = "rank 0's control segment " + path + " has the wrong size or cannot be mapped";
+    return s;
+  }
+  const auto* h = static_cast<const Header*>(base);
+  if (h->magic != kSegmentMagic || h->token != token || h->n != static_cast<uint32_t>(n)) {
+    munmap(base, bytes);
+    error = path + " is not rank 0's control segment (a recycled descriptor?)";
+    return s;
+  }
+  s.base_ = base;
+  s.bytes_ = bytes;
+  return s;
+}
+
+Segment::Segment(Segment&& o) noexcept { *this = std::move(o); }
+
+Segment& Segment::operator=(Segment&& o) noexcept {
+  if (this != &o) {
+    this->~Segment();
+    base_ = std::exchange(o.base_, nullptr);
+    bytes_ = std::exchange(o.bytes_, 0);
+    fd_ = std::exchange(o.fd_, -1);
+  }
+  return *this;
+}
+
+Segment::~Segment() {
+  close_fd();
+  if (base_) munmap(base_, bytes_);
+  base_ = nullptr;
+}
+
+void Segment::close_fd() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+}  // namespace smartcoll::cma

@@ -1,0 +1,87 @@
+// The control channel of the same-host path (transport/cma.h): how the ranks of one host tell each other what
+// they call and where their buffers are, and wait for each other (barriers). Two implementations behind one
+// interface: a shared-memory segment mapped by every rank (stores and loads of atomics, bounded spinning then a
+// futex wait: no system call on the critical path when the peers are running), and the Transport's TCP
+// channels, the fallback when the segment cannot be made.
+//
+// The segment is a memfd that rank 0 creates and the others open through /proc/<pid>/fd/<fd> (the same ptrace
+// access that cross-memory attach already needs) and map; every rank closes its descriptor once all have mapped
+// it. It has no name anywhere, so nothing outlives the job: the kernel frees it with the last mapping, also when
+// ranks crash.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "transport/transport.h"
+
+namespace smartcoll::cma {
+
+// What a rank calls, and where its buffers are (a non-root's `out` in reduce: its reduced chunk).
+struct Addresses {
+  uint32_t magic;
+  uint8_t coll, dtype, op, pad;
+  int64_t root;
+  uint64_t count;
+  uint64_t in, out;
+};
+static_assert(sizeof(Addresses) == 40);
+inline constexpr uint32_t kAddrMagic = 0x434d4142;  // "CMAB"
+
+// "allreduce(count=..., float32, op=sum, root=-1)", robust to values out of range.
+std::string describe(const Addresses& a);
+
+class Control {
+ public:
+  virtual ~Control() = default;
+  // Publishes this rank's call and fills all[p] with rank p's (all[rank] = mine). Returns once every rank has
+  // published; throws CommError naming a rank that died, failed or did not publish within the timeout.
+  virtual void exchange(const Addresses& mine, Addresses* all) = 0;
+  // Returns once every rank has reached this barrier (every rank passes the same barriers in the same order;
+  // `phase` tells them apart where the channel can check it). Throws as exchange() does. Without `wait` the
+  // channel may return as soon as this rank is counted in (the shared segment does; TCP waits anyway): for a
+  // rank whose buffers nobody reads any more, while the ranks that wait on it still know when it is done.
+  virtual void barrier(uint8_t phase, bool wait = true) = 0;
+  // This rank fails or closes: peers that wait on it fail at once, naming it, instead of timing out.
+  virtual void leave() {}
+  virtual const char* kind() const = 0;  // "shm" or "tcp"
+};
+
+// Control messages over the Transport (stream 0), failing after its timeout without progress.
+std::unique_ptr<Control> tcp_control(Transport& t);
+
+// A segment for `n` ranks, as rank 0 creates it (fd() >= 0) or another rank maps it.
+class Segment {
+ public:
+  // Creates a zeroed segment stamped with `token`; on failure fd() < 0 and `error` says why.
+  static Segment create(int n, uint64_t token, std::string& error);
+  // Maps rank 0's segment through /proc/<pid>/fd/<fd>; checks its size and token. Empty (and `error`) on failure.
+  static Segment open(int pid, int fd, int n, uint64_t token, std::string& error);
+  Segment() = default;
+  Segment(Segment&& o) noexcept;
+  Segment& operator=(Segment&& o) noexcept;
+  ~Segment();
+
+  bool mapped() const { return base_ != nullptr; }
+  int fd() const { return fd_; }
+  void close_fd();  // once every rank has mapped it: the mapping alone keeps it alive
+  void* base() const { return base_; }
+
+ private:
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+  int fd_ = -1;
+};
+
+// The control channel over a mapped segment, for the ranks of `t` (its rank, size and timeout). `check_alive`
+// throws naming a peer whose process has exited; it runs between waits. A wait spins for `spin_us` where this
+// process may use at least as many CPUs as there are ranks (none otherwise), then sleeps on a futex in short
+// slices.
+std::unique_ptr<Control> shm_control(Segment segment, const Transport& t, double spin_us,
+                                     std::function<void()> check_alive);
+
+}  // namespace smartcoll::cma
