@@ -22,6 +22,7 @@
 
 #include "smartcoll/codec.h"
 #include "smartcoll/knobs.h"
+#include "smartcoll/onesided.h"
 #include "smartcoll/store.h"
 #include "smartcoll/types.h"
 
@@ -41,6 +42,9 @@ struct Path;
 }
 namespace nicd {
 class Client;
+}
+namespace rma {
+class Service;
 }
 namespace coll {
 struct Views;
@@ -73,6 +77,7 @@ class Request {
   friend class Engine;
   friend class Communicator;
   friend class nicd::Client;
+  friend class rma::Service;
   void finish(std::string error);
   std::mutex mu_;
   std::condition_variable cv_;
@@ -152,6 +157,22 @@ class Communicator {
                                      std::span<const size_t> sdispls, void* out, std::span<const size_t> recvcounts,
                                      std::span<const size_t> rdispls, DataType dt);
 
+  // One-sided operations on registered regions (smartcoll/onesided.h, docs/vectored.md). A region is any
+  // writable buffer; its id (1, 2, ... in this rank's order of registration) names it to peers, whose calls this
+  // rank's one-sided server thread serves with no call of its own. Offsets and sizes in bytes; the local buffers,
+  // taken one after the other, hold the pieces in order. Every field is checked here and again by the target.
+  uint64_t register_region(void* base, size_t bytes, DataType dtype);
+  // Waits for a copy in progress from or into the region; later calls on it fail ("region N was deregistered").
+  void deregister_region(uint64_t id);
+  std::shared_ptr<Request> getv(const RemoteRegion& from, std::span<const RemotePiece> pieces,
+                                std::span<const LocalPiece> into);
+  std::shared_ptr<Request> putv(std::span<const LocalPiece> from, const RemoteRegion& into,
+                                std::span<const RemotePiece> pieces);
+  // Reduces (op: sum, prod, min, max) element-wise into the region, in its dtype; a target applies one rank's
+  // calls in the order they were made.
+  std::shared_ptr<Request> accumulatev(std::span<const LocalPiece> from, const RemoteRegion& into,
+                                       std::span<const RemotePiece> pieces, ReduceOp op = ReduceOp::sum);
+
   // The codec a call uses: `requested`, or the knob's where it applies; identity means raw elements.
   // op: nullopt for collectives that do not reduce (allgather).
   Codec choose_codec(DataType dt, std::optional<ReduceOp> op, const std::optional<Codec>& requested) const;
@@ -194,6 +215,7 @@ class Communicator {
   void check_usable();                           // not closed, not a forked child's copy
   void check_buffers(const Call& call, const void* in, const void* out) const;
   void check_one_poster();  // submit_mu_ held
+  rma::Service& one_sided();  // started on first use
   // At start-up, through the store: the knobs every rank must share; the claim rank 0 accepted and the host of
   // every rank.
   StartUpVerdict agree_on_settings(const std::string& claim);
@@ -208,6 +230,8 @@ class Communicator {
   std::unique_ptr<cma::Local> cma_;
   std::unique_ptr<sw::Path> switch_;  // the aggregation switches (switch knob), joined at start-up
   std::unique_ptr<nicd::Client> nicd_;  // engine=nicd: the host's offload daemon runs every call
+  std::mutex rma_mu_;
+  std::unique_ptr<rma::Service> rma_;  // one-sided operations
   bool cma_usable_ = false;  // fixed at construction, so callers may read it while another thread closes
   std::string cma_reason_;
   std::shared_ptr<Engine> engine_;

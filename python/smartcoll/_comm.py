@@ -73,6 +73,12 @@ def _vectored() -> Any:
     return module
 
 
+def _onesided() -> Any:
+    from . import _onesided as module  # imports this module: loaded on first use
+
+    return module
+
+
 class Request:
     """A collective in progress. test() never blocks; wait() returns the result or raises CommError."""
 
@@ -262,6 +268,46 @@ class Communicator:
 
     def barrier(self) -> None:
         self.ibarrier().wait()
+
+    # One-sided operations on registered regions (docs/vectored.md): offsets and sizes in bytes; the peer's
+    # application makes no call. `local` is one buffer or a list, whose buffers hold the pieces in order.
+
+    def register(self, buffer: Any) -> Any:
+        """Registers a writable contiguous buffer (NumPy array, CPU tensor, bytearray) as a Region: ids run
+        1, 2, 3, ... in this rank's order of registration. No collective: peers learn it from exchange_regions()
+        or by convention."""
+        return _onesided().Region(self, buffer)
+
+    def deregister(self, region: Any) -> None:
+        region.close()
+
+    def exchange_regions(self, region: Any) -> list:
+        """A collective (an allgather): every rank's region (or None), as RemoteRegions indexed by rank."""
+        return _onesided().exchange_regions(self, region)
+
+    def igetv(self, peer: int, remote: Any, offsets: Any, sizes: Any, local: Any) -> Request:
+        """Reads the pieces (offsets[i], sizes[i] bytes; sizes may be one int) of `remote` into `local`."""
+        return _onesided().post(self, "getv", peer, remote, local, offsets, sizes)
+
+    def iputv(self, peer: int, local: Any, remote: Any, offsets: Any, sizes: Any = None) -> Request:
+        """Writes `local` into the pieces of `remote` (sizes default to one piece per local buffer)."""
+        return _onesided().post(self, "putv", peer, remote, local, offsets, sizes)
+
+    def iaccumulatev(self, peer: int, local: Any, remote: Any, offsets: Any, sizes: Any = None,
+                     op: str = "sum") -> Request:
+        """Reduces `local` (the region's dtype) into the pieces of `remote`, element-wise; the target applies one
+        rank's calls in the order they were made."""
+        return _onesided().post(self, "accumulatev", peer, remote, local, offsets, sizes, op)
+
+    def getv(self, peer: int, remote: Any, offsets: Any, sizes: Any, local: Any) -> Any:
+        return self.igetv(peer, remote, offsets, sizes, local).wait()
+
+    def putv(self, peer: int, local: Any, remote: Any, offsets: Any, sizes: Any = None) -> None:
+        self.iputv(peer, local, remote, offsets, sizes).wait()
+
+    def accumulatev(self, peer: int, local: Any, remote: Any, offsets: Any, sizes: Any = None,
+                    op: str = "sum") -> None:
+        self.iaccumulatev(peer, local, remote, offsets, sizes, op).wait()
 
     def engine_stats(self) -> dict:
         """{'workers', 'cpu_seconds' (CPU time of the engine's worker threads so far), 'open_channels'}."""

@@ -14,6 +14,7 @@
 #include "core/config.h"
 #include "core/engine.h"
 #include "core/log.h"
+#include "core/onesided.h"
 #include "nicd/client.h"
 #include "smartcoll/comm.h"
 #include "switch/client.h"
@@ -322,11 +323,16 @@ void Communicator::close() {
     (void)cma_.release();
     (void)switch_.release();
     (void)nicd_.release();
+    (void)rma_.release();
     (void)transport_.release();
     (void)history_.release();
     return;
   }
   nicd_.reset();  // waits for its calls, then says bye to the daemon
+  {
+    std::lock_guard lock(rma_mu_);
+    rma_.reset();  // fails its outstanding calls
+  }
   if (engine_) engine_->stop();
   engine_.reset();
   switch_.reset();  // leaves the switches, which free the job's slots

@@ -43,6 +43,8 @@ class TcpTransport final : public Transport {
   size_t recv(int peer, int stream, const iovec* iov, int iovcnt) override;
   int pollable(int peer, int stream) const override { return chan(peer, stream).fd.load(); }
   int open_channels() const override;
+  // The host this rank listens on ("" when it listens nowhere: a world of one).
+  std::string host() const { return addrs_[rank()].substr(0, addrs_[rank()].rfind(':')); }
   void abort(const std::string& reason) override;
 
  private:
