@@ -219,6 +219,9 @@ void Service::connect(int peer) {
   {
     std::lock_guard lock(mu_);
     if (connected_[static_cast<size_t>(peer)]) return;
+    // A channel closes when its peer left, stalled or sent garbage: that peer is not tried again.
+    const std::string& why = last_close_[static_cast<size_t>(peer)];
+    if (!why.empty()) throw CommError(why + "; one-sided calls to rank " + std::to_string(peer) + " fail from now on");
   }
   const auto limit = millis(s_.connect_timeout);
   std::string addr;

@@ -1,0 +1,253 @@
+"""One-sided vectored operations from Python (docs/vectored.md, "One-sided operations").
+
+getv, putv and accumulatev against a NumPy reference (bitwise for bytes and integers; float sums against a
+float64 reference with a stated tolerance), the checks at the initiator and at the target with their messages,
+and, across processes, a target that sleeps with no call in flight while it is served, a target killed with calls
+outstanding and a target that stops answering."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import smartcoll
+from conftest import HERE, assert_all_ok, describe, free_port
+
+KIB = 1024
+WORKER = HERE / "onesided_worker.py"
+
+
+def run_pair(body, n=2, **options):
+    """body(comm) on ranks 0..n-1 (threads); returns their results, re-raising the first error."""
+    port = free_port()
+    results, errors = [None] * n, [None] * n
+
+    def rank(r):
+        try:
+            with smartcoll.init(f"tcp://127.0.0.1:{port}", rank=r, world_size=n, timeout=20, connect_timeout=20,
+                                **options) as comm:
+                results[r] = body(comm)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish within 60 s"
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+def region_bytes(rank: int, nbytes: int) -> np.ndarray:
+    return np.random.default_rng(1000 + rank).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def random_pieces(rng, nbytes: int, count: int, align: int = 1, largest: int = 64 * KIB):
+    """Pieces of 1 B (or one element) to `largest` bytes at random offsets: they overlap."""
+    sizes = rng.integers(1, largest // align + 1, count) * align
+    offsets = np.array([rng.integers(0, (nbytes - s) // align + 1) * align for s in sizes], dtype=np.int64)
+    return offsets, sizes
+
+
+def test_getv_and_putv_move_random_overlapping_pieces_bitwise():
+    nbytes = 1 << 20
+
+    def body(comm):
+        mine = region_bytes(comm.rank, nbytes)
+        region = comm.register(mine)
+        remote = comm.exchange_regions(region)
+        rng = np.random.default_rng(comm.rank)
+        peer = 1 - comm.rank
+        theirs = region_bytes(peer, nbytes)
+        offsets, sizes = random_pieces(rng, nbytes, 200)
+        # The pieces fill a list of local buffers of other sizes, one after the other.
+        flat = np.empty(int(sizes.sum()), np.uint8)
+        cuts = np.sort(rng.integers(0, flat.size, 5))
+        comm.getv(peer, remote[peer], offsets, sizes, list(np.split(flat, cuts)))
+        want = np.concatenate([theirs[o:o + s] for o, s in zip(offsets, sizes)])
+        np.testing.assert_array_equal(flat, want)
+        # Once both have read, each writes into the other; overlapping pieces land in call order.
+        comm.barrier()
+        offsets, sizes = random_pieces(rng, nbytes // 2, 100)
+        data = rng.integers(0, 256, int(sizes.sum()), dtype=np.uint8)
+        comm.putv(peer, data, remote[peer], offsets, sizes)
+        comm.barrier()
+        region.close()
+        return offsets, sizes, data, mine
+
+    results = run_pair(body)
+    for r in range(2):
+        offsets, sizes, data, _ = results[1 - r]  # what the peer wrote into rank r
+        want = region_bytes(r, nbytes)
+        at = 0
+        for o, s in zip(offsets, sizes):
+            want[o:o + s] = data[at:at + s]
+            at += s
+        np.testing.assert_array_equal(results[r][3], want)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "float32", "float64"])
+def test_accumulatev_sums_every_ranks_pieces(dtype):
+    """Three ranks add random element pieces into rank 0's region, repeats included. Integers must match the
+    reference bit for bit; floats are summed in an order the reference cannot know, so they are compared with a
+    float64 reference: |got - want| <= 1e-5 * (sum of |terms|) for float32, 1e-12 for float64."""
+    count = 64 * KIB
+    esize = np.dtype(dtype).itemsize
+
+    def draws(r):
+        rng = np.random.default_rng(50 + r)
+        offsets, sizes = random_pieces(rng, count * esize, 60, align=esize, largest=16 * KIB)
+        values = (rng.standard_normal(int(sizes.sum()) // esize) * 100).astype(dtype)
+        return offsets, sizes, values
+
+    def body(comm):
+        mine = np.ones(count, dtype)
+        region = comm.register(mine)
+        remote = comm.exchange_regions(region)
+        offsets, sizes, values = draws(comm.rank)
+        comm.accumulatev(0, values, remote[0], offsets, sizes)
+        comm.barrier()
+        region.close()
+        return mine
+
+    got = run_pair(body, n=3)[0]
+    want = np.ones(count, np.float64)
+    scale = np.ones(count, np.float64)
+    for r in range(3):
+        offsets, sizes, values = draws(r)
+        at = 0
+        for o, s in zip(offsets // esize, sizes // esize):
+            want[o:o + s] += values[at:at + s].astype(np.float64)
+            scale[o:o + s] += np.abs(values[at:at + s].astype(np.float64))
+            at += s
+    if dtype == "int32":
+        np.testing.assert_array_equal(got, want.astype(np.int32))
+    else:
+        tolerance = 1e-5 if dtype == "float32" else 1e-12
+        assert np.all(np.abs(got - want) <= tolerance * scale), np.max(np.abs(got - want) / scale)
+
+
+def test_bad_calls_are_refused_by_name():
+    def body(comm):
+        data = np.zeros(1024, np.float32)
+        region = comm.register(bytearray(4096))
+        remote = comm.exchange_regions(comm.register(data))
+        peer = 1 - comm.rank
+        out = np.empty(4, np.float32)
+        errors = []
+        for call in (
+            lambda: comm.getv(peer, remote[peer], [4090], 16, out),  # past the end
+            lambda: comm.getv(peer, remote[peer], [-4], 16, out),  # negative
+            lambda: comm.getv(peer, remote[peer], [0, 16], [16], out),  # one size short
+            lambda: comm.getv(comm.rank, remote[peer], [0], 16, out),  # the region is the peer's
+            lambda: comm.accumulatev(peer, np.ones(4, np.int32), remote[peer], [0]),  # dtype
+            lambda: comm.accumulatev(peer, out, remote[peer], [2]),  # not whole elements
+            lambda: comm.getv(peer, remote[peer], [0], 8, out),  # 8 bytes into 16
+            lambda: comm.getv(peer, remote[peer], [0], 16, out.view(np.uint8)[::2]),  # not contiguous
+        ):
+            with pytest.raises((ValueError, TypeError)) as info:
+                call()
+            errors.append(str(info.value))
+        # The target checks again: a region larger than the real one, and one this rank never registered.
+        forged = smartcoll.RemoteRegion(peer, remote[peer].id, 1 << 20, "float32")
+        with pytest.raises(smartcoll.CommError) as info:
+            comm.getv(peer, forged, [8000], 16, out)
+        errors.append(str(info.value))
+        with pytest.raises(smartcoll.CommError) as info:
+            comm.getv(peer, smartcoll.RemoteRegion(peer, 7, 4096, "float32"), [0], 16, out)
+        errors.append(str(info.value))
+        comm.barrier()
+        region.close()
+        return errors
+
+    errors = run_pair(body)[0]
+    assert "piece 0 (16 bytes at offset 4090) lies outside region 2 of 4096 bytes" in errors[0]
+    assert "offsets must be non-negative" in errors[1]
+    assert "2 offsets but 1 sizes" in errors[2]
+    assert "the remote region belongs to rank 1, not to peer 0" in errors[3]
+    assert "local[0] has dtype int32 but the region holds float32" in errors[4]
+    assert "is not made of whole float32 elements" in errors[5]
+    assert "the remote pieces add up to 8 bytes but the local buffers to 16" in errors[6]
+    assert "non-contiguous" in errors[7]
+    assert "rank 1 refused it: piece 0 (16 bytes at offset 8000) lies outside region 2 of 4096 bytes" in errors[8]
+    assert "rank 1 refused it: rank 1 has no region 7 (it has registered 2)" in errors[9]
+
+
+def test_a_deregistered_region_is_refused():
+    def body(comm):
+        data = np.arange(256, dtype=np.float32)
+        with comm.register(data) as region:
+            remote = comm.exchange_regions(region)
+            comm.barrier()
+        comm.barrier()  # both deregistered
+        with pytest.raises(smartcoll.CommError, match=r"rank [01] refused it: region 1 was deregistered"):
+            comm.getv(1 - comm.rank, remote[1 - comm.rank], [0], 16, np.empty(4, np.float32))
+        comm.barrier()
+
+    run_pair(body)
+
+
+def test_torch_tensors_and_bytearrays_as_regions():
+    torch = pytest.importorskip("torch")
+
+    def body(comm):
+        t = torch.arange(64, dtype=torch.float32) + 100 * comm.rank
+        raw = bytearray(range(256))
+        regions = [comm.register(t), comm.register(raw)]
+        remote = [comm.exchange_regions(r) for r in regions]
+        peer = 1 - comm.rank
+        got = torch.empty(4)
+        comm.getv(peer, remote[0][peer], [4 * 8], 16, got)
+        assert got.tolist() == [100 * peer + 8 + i for i in range(4)]
+        got_raw = bytearray(3)
+        comm.getv(peer, remote[1][peer], [10], 3, got_raw)
+        assert list(got_raw) == [10, 11, 12]
+        comm.barrier()
+        for r in regions:
+            r.close()
+
+    run_pair(body)
+
+
+def outcomes(tmp_path, ranks):
+    return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in ranks}
+
+
+def test_a_sleeping_target_is_served(ranks, tmp_path):
+    """Rank 0 sleeps 3 s with no call in flight; ranks 1 and 2 read, write and add into it meanwhile and
+    finish before it wakes; it then finds their writes and sums in place."""
+    res = ranks(3, ["sleeping", tmp_path], timeout=60, worker=WORKER)
+    assert_all_ok(res)
+    out = outcomes(tmp_path, range(3))
+    assert out[0]["checked"]
+    for r in (1, 2):
+        assert out[r]["done"] < out[0]["woke"], f"rank {r} finished after the target woke:\n{describe(res)}"
+
+
+def test_a_target_killed_with_calls_outstanding(ranks, tmp_path):
+    """Rank 1 SIGKILLs itself while rank 0 keeps four 8 MiB getv calls outstanding: they fail at once (the
+    timeout knob is 10 s), naming rank 1."""
+    res = ranks(2, ["killed", tmp_path, 10], timeout=60, worker=WORKER)
+    assert res[1].returncode == -9, describe(res)
+    assert_all_ok(res, [0])
+    out = outcomes(tmp_path, [0])[0]
+    error = out["error"]
+    assert "the one-sided channel to rank 1 " in error and ("closed by that rank" in error or "broke" in error), out
+    assert "calls outstanding" in error, out
+
+
+def test_a_stalled_target_fails_the_call_after_the_timeout(ranks, tmp_path):
+    start = time.monotonic()
+    res = ranks(2, ["stalled", tmp_path, 2], timeout=60, worker=WORKER, must_finish=[0])
+    assert_all_ok(res, [0])
+    out = outcomes(tmp_path, [0])[0]
+    assert "no answer from rank 1 for 2" in out["error"], out
+    assert 1.5 < out["elapsed"] < 6, out
+    assert time.monotonic() - start < 40
