@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <deque>
+#include <random>
 
 #include "core/checks.h"
 #include "core/frame.h"
@@ -133,8 +134,14 @@ Service::Service(const Settings& settings, std::shared_ptr<Store> store)
     ev.data.fd = fd;
     epoll_ctl(epfd_.get(), EPOLL_CTL_ADD, fd, &ev);
   }
-  store_->set("rma/" + std::to_string(s_.rank),
-              (s_.host.empty() ? "127.0.0.1" : s_.host) + ":" + std::to_string(net::bound_port(listener_.get())));
+  std::random_device entropy;  // getrandom(2)
+  char hex[33];
+  for (size_t i = 0; i < sizeof token_; ++i) {
+    token_[i] = static_cast<uint8_t>(entropy());
+    std::snprintf(hex + 2 * i, 3, "%02x", token_[i]);
+  }
+  store_->set("rma/" + std::to_string(s_.rank), (s_.host.empty() ? "127.0.0.1" : s_.host) + ":" +
+                                                    std::to_string(net::bound_port(listener_.get())) + " " + hex);
   thread_ = std::thread([this] { run(); });
 }
 
@@ -232,12 +239,18 @@ void Service::connect(int peer) {
                     "within " + std::to_string(limit.count() / 1000) + " s (a target registers its regions " +
                     "before peers call it; SMARTCOLL_CONNECT_TIMEOUT)");
   }
-  const auto colon = addr.rfind(':');
+  // "host:port token" (32 hex digits)
+  const auto colon = addr.rfind(':'), space = addr.find(' ');
   const long port = colon == std::string::npos ? 0 : std::strtol(addr.c_str() + colon + 1, nullptr, 10);
-  if (port <= 0 || port > 65535) throw CommError("malformed one-sided address '" + addr + "' in the store");
+  const std::string hex = space == std::string::npos ? "" : addr.substr(space + 1);
+  if (port <= 0 || port > 65535 || space < colon || hex.size() != 32 ||
+      hex.find_first_not_of("0123456789abcdef") != std::string::npos)
+    throw CommError("malformed one-sided address '" + addr + "' in the store");
+  Hello h{kHelloMagic, static_cast<uint32_t>(s_.rank), static_cast<uint32_t>(s_.size), kVersion, s_.job, {}};
+  for (size_t i = 0; i < sizeof h.token; ++i)
+    h.token[i] = static_cast<uint8_t>(std::stoul(hex.substr(2 * i, 2), nullptr, 16));
   const auto deadline = Clock::now() + limit;
   net::Fd fd = net::connect_to({addr.substr(0, colon), static_cast<uint16_t>(port)}, deadline);
-  const Hello h{kHelloMagic, static_cast<uint32_t>(s_.rank), static_cast<uint32_t>(s_.size), kVersion, s_.job};
   net::send_all(fd.get(), &h, sizeof h, deadline, "one-sided hello to rank " + std::to_string(peer));
   net::set_nonblocking(fd.get(), true);
   net::set_nodelay(fd.get());
@@ -314,7 +327,7 @@ void Service::accept_all() {
       SC_LOG(LogLevel::warn, s_.rank, "") << "one-sided: dropped a connection that sent no valid hello";
       return true;
     }
-    const std::string why = hello_refusal(a.hello, s_.size, s_.job);
+    const std::string why = hello_refusal(a.hello, s_.size, s_.job, token_);
     if (!why.empty()) {
       SC_LOG(LogLevel::warn, s_.rank, "") << "one-sided: refused a connection: " << why;
       return true;

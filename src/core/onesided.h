@@ -71,6 +71,7 @@ class Service {
   std::shared_ptr<Region> find(uint64_t id, std::string& why);
 
   Settings s_;
+  uint8_t token_[16];  // what initiators must present (Hello::token)
   std::shared_ptr<Store> store_;
   net::Fd listener_, epfd_, wakefd_;
   std::thread thread_;

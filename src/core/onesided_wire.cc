@@ -35,7 +35,7 @@ std::string outside(Kind kind, std::span<const RemotePiece> pieces, uint64_t byt
 
 }  // namespace
 
-std::string hello_refusal(const Hello& h, int size, uint64_t job) {
+std::string hello_refusal(const Hello& h, int size, uint64_t job, const uint8_t (&token)[16]) {
   if (h.magic != kHelloMagic || h.version != kVersion)
     return "not a smartcoll one-sided hello, or another version (magic " + std::to_string(h.magic) + ", version " +
            std::to_string(h.version) + ")";
@@ -43,6 +43,9 @@ std::string hello_refusal(const Hello& h, int size, uint64_t job) {
   if (h.size != static_cast<uint32_t>(size))
     return "it has world size " + std::to_string(h.size) + ", this job " + std::to_string(size);
   if (h.rank >= static_cast<uint32_t>(size)) return "rank " + std::to_string(h.rank) + " is outside the world";
+  uint8_t differ = 0;  // every byte compared: the time taken tells nothing of where a guess went wrong
+  for (size_t i = 0; i < sizeof token; ++i) differ |= static_cast<uint8_t>(h.token[i] ^ token[i]);
+  if (differ) return "a wrong token (it did not read this rank's address from the job's store)";
   return "";
 }
 

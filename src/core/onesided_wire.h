@@ -44,15 +44,18 @@ struct Header {
 };
 static_assert(sizeof(Header) == 40, "a wire format: no padding");
 
-// The first bytes an initiator sends on a new channel.
+// The first bytes an initiator sends on a new channel. `token` is the target's: 16 random bytes it publishes
+// with its address in the job's store, so that only who can read the store (the job's ranks; with a store
+// secret, nobody else) can reach a registered region.
 inline constexpr uint32_t kHelloMagic = 0x53435248;  // "SCRH"
 struct Hello {
   uint32_t magic, rank, size, version;
   uint64_t job;
+  uint8_t token[16];
 };
-static_assert(sizeof(Hello) == 24, "a wire format: no padding");
-// Why a target of world size `size` refuses `h` ("" to accept).
-std::string hello_refusal(const Hello& h, int size, uint64_t job);
+static_assert(sizeof(Hello) == 40, "a wire format: no padding");
+// Why a target of world size `size` and token `token` refuses `h` ("" to accept).
+std::string hello_refusal(const Hello& h, int size, uint64_t job, const uint8_t (&token)[16]);
 
 const char* kind_name(uint8_t kind);
 inline bool is_request(uint8_t kind) { return kind >= 1 && kind <= 3; }

@@ -265,8 +265,8 @@ TEST(OneSided, DeregisteringWhileServingIsSafe) {
   });
 }
 
-// A forged message on a one-sided channel: the target closes that channel (the forger sees it closed) and goes
-// on serving everyone else.
+// A forged message on a one-sided channel, or a hello without the target's token: the target closes that
+// channel (the forger sees it closed, and no answer) and goes on serving everyone else.
 TEST(OneSided, AMalformedMessageClosesItsChannelOnly) {
   run_threads(2, [](int r, std::shared_ptr<Store> store) {
     Communicator comm(r, 2, store, test_options({{"log", "error"}}));
@@ -275,19 +275,23 @@ TEST(OneSided, AMalformedMessageClosesItsChannelOnly) {
     comm.barrier()->wait();
     if (r == 0) {
       const std::string job = store->get("smartcoll/job", std::chrono::seconds(5));
-      const std::string addr = store->get("job/" + job + "/rma/1", std::chrono::seconds(5));
+      const std::string published = store->get("job/" + job + "/rma/1", std::chrono::seconds(5));
+      const std::string addr = published.substr(0, published.find(' ')), hex = published.substr(published.find(' ') + 1);
       const auto colon = addr.rfind(':');
       const auto deadline = net::Clock::now() + std::chrono::seconds(5);
-      for (int forged = 0; forged < 3; ++forged) {
+      for (int forged = 0; forged < 4; ++forged) {
         net::Fd s = net::connect_to({addr.substr(0, colon), static_cast<uint16_t>(std::stoi(addr.substr(colon + 1)))},
                                     deadline);
-        const rma::Hello hello{rma::kHelloMagic, 0, 2, rma::kVersion, job_fingerprint(job)};
+        rma::Hello hello{rma::kHelloMagic, 0, 2, rma::kVersion, job_fingerprint(job), {}};
+        for (size_t i = 0; i < 16; ++i) hello.token[i] = static_cast<uint8_t>(std::stoul(hex.substr(2 * i, 2), nullptr, 16));
+        if (forged == 3) hello.token[5] ^= 1;  // someone who did not read the store, with a valid request
         net::send_all(s.get(), &hello, sizeof hello, deadline, "hello");
         rma::Header h;
         h.kind = static_cast<uint8_t>(rma::Kind::get);
         if (forged == 0) h.magic ^= 1;                        // not a one-sided message
         if (forged == 1) h.npieces = rma::kMaxPieces + 1;     // more pieces than any call has
         if (forged == 2) h.kind = static_cast<uint8_t>(rma::Kind::data);  // an answer sent to a target
+        h.region = 1;
         net::send_all(s.get(), &h, sizeof h, deadline, "forged header");
         char byte;
         const timeval patience{5, 0};

@@ -8,13 +8,16 @@ outstanding and a target that stops answering."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 import threading
 import time
 
 import numpy as np
 import pytest
 import smartcoll
-from conftest import HERE, assert_all_ok, describe, free_port
+from conftest import HERE, assert_all_ok, clean_env, describe, free_port, run_cli
 
 KIB = 1024
 WORKER = HERE / "onesided_worker.py"
@@ -251,3 +254,22 @@ def test_a_stalled_target_fails_the_call_after_the_timeout(ranks, tmp_path):
     assert "no answer from rank 1 for 2" in out["error"], out
     assert 1.5 < out["elapsed"] < 6, out
     assert time.monotonic() - start < 40
+
+
+def test_the_embedding_example_checks_its_rows():
+    example = HERE.parents[1] / "examples" / "embedding_lookup.py"
+    result = run_cli("run", "-n", "3", "--timeout", "60", "--", sys.executable, str(example), "--rows", "1000",
+                     "--batch", "200", timeout=90)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(re.findall(r"fetched 200 rows of 64 floats .* with 3 getv calls", result.stdout)) == 3, result.stdout
+
+
+def test_bench_embedding_reports_every_method_and_checks_rows(tmp_path):
+    out = tmp_path / "embedding.json"
+    proc = subprocess.run([sys.executable, "-m", "smartcoll.tools.cli", "bench", "embedding", "--rows", "4K",
+                           "--dims", "8", "--batches", "64", "--iters", "2", "--no-gloo", "--json", str(out)],
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = json.loads(out.read_text())["table"]
+    assert [(r["dim"], r["batch"], r["method"]) for r in table] == [(8, 64, "getv"), (8, 64, "alltoallv")]
+    assert all(r["median_s"] > 0 for r in table) and "rows checked" in proc.stdout
