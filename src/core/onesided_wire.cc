@@ -138,7 +138,7 @@ void check_call(Kind kind, const RemoteRegion& region, std::span<const RemotePie
 
 void gather(const char* base, std::span<const RemotePiece> pieces, char* out) {
   for (const RemotePiece& p : pieces) {
-    std::memcpy(out, base + p.offset, p.bytes);
+    if (p.bytes) std::memcpy(out, base + p.offset, p.bytes);  // an empty piece may come with a null `out`
     out += p.bytes;
   }
 }
@@ -147,9 +147,10 @@ void scatter(char* base, std::span<const RemotePiece> pieces, const char* in, co
   const auto dt = static_cast<DataType>(h.dtype);
   for (const RemotePiece& p : pieces) {
     char* at = base + p.offset;
+    if (p.bytes == 0) continue;  // `in` may be null when every piece is empty
     if (static_cast<Kind>(h.kind) == Kind::put)
       std::memmove(at, in, p.bytes);
-    else if (p.bytes)
+    else
       reduce(dt, static_cast<ReduceOp>(h.op), at, at, in, p.bytes / dtype_size(dt));
     in += p.bytes;
   }

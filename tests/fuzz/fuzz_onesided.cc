@@ -64,7 +64,7 @@ void onesided_message(const uint8_t* data, size_t size) {
   FUZZ_CHECK(total == h.payload);
   std::vector<char> payload(total);
   const size_t have = size - sizeof h - table;
-  std::memcpy(payload.data(), data + sizeof h + table, std::min<size_t>(have, total));
+  if (have && total) std::memcpy(payload.data(), data + sizeof h + table, std::min<size_t>(have, total));
   rma::scatter(region.data(), pieces, payload.data(), h);
 }
 

@@ -11,41 +11,15 @@ import json
 import re
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
 import pytest
 import smartcoll
-from conftest import HERE, assert_all_ok, clean_env, describe, free_port, run_cli
+from conftest import HERE, assert_all_ok, clean_env, describe, run_cli, run_thread_ranks
 
 KIB = 1024
 WORKER = HERE / "onesided_worker.py"
-
-
-def run_pair(body, n=2, **options):
-    """body(comm) on ranks 0..n-1 (threads); returns their results, re-raising the first error."""
-    port = free_port()
-    results, errors = [None] * n, [None] * n
-
-    def rank(r):
-        try:
-            with smartcoll.init(f"tcp://127.0.0.1:{port}", rank=r, world_size=n, timeout=20, connect_timeout=20,
-                                **options) as comm:
-                results[r] = body(comm)
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
-            errors[r] = e
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank did not finish within 60 s"
-    for e in errors:
-        if e is not None:
-            raise e
-    return results
 
 
 def region_bytes(rank: int, nbytes: int) -> np.ndarray:
@@ -85,7 +59,7 @@ def test_getv_and_putv_move_random_overlapping_pieces_bitwise():
         region.close()
         return offsets, sizes, data, mine
 
-    results = run_pair(body)
+    results = run_thread_ranks(2, body)
     for r in range(2):
         offsets, sizes, data, _ = results[1 - r]  # what the peer wrote into rank r
         want = region_bytes(r, nbytes)
@@ -120,7 +94,7 @@ def test_accumulatev_sums_every_ranks_pieces(dtype):
         region.close()
         return mine
 
-    got = run_pair(body, n=3)[0]
+    got = run_thread_ranks(3, body)[0]
     want = np.ones(count, np.float64)
     scale = np.ones(count, np.float64)
     for r in range(3):
@@ -170,7 +144,7 @@ def test_bad_calls_are_refused_by_name():
         region.close()
         return errors
 
-    errors = run_pair(body)[0]
+    errors = run_thread_ranks(2, body)[0]
     assert "piece 0 (16 bytes at offset 4090) lies outside region 2 of 4096 bytes" in errors[0]
     assert "offsets must be non-negative" in errors[1]
     assert "2 offsets but 1 sizes" in errors[2]
@@ -194,7 +168,7 @@ def test_a_deregistered_region_is_refused():
             comm.getv(1 - comm.rank, remote[1 - comm.rank], [0], 16, np.empty(4, np.float32))
         comm.barrier()
 
-    run_pair(body)
+    run_thread_ranks(2, body)
 
 
 def test_torch_tensors_and_bytearrays_as_regions():
@@ -216,7 +190,7 @@ def test_torch_tensors_and_bytearrays_as_regions():
         for r in regions:
             r.close()
 
-    run_pair(body)
+    run_thread_ranks(2, body)
 
 
 def outcomes(tmp_path, ranks):

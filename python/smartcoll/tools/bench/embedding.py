@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -32,6 +31,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .sizes import parse_size
+from .workers import add_launch_options, run_workers
 
 METHODS = ("getv", "alltoallv", "gloo")
 
@@ -160,8 +160,6 @@ def worker(outdir: str, rows: int, dims: list[int], batches: list[int], iters: i
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from .. import launcher
-
     ap = argparse.ArgumentParser(prog="smartcoll bench embedding", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=2, help="ranks (default 2)")
@@ -170,34 +168,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--batches", default="1024,8192", help="row ids per rank and round (default 1024,8192)")
     ap.add_argument("--iters", type=int, default=20, help="timed rounds (default 20)")
     ap.add_argument("--no-gloo", action="store_true", help="leave torch's gloo out")
-    ap.add_argument("--cluster", metavar="NAME", help="one rank per host of the emulated cluster NAME")
-    ap.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are stopped")
-    ap.add_argument("--json", help="also write the figures to this JSON file")
+    add_launch_options(ap)
     args = ap.parse_args(argv)
     rows = parse_size(args.rows)
-    dims = [int(d) for d in args.dims.split(",")]
     batches = [parse_size(b) for b in args.batches.split(",")]
-    hooks = {}
-    if args.cluster:
-        from .. import netemu
-
-        try:
-            prefix, env = launcher.cluster_hooks(args.cluster, args.n)
-        except (ValueError, netemu.ClusterError) as e:
-            print(f"smartcoll bench embedding: {e}", file=sys.stderr)
-            return 2
-        hooks = {"rank_prefix": prefix, "rank_env": env}
-    with tempfile.TemporaryDirectory(prefix="smartcoll-bench-embedding-") as outdir:
-        cmd = [sys.executable, "-m", "smartcoll.tools.bench.embedding", "worker", outdir, str(rows),
-               args.dims, ",".join(map(str, batches)), str(args.iters), "0" if args.no_gloo else "1"]
-        run = launcher.run_ranks(cmd, args.n, args.timeout, master_port=launcher.free_port(count=2), **hooks)
-        bad = [r for r, res in enumerate(run.results) if res.returncode != 0]
-        if run.hung or bad:
-            for r, res in enumerate(run.results):
-                sys.stderr.write(f"--- rank {r} (status {res.returncode})\n{res.stdout}{res.stderr}")
-            print(f"ranks {run.hung or bad} failed or hung", file=sys.stderr)
-            return 1
-        report = json.loads(Path(outdir, "rank0.json").read_text())
+    worker_args = [str(rows), args.dims, ",".join(map(str, batches)), str(args.iters), "0" if args.no_gloo else "1"]
+    # gloo's store listens on MASTER_PORT + 1 (gloo_ops)
+    report, status = run_workers("embedding", "smartcoll.tools.bench.embedding", worker_args, args.n, args.cluster,
+                                 args.timeout, ports=2)
+    if report is None:
+        return status
     print(f"{args.n} ranks{' on cluster ' + args.cluster if args.cluster else ' on loopback'}: a table of {rows} "
           f"float32 rows sharded by rows; median of {args.iters} rounds (the slowest rank's time per round); "
           "rows checked")
