@@ -422,7 +422,7 @@ NB_MODULE(_core, m) {
       .def("one_sided", [](Communicator& c, const std::string& kind, int rank, uint64_t id, uint64_t bytes,
                            const std::string& dtype, Offsets offsets, Offsets sizes,
                            const std::vector<uintptr_t>& addrs, const std::vector<size_t>& lens,
-                           const std::string& op) {
+                           const std::string& op, const std::string& codec) {
         if (offsets.shape(0) != sizes.shape(0) || addrs.size() != lens.size())
           throw nb::value_error("one offset per size and one length per local address");
         const RemoteRegion region{rank, id, bytes, parse_dtype(dtype)};
@@ -430,10 +430,12 @@ NB_MODULE(_core, m) {
         for (size_t i = 0; i < pieces.size(); ++i) pieces[i] = {offsets(i), sizes(i)};
         std::vector<LocalPiece> local(addrs.size());
         for (size_t i = 0; i < local.size(); ++i) local[i] = {reinterpret_cast<void*>(addrs[i]), lens[i]};
+        const std::optional<Codec> wire = parse_codec(codec);
+        const ReduceOp rop = parse_op(op);
         nb::gil_scoped_release release;  // the first call to a peer connects to it
-        if (kind == "getv") return c.getv(region, pieces, local);
-        if (kind == "putv") return c.putv(local, region, pieces);
-        return c.accumulatev(local, region, pieces, parse_op(op));
+        if (kind == "getv") return c.getv(region, pieces, local, wire);
+        if (kind == "putv") return c.putv(local, region, pieces, wire);
+        return c.accumulatev(local, region, pieces, rop, wire);
       })
       .def("close", [](Communicator& c) {
         nb::gil_scoped_release release;

@@ -161,17 +161,19 @@ class Communicator {
   // writable buffer; its id (1, 2, ... in this rank's order of registration) names it to peers, whose calls this
   // rank's one-sided server thread serves with no call of its own. Offsets and sizes in bytes; the local buffers,
   // taken one after the other, hold the pieces in order. Every field is checked here and again by the target.
+  // `codec` (float32 regions, whole elements): each piece travels encoded; accumulate then takes sum only.
   uint64_t register_region(void* base, size_t bytes, DataType dtype);
   // Waits for a copy in progress from or into the region; later calls on it fail ("region N was deregistered").
   void deregister_region(uint64_t id);
   std::shared_ptr<Request> getv(const RemoteRegion& from, std::span<const RemotePiece> pieces,
-                                std::span<const LocalPiece> into);
+                                std::span<const LocalPiece> into, std::optional<Codec> codec = std::nullopt);
   std::shared_ptr<Request> putv(std::span<const LocalPiece> from, const RemoteRegion& into,
-                                std::span<const RemotePiece> pieces);
+                                std::span<const RemotePiece> pieces, std::optional<Codec> codec = std::nullopt);
   // Reduces (op: sum, prod, min, max) element-wise into the region, in its dtype; a target applies one rank's
   // calls in the order they were made.
   std::shared_ptr<Request> accumulatev(std::span<const LocalPiece> from, const RemoteRegion& into,
-                                       std::span<const RemotePiece> pieces, ReduceOp op = ReduceOp::sum);
+                                       std::span<const RemotePiece> pieces, ReduceOp op = ReduceOp::sum,
+                                       std::optional<Codec> codec = std::nullopt);
 
   // The codec a call uses: `requested`, or the knob's where it applies; identity means raw elements.
   // op: nullopt for collectives that do not reduce (allgather).

@@ -271,6 +271,7 @@ class Communicator:
 
     # One-sided operations on registered regions (docs/vectored.md): offsets and sizes in bytes; the peer's
     # application makes no call. `local` is one buffer or a list, whose buffers hold the pieces in order.
+    # `codec`: each piece travels encoded (float32 regions, whole elements; accumulatev then adds only).
 
     def register(self, buffer: Any) -> Any:
         """Registers a writable contiguous buffer (NumPy array, CPU tensor, bytearray) as a Region: ids run
@@ -285,29 +286,33 @@ class Communicator:
         """A collective (an allgather): every rank's region (or None), as RemoteRegions indexed by rank."""
         return _onesided().exchange_regions(self, region)
 
-    def igetv(self, peer: int, remote: Any, offsets: Any, sizes: Any, local: Any) -> Request:
+    def igetv(self, peer: int, remote: Any, offsets: Any, sizes: Any, local: Any,
+              codec: Optional[str] = None) -> Request:
         """Reads the pieces (offsets[i], sizes[i] bytes; sizes may be one int) of `remote` into `local`."""
-        return _onesided().post(self, "getv", peer, remote, local, offsets, sizes)
+        return _onesided().post(self, "getv", peer, remote, local, offsets, sizes, codec=codec)
 
-    def iputv(self, peer: int, local: Any, remote: Any, offsets: Any, sizes: Any = None) -> Request:
+    def iputv(self, peer: int, local: Any, remote: Any, offsets: Any, sizes: Any = None,
+              codec: Optional[str] = None) -> Request:
         """Writes `local` into the pieces of `remote` (sizes default to one piece per local buffer)."""
-        return _onesided().post(self, "putv", peer, remote, local, offsets, sizes)
+        return _onesided().post(self, "putv", peer, remote, local, offsets, sizes, codec=codec)
 
     def iaccumulatev(self, peer: int, local: Any, remote: Any, offsets: Any, sizes: Any = None,
-                     op: str = "sum") -> Request:
+                     op: str = "sum", codec: Optional[str] = None) -> Request:
         """Reduces `local` (the region's dtype) into the pieces of `remote`, element-wise; the target applies one
         rank's calls in the order they were made."""
-        return _onesided().post(self, "accumulatev", peer, remote, local, offsets, sizes, op)
+        return _onesided().post(self, "accumulatev", peer, remote, local, offsets, sizes, op, codec)
 
-    def getv(self, peer: int, remote: Any, offsets: Any, sizes: Any, local: Any) -> Any:
-        return self.igetv(peer, remote, offsets, sizes, local).wait()
+    def getv(self, peer: int, remote: Any, offsets: Any, sizes: Any, local: Any,
+             codec: Optional[str] = None) -> Any:
+        return self.igetv(peer, remote, offsets, sizes, local, codec).wait()
 
-    def putv(self, peer: int, local: Any, remote: Any, offsets: Any, sizes: Any = None) -> None:
-        self.iputv(peer, local, remote, offsets, sizes).wait()
+    def putv(self, peer: int, local: Any, remote: Any, offsets: Any, sizes: Any = None,
+             codec: Optional[str] = None) -> None:
+        self.iputv(peer, local, remote, offsets, sizes, codec).wait()
 
     def accumulatev(self, peer: int, local: Any, remote: Any, offsets: Any, sizes: Any = None,
-                    op: str = "sum") -> None:
-        self.iaccumulatev(peer, local, remote, offsets, sizes, op).wait()
+                    op: str = "sum", codec: Optional[str] = None) -> None:
+        self.iaccumulatev(peer, local, remote, offsets, sizes, op, codec).wait()
 
     def engine_stats(self) -> dict:
         """{'workers', 'cpu_seconds' (CPU time of the engine's worker threads so far), 'open_channels'}."""

@@ -4,6 +4,8 @@ A rank registers a writable contiguous buffer (a NumPy array, a CPU torch tensor
 its id (1, 2, 3, ... in that rank's order of registration) and rank name it to peers, which read pieces of it
 (getv), write pieces into it (putv) or reduce pieces into it (accumulatev) with no call on the owner's side.
 Offsets and sizes are in bytes. The local buffers of a call, taken one after the other, hold the pieces in order.
+`codec=` (float32 regions, pieces of whole elements) sends each piece encoded: putv and accumulatev encode here
+and the target decodes, getv the reverse; accumulatev with a codec adds (op "sum") only.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def _bytes_list(values: Any, count: Optional[int], what: str, call: str) -> np.n
 
 
 def post(comm: Any, call: str, peer: int, remote: RemoteRegion, local: Union[Any, Sequence[Any]], offsets: Any,
-         sizes: Any, op: str = "sum") -> Request:
+         sizes: Any, op: str = "sum", codec: Optional[str] = None) -> Request:
     if not isinstance(remote, RemoteRegion):
         raise TypeError(f"{call}: the remote region must be a RemoteRegion (Region.remote() or "
                         f"exchange_regions()), got {type(remote).__name__}")
@@ -132,6 +134,6 @@ def post(comm: Any, call: str, peer: int, remote: RemoteRegion, local: Union[Any
     if len(size_list) != len(offs):
         raise ValueError(f"{call}: {len(offs)} offsets but {len(size_list)} sizes; pass one size per offset")
     core = comm._core.one_sided(call, remote.rank, remote.id, remote.nbytes, remote.dtype, offs, size_list,
-                                [_address(b) for b in buffers], lens, op)
+                                [_address(b) for b in buffers], lens, op, codec or "")
     result = (buffers[0] if single else buffers) if call == "getv" else None
     return Request(core, result, tuple(buffers), comm._core)

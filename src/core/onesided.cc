@@ -62,6 +62,32 @@ struct Out {
   std::shared_ptr<Service::Call> call;  // a request: keeps its local buffers' list alive
 };
 
+// The local buffers' bytes, one after the other, into `out`; and back.
+void from_local(std::span<const LocalPiece> local, char* out) {
+  for (const LocalPiece& p : local) {
+    if (p.bytes) std::memcpy(out, p.data, p.bytes);
+    out += p.bytes;
+  }
+}
+
+void to_local(const char* in, std::span<const LocalPiece> local) {
+  for (const LocalPiece& p : local) {
+    if (p.bytes) std::memcpy(p.data, in, p.bytes);
+    in += p.bytes;
+  }
+}
+
+// The pieces as they lie one after the other in the local buffers.
+std::vector<RemotePiece> packed(std::span<const RemotePiece> pieces) {
+  std::vector<RemotePiece> out;
+  uint64_t at = 0;
+  for (const RemotePiece& p : pieces) {
+    out.push_back({at, p.bytes});
+    at += p.bytes;
+  }
+  return out;
+}
+
 std::vector<char> head_bytes(const Header& h, std::span<const RemotePiece> pieces = {}) {
   std::vector<char> b(sizeof h + pieces.size_bytes());
   std::memcpy(b.data(), &h, sizeof h);
@@ -87,6 +113,8 @@ struct Service::Call {
   Header head;
   std::vector<RemotePiece> pieces;
   std::vector<LocalPiece> local;
+  std::optional<Codec> codec;
+  std::vector<char> encoded;  // a put's or accumulate's payload under a codec
   std::shared_ptr<Request> req;
 };
 
@@ -105,6 +133,7 @@ struct Service::Conn {
   uint64_t discard = 0;  // refused payload bytes still to drop
   std::vector<char> staging;
   std::string refused;              // target: why the request in hand is refused
+  std::optional<Codec> codec;       // target: the codec of the request in hand
   std::shared_ptr<Region> region;   // target: the region it is for
   std::shared_ptr<Call> call;       // initiator: the call the answer in hand is for
   std::deque<Out> out;
@@ -184,7 +213,8 @@ std::shared_ptr<Service::Region> Service::find(uint64_t id, std::string& why) {
 }
 
 std::shared_ptr<Request> Service::post(Kind kind, const RemoteRegion& region, std::span<const RemotePiece> pieces,
-                                       std::span<const LocalPiece> local, ReduceOp op) {
+                                       std::span<const LocalPiece> local, ReduceOp op,
+                                       const std::optional<Codec>& codec) {
   const std::string what = kind_name(static_cast<uint8_t>(kind));
   require(region.rank >= 0 && region.rank < s_.size, what + ": rank " + std::to_string(region.rank) +
                                                          " is outside the world of size " + std::to_string(s_.size));
@@ -195,7 +225,7 @@ std::shared_ptr<Request> Service::post(Kind kind, const RemoteRegion& region, st
                 " bytes");
     local_bytes += local[i].bytes;
   }
-  check_call(kind, region, pieces, local_bytes, op);
+  check_call(kind, region, pieces, local_bytes, op, codec);
   require(!stop_, "the communicator is closed");
   auto call = std::make_shared<Call>();
   call->peer = region.rank;
@@ -205,9 +235,18 @@ std::shared_ptr<Request> Service::post(Kind kind, const RemoteRegion& region, st
   call->head.npieces = static_cast<uint32_t>(pieces.size());
   call->head.id = next_call_++;
   call->head.region = region.id;
-  call->head.payload = kind == Kind::get ? 0 : local_bytes;
+  set_codec(call->head, codec);
+  call->head.payload = kind == Kind::get ? 0 : wire_bytes(pieces, codec);
   call->pieces.assign(pieces.begin(), pieces.end());
   call->local.assign(local.begin(), local.end());
+  call->codec = codec;
+  if (codec && kind != Kind::get) {
+    // The local buffers hold the pieces one after the other: encode each piece from their concatenation.
+    std::vector<char> raw(local_bytes);
+    from_local(local, raw.data());
+    call->encoded.resize(call->head.payload);
+    gather(raw.data(), packed(pieces), call->encoded.data(), codec);
+  }
   call->name = what + " #" + std::to_string(call->head.id) + " on rank " + std::to_string(s_.rank) + " to rank " +
                std::to_string(region.rank) + " (region " + std::to_string(region.id) + ")";
   call->req = std::make_shared<Request>();
@@ -294,7 +333,9 @@ void Service::take_inbox() {
     Out o;
     o.head = head_bytes(call->head, call->pieces);
     o.at.segs.push_back({o.head.data(), o.head.size()});
-    if (static_cast<Kind>(call->head.kind) != Kind::get)
+    if (!call->encoded.empty())
+      o.at.segs.push_back({call->encoded.data(), call->encoded.size()});
+    else if (static_cast<Kind>(call->head.kind) != Kind::get)
       for (const LocalPiece& p : call->local) o.at.segs.push_back({p.data, p.bytes});
     o.call = call;
     if (c->waiting.empty()) c->last = Clock::now();  // the answer's clock starts now, not at the last answer
@@ -413,17 +454,16 @@ void Service::receive(Conn& c) {
         c.call = it->second;
         const auto kind = static_cast<Kind>(c.h.kind);
         const auto asked = static_cast<Kind>(c.call->head.kind);
-        uint64_t want = 0;
-        for (const RemotePiece& p : c.call->pieces) want += p.bytes;
+        const uint64_t want = wire_bytes(c.call->pieces, c.call->codec);
         if (kind == Kind::data && (asked != Kind::get || c.h.payload != want))
           return close(c, "malformed one-sided message from " + from + ": data of " + std::to_string(c.h.payload) +
                               " bytes for " + c.call->name);
         if (kind == Kind::done && asked == Kind::get)
           return close(c, "malformed one-sided message from " + from + ": 'done' for " + c.call->name);
         c.into = {};
-        if (kind == Kind::data) {
+        if (kind == Kind::data && !c.call->codec) {
           for (const LocalPiece& p : c.call->local) c.into.segs.push_back({p.data, p.bytes});
-        } else if (kind == Kind::error) {
+        } else if (kind != Kind::done) {  // an error's text, or encoded pieces to decode
           c.staging.assign(c.h.payload, 0);
           c.into.segs.push_back({c.staging.data(), c.staging.size()});
         }
@@ -438,6 +478,7 @@ void Service::receive(Conn& c) {
       if (std::string why = malformed_pieces(c.h, c.pieces); !why.empty())
         return close(c, "malformed one-sided message from " + from + ": " + why);
       c.refused.clear();
+      c.codec = codec_of(c.h);
       c.region = find(c.h.region, c.refused);
       if (c.region) c.refused = refusal(c.h, c.pieces, {c.region->id, c.region->bytes, c.region->dtype});
       c.into = {};
@@ -501,12 +542,10 @@ void Service::serve(Conn& c) {
     if (!c.region->alive) {
       why = "region " + std::to_string(c.region->id) + " was deregistered";
     } else if (static_cast<Kind>(c.h.kind) == Kind::get) {
-      uint64_t total = 0;
-      for (const RemotePiece& p : c.pieces) total += p.bytes;
-      o.body.resize(total);
-      gather(c.region->base, c.pieces, o.body.data());
+      o.body.resize(wire_bytes(c.pieces, c.codec));
+      gather(c.region->base, c.pieces, o.body.data(), c.codec);
     } else {
-      scatter(c.region->base, c.pieces, c.staging.data(), c.h);
+      scatter(c.region->base, c.pieces, c.staging.data(), c.h, c.codec);
     }
   }
   if (!why.empty()) {
@@ -527,11 +566,23 @@ void Service::serve(Conn& c) {
 void Service::answer(Conn& c) {
   std::shared_ptr<Call> call = std::move(c.call);
   c.waiting.erase(c.h.id);
-  if (static_cast<Kind>(c.h.kind) == Kind::error)
+  if (static_cast<Kind>(c.h.kind) == Kind::error) {
     call->req->finish(call->name + ": rank " + std::to_string(c.peer) + " refused it: " +
                       std::string(c.staging.begin(), c.staging.end()));
-  else
+  } else {
+    if (static_cast<Kind>(c.h.kind) == Kind::data && call->codec) {
+      // Decode each piece into the concatenation of the local buffers (the scatter half of the codec's work).
+      std::vector<char> raw(wire_bytes(call->pieces, std::nullopt));
+      const Header put_like = [&] {
+        Header h = call->head;
+        h.kind = static_cast<uint8_t>(Kind::put);
+        return h;
+      }();
+      scatter(raw.data(), packed(call->pieces), c.staging.data(), put_like, call->codec);
+      to_local(raw.data(), call->local);
+    }
     call->req->finish("");
+  }
   if (c.waiting.empty()) c.last = Clock::now();
 }
 

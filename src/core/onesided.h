@@ -49,8 +49,10 @@ class Service {
   void remove(uint64_t id);
   // Checks the call as the target will, connects to the peer on first use (on this thread, within
   // connect_timeout), and queues it. The local buffers must stay valid until the request completes.
+  // codec: float32 only; put and accumulate encode here (on this thread) and decode at the target, get the
+  // reverse.
   std::shared_ptr<Request> post(Kind kind, const RemoteRegion& region, std::span<const RemotePiece> pieces,
-                                std::span<const LocalPiece> local, ReduceOp op);
+                                std::span<const LocalPiece> local, ReduceOp op, const std::optional<Codec>& codec);
 
   struct Region;
   struct Conn;

@@ -31,18 +31,19 @@ uint64_t Communicator::register_region(void* base, size_t bytes, DataType dtype)
 void Communicator::deregister_region(uint64_t id) { one_sided().remove(id); }
 
 std::shared_ptr<Request> Communicator::getv(const RemoteRegion& from, std::span<const RemotePiece> pieces,
-                                            std::span<const LocalPiece> into) {
-  return one_sided().post(rma::Kind::get, from, pieces, into, ReduceOp::sum);
+                                            std::span<const LocalPiece> into, std::optional<Codec> codec) {
+  return one_sided().post(rma::Kind::get, from, pieces, into, ReduceOp::sum, codec);
 }
 
 std::shared_ptr<Request> Communicator::putv(std::span<const LocalPiece> from, const RemoteRegion& into,
-                                            std::span<const RemotePiece> pieces) {
-  return one_sided().post(rma::Kind::put, into, pieces, from, ReduceOp::sum);
+                                            std::span<const RemotePiece> pieces, std::optional<Codec> codec) {
+  return one_sided().post(rma::Kind::put, into, pieces, from, ReduceOp::sum, codec);
 }
 
 std::shared_ptr<Request> Communicator::accumulatev(std::span<const LocalPiece> from, const RemoteRegion& into,
-                                                   std::span<const RemotePiece> pieces, ReduceOp op) {
-  return one_sided().post(rma::Kind::accumulate, into, pieces, from, op);
+                                                   std::span<const RemotePiece> pieces, ReduceOp op,
+                                                   std::optional<Codec> codec) {
+  return one_sided().post(rma::Kind::accumulate, into, pieces, from, op, codec);
 }
 
 }  // namespace smartcoll

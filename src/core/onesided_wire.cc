@@ -1,6 +1,7 @@
 #include "core/onesided_wire.h"
 
 #include <cstring>
+#include <vector>
 
 #include "core/checks.h"
 #include "smartcoll/reduce.h"
@@ -16,8 +17,10 @@ std::string piece_text(size_t i, const RemotePiece& p) {
          std::to_string(p.offset) + ")";
 }
 
-// The first reason the pieces do not fit `bytes` of a region of element type `dt` for `kind` ("" if they fit).
-std::string outside(Kind kind, std::span<const RemotePiece> pieces, uint64_t bytes, DataType dt, uint64_t id) {
+// The first reason the pieces do not fit `bytes` of a region of element type `dt` for `kind` ("" if they fit);
+// `whole`: every piece must be whole elements (accumulate, or a codec).
+std::string outside(Kind kind, bool whole, std::span<const RemotePiece> pieces, uint64_t bytes, DataType dt,
+                    uint64_t id) {
   const size_t esize = dtype_size(dt);
   for (size_t i = 0; i < pieces.size(); ++i) {
     const RemotePiece& p = pieces[i];
@@ -25,8 +28,8 @@ std::string outside(Kind kind, std::span<const RemotePiece> pieces, uint64_t byt
     if (p.offset > bytes || p.bytes > bytes - p.offset)
       return piece_text(i, p) + " lies outside region " + std::to_string(id) + " of " + std::to_string(bytes) +
              " bytes";
-    if (kind == Kind::accumulate && (p.offset % esize != 0 || p.bytes % esize != 0))
-      return "accumulate: " + piece_text(i, p) + " is not made of whole " + std::string(dtype_name(dt)) +
+    if (whole && (p.offset % esize != 0 || p.bytes % esize != 0))
+      return std::string(kind_name(static_cast<uint8_t>(kind))) + ": " + piece_text(i, p) + " is not made of whole " + std::string(dtype_name(dt)) +
              " elements of region " + std::to_string(id) + " (offsets and sizes must be multiples of " +
              std::to_string(esize) + " bytes)";
   }
@@ -78,31 +81,73 @@ std::string malformed(const Header& h, bool at_target) {
     if (kind == Kind::get && h.payload != 0) return "a getv request carries no payload";
     if (kind == Kind::accumulate && (!valid_dtype(h.dtype) || h.op > static_cast<uint8_t>(ReduceOp::avg)))
       return "accumulatev with dtype " + std::to_string(h.dtype) + " and op " + std::to_string(h.op);
+    // A codec's canonical name, NUL-padded: nothing after the first NUL, and a name parse() takes.
+    const size_t len = ::strnlen(h.codec, sizeof h.codec);
+    if (len == sizeof h.codec) return "a codec name without its end";
+    for (size_t i = len; i < sizeof h.codec; ++i)
+      if (h.codec[i] != 0) return "bytes after the codec name";
+    if (len) {
+      try {
+        Codec::parse(std::string_view(h.codec, len));
+      } catch (const InvalidArgument&) {
+        return "unknown codec '" + std::string(h.codec, len) + "'";
+      }
+    }
     return "";
   }
   if (h.npieces != 0) return "an answer carries no pieces";
+  if (h.codec[0] != 0) return "an answer names no codec";
   if (kind == Kind::done && h.payload != 0) return "a done answer carries no payload";
   if (kind == Kind::error && h.payload > kMaxErrorText)
     return "an error text of " + std::to_string(h.payload) + " bytes";
   return "";
 }
 
+std::optional<Codec> codec_of(const Header& h) {
+  if (h.codec[0] == 0) return std::nullopt;
+  return Codec::parse(std::string_view(h.codec, ::strnlen(h.codec, sizeof h.codec)));
+}
+
+void set_codec(Header& h, const std::optional<Codec>& codec) {
+  std::memset(h.codec, 0, sizeof h.codec);
+  if (!codec) return;
+  const std::string name = codec->name();
+  require(name.size() < sizeof h.codec, "codec name '" + name + "' is too long for a one-sided call");
+  std::memcpy(h.codec, name.data(), name.size());
+}
+
+uint64_t wire_bytes(std::span<const RemotePiece> pieces, const std::optional<Codec>& codec) {
+  uint64_t total = 0;
+  for (const RemotePiece& p : pieces) total += codec ? codec->encoded_size(p.bytes / 4) : p.bytes;
+  return total;
+}
+
 std::string malformed_pieces(const Header& h, std::span<const RemotePiece> pieces) {
+  const std::optional<Codec> codec = codec_of(h);
   uint64_t total = 0;
   for (size_t i = 0; i < pieces.size(); ++i) {
     if (pieces[i].bytes > kMaxPayload - total)
       return "the pieces add up to more than " + std::to_string(kMaxPayload) + " bytes (at piece " +
              std::to_string(i) + ")";
+    if (codec && pieces[i].bytes % 4 != 0)
+      return "under codec " + codec->name() + ", " + piece_text(i, pieces[i]) + " is not whole float32 elements";
     total += pieces[i].bytes;
   }
-  if (static_cast<Kind>(h.kind) != Kind::get && total != h.payload)
-    return "the pieces add up to " + std::to_string(total) + " bytes but the payload is " +
+  const uint64_t wire = wire_bytes(pieces, codec);  // no more than `total`: no codec is larger than float32
+  if (static_cast<Kind>(h.kind) != Kind::get && wire != h.payload)
+    return "the pieces add up to " + std::to_string(wire) + " bytes on the wire but the payload is " +
            std::to_string(h.payload);
   return "";
 }
 
 std::string refusal(const Header& h, std::span<const RemotePiece> pieces, const RegionInfo& region) {
   const Kind kind = static_cast<Kind>(h.kind);
+  const bool coded = h.codec[0] != 0;
+  if (coded && region.dtype != DataType::f32)
+    return std::string(kind_name(h.kind)) + " with a codec needs a float32 region; region " +
+           std::to_string(region.id) + " holds " + std::string(dtype_name(region.dtype));
+  if (coded && kind == Kind::accumulate && static_cast<ReduceOp>(h.op) != ReduceOp::sum)
+    return "accumulatev with a codec adds (op 'sum') and nothing else";
   if (kind == Kind::accumulate) {
     const auto dt = static_cast<DataType>(h.dtype);
     if (dt != region.dtype)
@@ -111,11 +156,11 @@ std::string refusal(const Header& h, std::span<const RemotePiece> pieces, const 
     if (static_cast<ReduceOp>(h.op) == ReduceOp::avg)
       return "accumulatev: op 'avg' is not an accumulation; use 'sum' and divide";
   }
-  return outside(kind, pieces, region.bytes, region.dtype, region.id);
+  return outside(kind, kind == Kind::accumulate || coded, pieces, region.bytes, region.dtype, region.id);
 }
 
 void check_call(Kind kind, const RemoteRegion& region, std::span<const RemotePiece> pieces, size_t local_bytes,
-                ReduceOp op) {
+                ReduceOp op, const std::optional<Codec>& codec) {
   const std::string name = kind_name(static_cast<uint8_t>(kind));
   require(pieces.size() <= kMaxPieces, name + ": " + std::to_string(pieces.size()) + " pieces exceed the limit of " +
                                            std::to_string(kMaxPieces) + " per call; split the call");
@@ -132,23 +177,48 @@ void check_call(Kind kind, const RemoteRegion& region, std::span<const RemotePie
   h.kind = static_cast<uint8_t>(kind);
   h.dtype = static_cast<uint8_t>(region.dtype);
   h.op = static_cast<uint8_t>(op);
+  set_codec(h, codec);
   const std::string why = refusal(h, pieces, {region.id, region.bytes, region.dtype});
   require(why.empty(), name + " to rank " + std::to_string(region.rank) + ": " + why);
 }
 
-void gather(const char* base, std::span<const RemotePiece> pieces, char* out) {
+void gather(const char* base, std::span<const RemotePiece> pieces, char* out, const std::optional<Codec>& codec) {
+  std::vector<float> floats;
   for (const RemotePiece& p : pieces) {
-    if (p.bytes) std::memcpy(out, base + p.offset, p.bytes);  // an empty piece may come with a null `out`
-    out += p.bytes;
+    if (p.bytes == 0) continue;  // an empty piece may come with a null `out`
+    if (codec) {
+      // Whole float32 elements (refusal()); the region may hold them at any address.
+      const size_t n = p.bytes / 4;
+      floats.resize(n);
+      std::memcpy(floats.data(), base + p.offset, p.bytes);
+      codec->encode(floats.data(), n, reinterpret_cast<uint8_t*>(out));
+      out += codec->encoded_size(n);
+    } else {
+      std::memcpy(out, base + p.offset, p.bytes);
+      out += p.bytes;
+    }
   }
 }
 
-void scatter(char* base, std::span<const RemotePiece> pieces, const char* in, const Header& h) {
+void scatter(char* base, std::span<const RemotePiece> pieces, const char* in, const Header& h,
+             const std::optional<Codec>& codec) {
   const auto dt = static_cast<DataType>(h.dtype);
+  const bool put = static_cast<Kind>(h.kind) == Kind::put;
+  std::vector<float> floats;
   for (const RemotePiece& p : pieces) {
     char* at = base + p.offset;
     if (p.bytes == 0) continue;  // `in` may be null when every piece is empty
-    if (static_cast<Kind>(h.kind) == Kind::put)
+    if (codec) {
+      const size_t n = p.bytes / 4;
+      floats.resize(n);
+      std::memcpy(floats.data(), at, put ? 0 : p.bytes);
+      const auto* enc = reinterpret_cast<const uint8_t*>(in);
+      put ? codec->decode(enc, n, floats.data()) : codec->decode_add(enc, n, floats.data(), floats.data());
+      std::memcpy(at, floats.data(), p.bytes);
+      in += codec->encoded_size(n);
+      continue;
+    }
+    if (put)
       std::memmove(at, in, p.bytes);
     else
       reduce(dt, static_cast<ReduceOp>(h.op), at, at, in, p.bytes / dtype_size(dt));

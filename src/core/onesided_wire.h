@@ -9,13 +9,17 @@
 //   put:        header + pieces + the pieces' bytes -> done or error
 //   accumulate: header + pieces + the pieces' bytes -> done or error (reduced into the region, element-wise)
 //   error:      payload is the reason, text
+// A request that names a codec (float32 regions only) carries, and gets back, each piece encoded on its own
+// (piece i's elements as one encode() call), the encoded pieces concatenated.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 
+#include "smartcoll/codec.h"
 #include "smartcoll/onesided.h"
 #include "smartcoll/types.h"
 
@@ -41,8 +45,15 @@ struct Header {
   uint64_t id = 0;      // chosen by the initiator; an answer carries its request's
   uint64_t region = 0;  // requests: the region's id at the target
   uint64_t payload = 0;
+  char codec[32] = {};  // requests: the codec's canonical name, NUL-padded; empty: raw bytes
 };
-static_assert(sizeof(Header) == 40, "a wire format: no padding");
+static_assert(sizeof(Header) == 72, "a wire format: no padding");
+
+// The codec a request names; nullopt when it names none (raw bytes). Call on a header malformed() accepted.
+std::optional<Codec> codec_of(const Header& h);
+void set_codec(Header& h, const std::optional<Codec>& codec);
+// The payload bytes of `pieces` on the wire: their sizes, or their encoded sizes under `codec`.
+uint64_t wire_bytes(std::span<const RemotePiece> pieces, const std::optional<Codec>& codec);
 
 // The first bytes an initiator sends on a new channel. `token` is the target's: 16 random bytes it publishes
 // with its address in the job's store, so that only who can read the store (the job's ranks; with a store
@@ -64,7 +75,8 @@ inline bool is_request(uint8_t kind) { return kind >= 1 && kind <= 3; }
 // an initiator. A malformed message closes the channel.
 std::string malformed(const Header& h, bool at_target);
 // Why a well-formed request's pieces table is malformed ("" if not): sizes that overflow, or that do not add up
-// to the payload of a put or accumulate, or exceed kMaxPayload for a get.
+// to the payload of a put or accumulate (encoded, under a codec), or exceed kMaxPayload for a get; under a codec,
+// pieces that are not whole float32 elements.
 std::string malformed_pieces(const Header& h, std::span<const RemotePiece> pieces);
 
 // What a target knows of one of its regions.
@@ -79,11 +91,13 @@ struct RegionInfo {
 std::string refusal(const Header& h, std::span<const RemotePiece> pieces, const RegionInfo& region);
 // The checks an initiator makes before sending, the same as the target's (InvalidArgument naming the cause).
 void check_call(Kind kind, const RemoteRegion& region, std::span<const RemotePiece> pieces, size_t local_bytes,
-                ReduceOp op);
+                ReduceOp op, const std::optional<Codec>& codec);
 
 // Serving a request that refusal() let through, on the region's memory `base` (its bytes as RegionInfo says).
-// get: the pieces into `out` (payload bytes); put: `in` into the pieces; accumulate: reduce `in` into them.
-void gather(const char* base, std::span<const RemotePiece> pieces, char* out);
-void scatter(char* base, std::span<const RemotePiece> pieces, const char* in, const Header& h);
+// get: the pieces into `out` (their wire bytes); put: `in` into the pieces; accumulate: reduce `in` into them.
+// Under a codec, gather encodes each piece and scatter decodes each (accumulate: decode_add, op sum).
+void gather(const char* base, std::span<const RemotePiece> pieces, char* out, const std::optional<Codec>& codec);
+void scatter(char* base, std::span<const RemotePiece> pieces, const char* in, const Header& h,
+             const std::optional<Codec>& codec);
 
 }  // namespace smartcoll::rma

@@ -15,16 +15,16 @@ namespace {
 constexpr uint64_t kRegionBytes = 4096;
 constexpr uint64_t kMaxServed = 1 << 20;  // larger gathers are checked, not run
 
-std::string request(rma::Kind kind, std::vector<RemotePiece> pieces, DataType dt = DataType::f32) {
+std::string request(rma::Kind kind, std::vector<RemotePiece> pieces, DataType dt = DataType::f32,
+                    const char* codec = nullptr) {
   rma::Header h;
   h.kind = static_cast<uint8_t>(kind);
   h.dtype = static_cast<uint8_t>(dt);
   h.npieces = static_cast<uint32_t>(pieces.size());
   h.id = 7;
   h.region = 8 + static_cast<uint64_t>(dt);  // the target below takes region % 8 as the region's dtype
-  uint64_t total = 0;
-  for (const RemotePiece& p : pieces) total += p.bytes;
-  h.payload = kind == rma::Kind::get ? 0 : total;
+  if (codec) rma::set_codec(h, Codec::parse(codec));
+  h.payload = kind == rma::Kind::get ? 0 : rma::wire_bytes(pieces, rma::codec_of(h));
   std::string m(reinterpret_cast<const char*>(&h), sizeof h);
   m.append(reinterpret_cast<const char*>(pieces.data()), pieces.size() * sizeof(RemotePiece));
   m.append(h.payload, '\x01');
@@ -47,25 +47,28 @@ void onesided_message(const uint8_t* data, size_t size) {
   if (!rma::malformed_pieces(h, pieces).empty()) return;
   const DataType dt = static_cast<DataType>(h.region % 8);  // the region's dtype, from a field the input sets
   if (!rma::refusal(h, pieces, {h.region, kRegionBytes, dt}).empty()) return;
+  const std::optional<Codec> codec = rma::codec_of(h);
   uint64_t total = 0;
   for (const RemotePiece& p : pieces) {
     FUZZ_CHECK(p.offset <= kRegionBytes && p.bytes <= kRegionBytes - p.offset);
-    if (h.kind == static_cast<uint8_t>(rma::Kind::accumulate))
+    if (h.kind == static_cast<uint8_t>(rma::Kind::accumulate) || codec)
       FUZZ_CHECK(p.offset % dtype_size(dt) == 0 && p.bytes % dtype_size(dt) == 0);
     total += p.bytes;
   }
+  if (codec) FUZZ_CHECK(dt == DataType::f32);
   if (total > kMaxServed) return;
+  const uint64_t wire = rma::wire_bytes(pieces, codec);
   std::vector<char> region(kRegionBytes);
   if (h.kind == static_cast<uint8_t>(rma::Kind::get)) {
-    std::vector<char> out(total);
-    rma::gather(region.data(), pieces, out.data());
+    std::vector<char> out(wire);
+    rma::gather(region.data(), pieces, out.data(), codec);
     return;
   }
-  FUZZ_CHECK(total == h.payload);
-  std::vector<char> payload(total);
+  FUZZ_CHECK(wire == h.payload);
+  std::vector<char> payload(wire);
   const size_t have = size - sizeof h - table;
-  if (have && total) std::memcpy(payload.data(), data + sizeof h + table, std::min<size_t>(have, total));
-  rma::scatter(region.data(), pieces, payload.data(), h);
+  if (have && wire) std::memcpy(payload.data(), data + sizeof h + table, std::min<size_t>(have, wire));
+  rma::scatter(region.data(), pieces, payload.data(), h, codec);
 }
 
 Seeds onesided_message_seeds() {
@@ -73,7 +76,10 @@ Seeds onesided_message_seeds() {
           request(rma::Kind::put, {{8, 32}, {0, 4}}),
           request(rma::Kind::accumulate, {{16, 64}, {16, 64}}),
           request(rma::Kind::accumulate, {{6, 2}, {0, 4094}}, DataType::bf16),
-          request(rma::Kind::get, {})};
+          request(rma::Kind::get, {}),
+          request(rma::Kind::put, {{64, 256}, {0, 4}}, DataType::f32, "bfp16"),
+          request(rma::Kind::accumulate, {{8, 128}}, DataType::f32, "mxfp4_e2m1"),
+          request(rma::Kind::get, {{4092, 4}, {0, 4096}}, DataType::f32, "bfp:block=4096,mant=15,exp=8")};
 }
 
 }  // namespace smartcoll::fuzz

@@ -111,6 +111,53 @@ def test_accumulatev_sums_every_ranks_pieces(dtype):
         assert np.all(np.abs(got - want) <= tolerance * scale), np.max(np.abs(got - want) / scale)
 
 
+@pytest.mark.parametrize("codec", ["bfp16", "mxint8"])
+def test_codecs_send_each_piece_encoded(codec):
+    """getv and putv with a codec give, bit for bit, each piece's round trip through smartcoll.codec; a codec on
+    an int32 region is refused by the target (the initiator's RemoteRegion says float32 here)."""
+    count = 16 * KIB
+
+    def body(comm):
+        mine = np.random.default_rng(9).standard_normal(count).astype(np.float32)
+        ints = np.zeros(count, np.int32)
+        regions = [comm.register(mine), comm.register(ints)]
+        remote = comm.exchange_regions(regions[0])
+        peer = 1 - comm.rank
+        rng = np.random.default_rng(comm.rank)
+        offsets, sizes = random_pieces(rng, count * 4, 40, align=4, largest=8 * KIB)
+        got = np.empty(int(sizes.sum()) // 4, np.float32)
+        comm.getv(peer, remote[peer], offsets, sizes, got, codec=codec)
+        comm.barrier()
+        values = rng.standard_normal(int(sizes.sum()) // 4).astype(np.float32)
+        comm.putv(peer, values, remote[peer], offsets, sizes, codec=codec)
+        forged = smartcoll.RemoteRegion(peer, 2, count * 4, "float32")
+        with pytest.raises(smartcoll.CommError, match="getv with a codec needs a float32 region; region 2 holds int32"):
+            comm.getv(peer, forged, [0], 64, np.empty(16, np.float32), codec=codec)
+        with pytest.raises(ValueError, match="with a codec adds"):
+            comm.accumulatev(peer, values[:16], remote[peer], [0], op="max", codec=codec)
+        comm.barrier()
+        for r in regions:
+            r.close()
+        return offsets, sizes, got, values, mine
+
+    results = run_thread_ranks(2, body)
+    start = np.random.default_rng(9).standard_normal(count).astype(np.float32)
+
+    def round_trip(x):
+        return smartcoll.codec.decode(smartcoll.codec.encode(x, codec), codec, x.size)
+
+    for r in range(2):
+        offsets, sizes, got, _, _ = results[r]
+        want = np.concatenate([round_trip(start[o // 4:(o + s) // 4]) for o, s in zip(offsets, sizes)])
+        np.testing.assert_array_equal(got, want)
+        offsets, sizes, _, values, _ = results[1 - r]  # what the peer put into rank r, in order
+        want, at = start.copy(), 0
+        for o, s in zip(offsets // 4, sizes // 4):
+            want[o:o + s] = round_trip(values[at:at + s])
+            at += s
+        np.testing.assert_array_equal(results[r][4], want)
+
+
 def test_bad_calls_are_refused_by_name():
     def body(comm):
         data = np.zeros(1024, np.float32)
