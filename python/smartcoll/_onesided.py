@@ -72,6 +72,11 @@ class Region:
             self._open = False
             self._comm._core.deregister_region(self.id)
 
+    def __del__(self) -> None:
+        # A region dropped without close() must not outlive its buffer (peers would read freed memory).
+        if getattr(self, "_open", False):
+            self.close()
+
     def __enter__(self) -> "Region":
         return self
 

@@ -28,7 +28,10 @@ uint64_t Communicator::register_region(void* base, size_t bytes, DataType dtype)
   return one_sided().add(base, bytes, dtype);
 }
 
-void Communicator::deregister_region(uint64_t id) { one_sided().remove(id); }
+void Communicator::deregister_region(uint64_t id) {
+  if (closed_) return;  // closing took every region with it
+  one_sided().remove(id);
+}
 
 std::shared_ptr<Request> Communicator::getv(const RemoteRegion& from, std::span<const RemotePiece> pieces,
                                             std::span<const LocalPiece> into, std::optional<Codec> codec) {

@@ -7,6 +7,7 @@ outstanding and a target that stops answering."""
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import subprocess
@@ -161,8 +162,8 @@ def test_codecs_send_each_piece_encoded(codec):
 def test_bad_calls_are_refused_by_name():
     def body(comm):
         data = np.zeros(1024, np.float32)
-        region = comm.register(bytearray(4096))
-        remote = comm.exchange_regions(comm.register(data))
+        regions = [comm.register(bytearray(4096)), comm.register(data)]
+        remote = comm.exchange_regions(regions[1])
         peer = 1 - comm.rank
         out = np.empty(4, np.float32)
         errors = []
@@ -188,7 +189,8 @@ def test_bad_calls_are_refused_by_name():
             comm.getv(peer, smartcoll.RemoteRegion(peer, 7, 4096, "float32"), [0], 16, out)
         errors.append(str(info.value))
         comm.barrier()
-        region.close()
+        for region in regions:
+            region.close()
         return errors
 
     errors = run_thread_ranks(2, body)[0]
@@ -205,14 +207,22 @@ def test_bad_calls_are_refused_by_name():
 
 
 def test_a_deregistered_region_is_refused():
+    """Leaving a `with` block deregisters a region, and so does dropping the last reference to it."""
     def body(comm):
         data = np.arange(256, dtype=np.float32)
         with comm.register(data) as region:
             remote = comm.exchange_regions(region)
             comm.barrier()
+        dropped = comm.register(np.zeros(64, np.float32))
+        dropped_remote = comm.exchange_regions(dropped)
+        del dropped
+        gc.collect()
         comm.barrier()  # both deregistered
+        peer = 1 - comm.rank
         with pytest.raises(smartcoll.CommError, match=r"rank [01] refused it: region 1 was deregistered"):
-            comm.getv(1 - comm.rank, remote[1 - comm.rank], [0], 16, np.empty(4, np.float32))
+            comm.getv(peer, remote[peer], [0], 16, np.empty(4, np.float32))
+        with pytest.raises(smartcoll.CommError, match=r"rank [01] refused it: region 2 was deregistered"):
+            comm.getv(peer, dropped_remote[peer], [0], 16, np.empty(4, np.float32))
         comm.barrier()
 
     run_thread_ranks(2, body)
