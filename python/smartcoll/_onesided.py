@@ -75,7 +75,10 @@ class Region:
     def __del__(self) -> None:
         # A region dropped without close() must not outlive its buffer (peers would read freed memory).
         if getattr(self, "_open", False):
-            self.close()
+            try:
+                self.close()
+            except Exception:  # at interpreter exit the core may be gone already; its regions went with it
+                pass
 
     def __enter__(self) -> "Region":
         return self
