@@ -596,7 +596,13 @@ void Service::run() {
     [[maybe_unused]] ssize_t r = ::read(wakefd_.get(), &count, sizeof count);
     take_inbox();
     accept_all();
-    for (auto& c : conns_) progress(*c);
+    for (auto& c : conns_) {
+      try {
+        progress(*c);
+      } catch (const std::exception& e) {  // a staging buffer the memory cannot hold: that channel goes, not the rank
+        close(*c, std::string("the one-sided server dropped the channel: ") + e.what());
+      }
+    }
     std::erase_if(conns_, [](const std::unique_ptr<Conn>& c) { return c->closed; });
   }
   for (auto& c : conns_) close(*c, "the communicator was closed");
