@@ -298,9 +298,11 @@ def test_the_embedding_example_checks_its_rows():
 def test_bench_embedding_reports_every_method_and_checks_rows(tmp_path):
     out = tmp_path / "embedding.json"
     proc = subprocess.run([sys.executable, "-m", "smartcoll.tools.cli", "bench", "embedding", "--rows", "4K",
-                           "--dims", "8", "--batches", "64", "--iters", "2", "--no-gloo", "--json", str(out)],
+                           "--dims", "8", "--batches", "64", "--iters", "2", "--no-gloo", "--codec", "bfp16",
+                           "--json", str(out)],
                           env=clean_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     table = json.loads(out.read_text())["table"]
-    assert [(r["dim"], r["batch"], r["method"]) for r in table] == [(8, 64, "getv"), (8, 64, "alltoallv")]
+    assert [(r["dim"], r["batch"], r["method"]) for r in table] == [(8, 64, "getv"), (8, 64, "alltoallv"),
+                                                                     (8, 64, "getv+bfp16")]
     assert all(r["median_s"] > 0 for r in table) and "rows checked" in proc.stdout

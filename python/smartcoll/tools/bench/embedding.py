@@ -1,7 +1,7 @@
 """Embedding lookup: one-sided getv against the usual exchange (docs/vectored.md, "One-sided operations").
 
     smartcoll bench embedding [-n 2] [--rows 256K] [--dims 64,256] [--batches 1024,8192] [--iters 20]
-                              [--no-gloo] [--cluster NAME] [--json FILE]
+                              [--codec NAME] [--no-gloo] [--cluster NAME] [--json FILE]
 
 A table of --rows rows of D float32 columns is sharded by rows over the ranks (rank r holds a contiguous block).
 In each round every rank draws a batch of random row ids and fetches those rows, three ways, side by side:
@@ -11,6 +11,8 @@ In each round every rank draws a batch of random row ids and fetches those rows,
 * alltoallv: the usual exchange in smartcoll: the number of ids per owner (alltoall), the ids (alltoallv), each
   owner gathers its rows, the rows back (alltoallv).
 * gloo: the same exchange with torch.distributed's gloo backend (all_to_all_single with split sizes).
+* getv+CODEC (with --codec): getv with each row encoded on the way (the owner encodes, this rank decodes); its
+  rows are checked against each row's round trip through the codec.
 
 Every method's rows are checked against the table's known values. A round's time is the slowest rank's; the table
 shows the median over --iters rounds (after one warm-up) and the rows fetched per second per rank.
@@ -57,7 +59,8 @@ class Shards:
         return order, ids[order], np.bincount(owner, minlength=len(self.starts) - 1)
 
 
-def getv_lookup(comm, shards: Shards, shard: np.ndarray, remote: list, ids: np.ndarray, out: np.ndarray) -> None:
+def getv_lookup(comm, shards: Shards, shard: np.ndarray, remote: list, ids: np.ndarray, out: np.ndarray,
+                codec: Optional[str] = None) -> None:
     order, sorted_ids, counts = shards.split(ids)
     fetched = np.empty_like(out)
     row_bytes = shard.shape[1] * 4
@@ -69,7 +72,7 @@ def getv_lookup(comm, shards: Shards, shard: np.ndarray, remote: list, ids: np.n
         if peer == comm.rank:
             np.take(shard, local, axis=0, out=fetched[lo:hi])
         elif hi > lo:
-            requests.append(comm.igetv(peer, remote[peer], local * row_bytes, row_bytes, fetched[lo:hi]))
+            requests.append(comm.igetv(peer, remote[peer], local * row_bytes, row_bytes, fetched[lo:hi], codec=codec))
     for request in requests:
         request.wait()
     out[order] = fetched
@@ -112,12 +115,22 @@ def gloo_ops(rank: int, size: int, timeout: float) -> tuple[Callable, Callable]:
     return alltoall, alltoallv
 
 
-def worker(outdir: str, rows: int, dims: list[int], batches: list[int], iters: int, gloo: bool) -> int:
+def round_trip(rows: np.ndarray, codec: str) -> np.ndarray:
+    """Each row through the codec on its own, as getv with a codec sends it."""
+    from smartcoll import codec as codecs
+
+    batch, dim = rows.shape
+    if codecs.encoded_size(codec, dim) * batch == codecs.encoded_size(codec, dim * batch):  # rows are whole blocks
+        return codecs.decode(codecs.encode(rows.ravel(), codec), codec, rows.size).reshape(rows.shape)
+    return np.stack([codecs.decode(codecs.encode(r, codec), codec, dim) for r in rows])
+
+
+def worker(outdir: str, rows: int, dims: list[int], batches: list[int], iters: int, gloo: bool, codec: str) -> int:
     import smartcoll
 
     comm = smartcoll.init()
     shards = Shards(rows, comm.size)
-    methods = [m for m in METHODS if gloo or m != "gloo"]
+    methods = [m for m in METHODS if gloo or m != "gloo"] + ([f"getv+{codec}"] if codec else [])
     gloo_alltoall, gloo_alltoallv = gloo_ops(comm.rank, comm.size, 120) if gloo else (None, None)
     results, ok = [], True
     for dim in dims:
@@ -131,6 +144,7 @@ def worker(outdir: str, rows: int, dims: list[int], batches: list[int], iters: i
                     comm.alltoall, comm.alltoallv, shards, shard, comm.rank, ids, out),
                 "gloo": lambda ids, out: exchange_lookup(
                     gloo_alltoall, gloo_alltoallv, shards, shard, comm.rank, ids, out),
+                f"getv+{codec}": lambda ids, out: getv_lookup(comm, shards, shard, remote, ids, out, codec),
             }
             rng = np.random.default_rng(comm.rank)
             for batch in batches:
@@ -139,6 +153,10 @@ def worker(outdir: str, rows: int, dims: list[int], batches: list[int], iters: i
                 for it in range(iters + 1):  # the first round warms up connections and buffers
                     ids = rng.integers(0, rows, batch)
                     want = row_values(ids, dim)
+                    if codec:  # rows of other ranks come through the codec; this rank's own are copied
+                        coded = want.copy()
+                        remote_rows = (ids < lo) | (ids >= hi)
+                        coded[remote_rows] = round_trip(want[remote_rows], codec)
                     for m, method in enumerate(methods):
                         out.fill(-1)
                         comm.barrier()
@@ -146,7 +164,7 @@ def worker(outdir: str, rows: int, dims: list[int], batches: list[int], iters: i
                         run[method](ids, out)
                         if it:
                             times[m, it - 1] = time.perf_counter() - t0
-                        ok &= bool(np.array_equal(out, want))
+                        ok &= bool(np.array_equal(out, coded if method.startswith("getv+") else want))
                 comm.allreduce(times, op="max")  # a round lasts as long as its slowest rank
                 comm.barrier()  # every peer's reads of this shard are done before it is deregistered
                 results.append({"dim": dim, "batch": batch,
@@ -167,12 +185,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--dims", default="64,256", help="columns (float32) per row, comma-separated (default 64,256)")
     ap.add_argument("--batches", default="1024,8192", help="row ids per rank and round (default 1024,8192)")
     ap.add_argument("--iters", type=int, default=20, help="timed rounds (default 20)")
+    ap.add_argument("--codec", default="", help="also time getv with this codec on the wire (e.g. bfp16)")
     ap.add_argument("--no-gloo", action="store_true", help="leave torch's gloo out")
     add_launch_options(ap)
     args = ap.parse_args(argv)
     rows = parse_size(args.rows)
     batches = [parse_size(b) for b in args.batches.split(",")]
-    worker_args = [str(rows), args.dims, ",".join(map(str, batches)), str(args.iters), "0" if args.no_gloo else "1"]
+    worker_args = [str(rows), args.dims, ",".join(map(str, batches)), str(args.iters), "0" if args.no_gloo else "1",
+                   args.codec]
     # gloo's store listens on MASTER_PORT + 1 (gloo_ops)
     report, status = run_workers("embedding", "smartcoll.tools.bench.embedding", worker_args, args.n, args.cluster,
                                  args.timeout, ports=2)
@@ -181,7 +201,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"{args.n} ranks{' on cluster ' + args.cluster if args.cluster else ' on loopback'}: a table of {rows} "
           f"float32 rows sharded by rows; median of {args.iters} rounds (the slowest rank's time per round); "
           "rows checked")
-    print(f"{'D':>4} {'batch':>6} {'method':<10} {'median ms':>10} {'best ms':>9} {'Mrows/s/rank':>13} {'vs getv':>8}")
+    print(f"{'D':>4} {'batch':>6} {'method':<16} {'median ms':>10} {'best ms':>9} {'Mrows/s/rank':>13} {'vs getv':>8}")
     table = []
     for res in report["results"]:
         base = statistics.median(res["times_s"]["getv"])
@@ -190,7 +210,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             row = {"dim": res["dim"], "batch": res["batch"], "method": method, "median_s": med, "best_s": best,
                    "Mrows_per_s": res["batch"] / med / 1e6, "time_vs_getv": med / base}
             table.append(row)
-            print(f"{res['dim']:>4} {res['batch']:>6} {method:<10} {med * 1e3:>10.2f} {best * 1e3:>9.2f} "
+            print(f"{res['dim']:>4} {res['batch']:>6} {method:<16} {med * 1e3:>10.2f} {best * 1e3:>9.2f} "
                   f"{row['Mrows_per_s']:>13.2f} {med / base:>7.2f}x")
     if args.json:
         with open(args.json, "w") as f:
@@ -201,4 +221,5 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     raise SystemExit(worker(sys.argv[2], int(sys.argv[3]), [int(d) for d in sys.argv[4].split(",")],
-                            [int(b) for b in sys.argv[5].split(",")], int(sys.argv[6]), sys.argv[7] == "1"))
+                            [int(b) for b in sys.argv[5].split(",")], int(sys.argv[6]), sys.argv[7] == "1",
+                            sys.argv[8] if len(sys.argv) > 8 else ""))
