@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <span>
 #include <string>
 #include <thread>
@@ -217,7 +218,8 @@ class Communicator {
   void check_usable();                           // not closed, not a forked child's copy
   void check_buffers(const Call& call, const void* in, const void* out) const;
   void check_one_poster();  // submit_mu_ held
-  rma::Service& one_sided();  // started on first use
+  // Started on first use; `lock` (shared) holds it open for the call: close() takes it exclusively.
+  rma::Service& one_sided(std::shared_lock<std::shared_mutex>& lock);
   // At start-up, through the store: the knobs every rank must share; the claim rank 0 accepted and the host of
   // every rank.
   StartUpVerdict agree_on_settings(const std::string& claim);
@@ -232,7 +234,7 @@ class Communicator {
   std::unique_ptr<cma::Local> cma_;
   std::unique_ptr<sw::Path> switch_;  // the aggregation switches (switch knob), joined at start-up
   std::unique_ptr<nicd::Client> nicd_;  // engine=nicd: the host's offload daemon runs every call
-  std::mutex rma_mu_;
+  std::shared_mutex rma_mu_;
   std::unique_ptr<rma::Service> rma_;  // one-sided operations
   bool cma_usable_ = false;  // fixed at construction, so callers may read it while another thread closes
   std::string cma_reason_;

@@ -80,10 +80,12 @@ def _onesided() -> Any:
 
 
 class Request:
-    """A collective in progress. test() never blocks; wait() returns the result or raises CommError."""
+    """A collective or one-sided call in progress. test() never blocks; wait() returns the result or raises
+    CommError."""
 
-    def __init__(self, core_request: Any, result: Any, keepalive: tuple, comm: Any):
+    def __init__(self, core_request: Any, result: Any, keepalive: tuple, comm: Any, what: str = "collective"):
         self._req = core_request
+        self._what = what  # named in wait()'s TimeoutError
         self._result = result
         self._keepalive = keepalive  # the engine reads and writes these buffers until it finishes
         self._comm = comm
@@ -110,7 +112,7 @@ class Request:
                     self._keepalive = ()
                     return self._result
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"collective not finished after {timeout} s (it is still running; wait again)")
+                    raise TimeoutError(f"{self._what} not finished after {timeout} s (it is still running; wait again)")
         except KeyboardInterrupt:
             # Ctrl-C: the peers would otherwise wait for this rank until their timeout. Abort the communicator so
             # that every rank fails now, naming this one.

@@ -144,4 +144,4 @@ def post(comm: Any, call: str, peer: int, remote: RemoteRegion, local: Union[Any
     core = comm._core.one_sided(call, remote.rank, remote.id, remote.nbytes, remote.dtype, offs, size_list,
                                 [_address(b) for b in buffers], lens, op, codec or "")
     result = (buffers[0] if single else buffers) if call == "getv" else None
-    return Request(core, result, tuple(buffers), comm._core)
+    return Request(core, result, tuple(buffers), comm._core, what=f"{call} to rank {peer}")

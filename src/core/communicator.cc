@@ -254,6 +254,8 @@ void Communicator::abort(const std::string& reason) {
   const std::string why = "rank " + std::to_string(rank_) + " aborted: " + reason;
   if (nicd_) nicd_->abort(why);
   if (engine_) engine_->abort(why);
+  std::shared_lock rma(rma_mu_);
+  if (rma_) rma_->abort(why);
 }
 
 void Communicator::join_switches() {
@@ -328,11 +330,11 @@ void Communicator::close() {
     (void)history_.release();
     return;
   }
-  nicd_.reset();  // waits for its calls, then says bye to the daemon
   {
-    std::lock_guard lock(rma_mu_);
-    rma_.reset();  // fails its outstanding calls
+    std::lock_guard lock(rma_mu_);  // waits for one-sided calls and deregistrations in progress
+    rma_.reset();  // fails its outstanding calls and stops touching the regions
   }
+  nicd_.reset();  // waits for its calls, then says bye to the daemon
   if (engine_) engine_->stop();
   engine_.reset();
   switch_.reset();  // leaves the switches, which free the job's slots

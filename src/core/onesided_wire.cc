@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "core/checks.h"
+#include "core/mac.h"
 #include "smartcoll/reduce.h"
 
 namespace smartcoll::rma {
@@ -29,8 +30,8 @@ std::string outside(Kind kind, bool whole, std::span<const RemotePiece> pieces, 
       return piece_text(i, p) + " lies outside region " + std::to_string(id) + " of " + std::to_string(bytes) +
              " bytes";
     if (whole && (p.offset % esize != 0 || p.bytes % esize != 0))
-      return std::string(kind_name(static_cast<uint8_t>(kind))) + ": " + piece_text(i, p) + " is not made of whole " + std::string(dtype_name(dt)) +
-             " elements of region " + std::to_string(id) + " (offsets and sizes must be multiples of " +
+      return std::string(kind_name(static_cast<uint8_t>(kind))) + ": " + piece_text(i, p) + " is not made of whole " +
+             std::string(dtype_name(dt)) + " elements of region " + std::to_string(id) + " (offsets and sizes must be multiples of " +
              std::to_string(esize) + " bytes)";
   }
   return "";
@@ -46,9 +47,8 @@ std::string hello_refusal(const Hello& h, int size, uint64_t job, const uint8_t 
   if (h.size != static_cast<uint32_t>(size))
     return "it has world size " + std::to_string(h.size) + ", this job " + std::to_string(size);
   if (h.rank >= static_cast<uint32_t>(size)) return "rank " + std::to_string(h.rank) + " is outside the world";
-  uint8_t differ = 0;  // every byte compared: the time taken tells nothing of where a guess went wrong
-  for (size_t i = 0; i < sizeof token; ++i) differ |= static_cast<uint8_t>(h.token[i] ^ token[i]);
-  if (differ) return "a wrong token (it did not read this rank's address from the job's store)";
+  // Every byte compared: the time taken tells nothing of where a guess went wrong.
+  if (!equal_constant_time(h.token, token)) return "a wrong token (it did not read this rank's address from the job's store)";
   return "";
 }
 
@@ -70,8 +70,8 @@ std::string malformed(const Header& h, bool at_target) {
                                     std::to_string(kVersion);
   if (h.reserved != 0) return "reserved field set";
   const Kind kind = static_cast<Kind>(h.kind);
-  if (at_target != is_request(h.kind))
-    return std::string("a ") + (at_target ? "target" : "initiator") + " cannot take a message of kind " +
+  if (at_target ? !is_request(h.kind) : !is_answer(h.kind))
+    return std::string(at_target ? "a target" : "an initiator") + " cannot take a message of kind " +
            std::to_string(h.kind) + " (" + kind_name(h.kind) + ")";
   if (h.payload > kMaxPayload)
     return "payload of " + std::to_string(h.payload) + " bytes exceeds " + std::to_string(kMaxPayload);
@@ -124,15 +124,13 @@ uint64_t wire_bytes(std::span<const RemotePiece> pieces, const std::optional<Cod
 
 std::string malformed_pieces(const Header& h, std::span<const RemotePiece> pieces) {
   const std::optional<Codec> codec = codec_of(h);
-  uint64_t total = 0;
-  for (size_t i = 0; i < pieces.size(); ++i) {
-    if (pieces[i].bytes > kMaxPayload - total)
-      return "the pieces add up to more than " + std::to_string(kMaxPayload) + " bytes (at piece " +
-             std::to_string(i) + ")";
-    if (codec && pieces[i].bytes % 4 != 0)
+  size_t at = 0;
+  if (!sum_bytes(pieces, kMaxPayload, &at))
+    return "the pieces add up to more than " + std::to_string(kMaxPayload) + " bytes (at piece " +
+           std::to_string(at) + ")";
+  for (size_t i = 0; codec && i < pieces.size(); ++i)
+    if (pieces[i].bytes % 4 != 0)
       return "under codec " + codec->name() + ", " + piece_text(i, pieces[i]) + " is not whole float32 elements";
-    total += pieces[i].bytes;
-  }
   const uint64_t wire = wire_bytes(pieces, codec);  // no more than `total`: no codec is larger than float32
   if (static_cast<Kind>(h.kind) != Kind::get && wire != h.payload)
     return "the pieces add up to " + std::to_string(wire) + " bytes on the wire but the payload is " +
@@ -164,13 +162,9 @@ void check_call(Kind kind, const RemoteRegion& region, std::span<const RemotePie
   const std::string name = kind_name(static_cast<uint8_t>(kind));
   require(pieces.size() <= kMaxPieces, name + ": " + std::to_string(pieces.size()) + " pieces exceed the limit of " +
                                            std::to_string(kMaxPieces) + " per call; split the call");
-  uint64_t total = 0;
-  for (const RemotePiece& p : pieces) {
-    require(p.bytes <= kMaxPayload - total, name + ": a call moves at most " + std::to_string(kMaxPayload) +
-                                                " bytes; split it");
-    total += p.bytes;
-  }
-  require(total == local_bytes, name + ": the remote pieces add up to " + std::to_string(total) +
+  const std::optional<uint64_t> total = sum_bytes(pieces, kMaxPayload);
+  require(total.has_value(), name + ": a call moves at most " + std::to_string(kMaxPayload) + " bytes; split it");
+  require(*total == local_bytes, name + ": the remote pieces add up to " + std::to_string(*total) +
                                     " bytes but the local buffers to " + std::to_string(local_bytes) +
                                     "; they must match");
   Header h;

@@ -68,11 +68,31 @@ static_assert(sizeof(Hello) == 40, "a wire format: no padding");
 // Why a target of world size `size` and token `token` refuses `h` ("" to accept).
 std::string hello_refusal(const Hello& h, int size, uint64_t job, const uint8_t (&token)[16]);
 
+// The sum of `items`' sizes (size(item)), or nullopt if it exceeds `limit`; written so that it cannot overflow.
+// at: where it first did.
+template <class T, class Size>
+std::optional<uint64_t> sum_bytes(std::span<const T> items, uint64_t limit, Size size, size_t* at = nullptr) {
+  uint64_t total = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const uint64_t n = size(items[i]);
+    if (n > limit - total) {
+      if (at) *at = i;
+      return std::nullopt;
+    }
+    total += n;
+  }
+  return total;
+}
+inline std::optional<uint64_t> sum_bytes(std::span<const RemotePiece> pieces, uint64_t limit, size_t* at = nullptr) {
+  return sum_bytes(pieces, limit, [](const RemotePiece& p) { return p.bytes; }, at);
+}
+
 const char* kind_name(uint8_t kind);
 inline bool is_request(uint8_t kind) { return kind >= 1 && kind <= 3; }
+inline bool is_answer(uint8_t kind) { return kind >= 4 && kind <= 6; }
 
-// Why `h` is not a well-formed message for the receiving end ("" if it is): a request at a target, an answer at
-// an initiator. A malformed message closes the channel.
+// Why `h` is not a well-formed message for the receiving end ("" if it is): a request at a target, an answer
+// (data, done or error) at an initiator. A malformed message closes the channel.
 std::string malformed(const Header& h, bool at_target);
 // Why a well-formed request's pieces table is malformed ("" if not): sizes that overflow, or that do not add up
 // to the payload of a put or accumulate (encoded, under a codec), or exceed kMaxPayload for a get; under a codec,

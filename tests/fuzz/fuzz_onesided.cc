@@ -1,7 +1,7 @@
 // Fuzz target for what a one-sided target reads from an initiator (core/onesided_wire.h): a header, a pieces
 // table and a payload. A request the checks let through touches only bytes inside the region when served (the
 // region is a heap block of exactly its size, so AddressSanitizer sees any stray byte); an answer the checks let
-// through carries no pieces.
+// through is data, done or error, carries no pieces, and keeps its kind's payload bounds.
 #include <cstring>
 #include <vector>
 
@@ -37,7 +37,11 @@ void onesided_message(const uint8_t* data, size_t size) {
   if (size < sizeof(rma::Header)) return;
   rma::Header h;
   std::memcpy(&h, data, sizeof h);
-  if (rma::malformed(h, false).empty()) FUZZ_CHECK(h.npieces == 0 && !rma::is_request(h.kind));
+  if (rma::malformed(h, false).empty()) {  // an answer an initiator takes: data, done or error, and no more
+    FUZZ_CHECK(h.npieces == 0 && rma::is_answer(h.kind) && h.payload <= rma::kMaxPayload);
+    if (h.kind == static_cast<uint8_t>(rma::Kind::done)) FUZZ_CHECK(h.payload == 0);
+    if (h.kind == static_cast<uint8_t>(rma::Kind::error)) FUZZ_CHECK(h.payload <= rma::kMaxErrorText);
+  }
   if (!rma::malformed(h, true).empty()) return;
   FUZZ_CHECK(rma::is_request(h.kind) && h.npieces <= rma::kMaxPieces && h.payload <= rma::kMaxPayload);
   const size_t table = static_cast<size_t>(h.npieces) * sizeof(RemotePiece);

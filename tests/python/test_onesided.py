@@ -206,6 +206,28 @@ def test_bad_calls_are_refused_by_name():
     assert "rank 1 refused it: rank 1 has no region 7 (it has registered 2)" in errors[9]
 
 
+def test_the_identity_codec_means_raw_bytes():
+    """codec="identity" (or "none") changes no byte: it works on a region of any type, like no codec at all."""
+    def body(comm):
+        data = np.arange(256, dtype=np.uint8) ^ comm.rank
+        region = comm.register(data)
+        remote = comm.exchange_regions(region)
+        peer = 1 - comm.rank
+        got = []
+        for codec in ("identity", "none"):
+            out = np.zeros(61, np.uint8)
+            comm.getv(peer, remote[peer], [3], 61, out, codec=codec)
+            got.append(out)
+        comm.barrier()
+        region.close()
+        return got
+
+    for rank, got in enumerate(run_thread_ranks(2, body)):
+        want = (np.arange(256, dtype=np.uint8) ^ (1 - rank))[3:64]
+        for out in got:
+            np.testing.assert_array_equal(out, want)
+
+
 def test_a_deregistered_region_is_refused():
     """Leaving a `with` block deregisters a region, and so does dropping the last reference to it."""
     def body(comm):
@@ -274,7 +296,9 @@ def test_a_target_killed_with_calls_outstanding(ranks, tmp_path):
     out = outcomes(tmp_path, [0])[0]
     error = out["error"]
     assert "the one-sided channel to rank 1 " in error and ("closed by that rank" in error or "broke" in error), out
-    assert "calls outstanding" in error, out
+    # Failed with calls outstanding ("(1 call outstanding)" when the rest of the batch was answered), or refused
+    # when the next batch was posted (rank 1 died between two batches).
+    assert re.search(r"\(\d+ calls? outstanding\)", error) or "one-sided calls to rank 1 fail from now on" in error, out
 
 
 def test_a_stalled_target_fails_the_call_after_the_timeout(ranks, tmp_path):
