@@ -231,10 +231,14 @@ Service::Service(const Settings& settings, std::shared_ptr<Store> store)
     epoll_ctl(epfd_.get(), EPOLL_CTL_ADD, fd, &ev);
   }
   random_bytes(token_);
-  store_->set("rma/" + std::to_string(s_.rank), (s_.host.empty() ? "127.0.0.1" : s_.host) + ":" +
+  store_->set(key(s_.rank), (s_.host.empty() ? "127.0.0.1" : s_.host) + ":" +
                                                     std::to_string(net::bound_port(listener_.get())) + " " +
                                                     hex_of(token_, sizeof token_));
   thread_ = std::thread([this] { run(); });
+}
+
+std::string Service::key(int rank) const {
+  return "rma/" + std::to_string(rank) + "/" + (s_.claims.empty() ? "" : s_.claims.at(static_cast<size_t>(rank)));
 }
 
 Service::~Service() {
@@ -357,7 +361,7 @@ void Service::connect(int peer) {
   const auto limit = millis(s_.connect_timeout);
   std::string addr;
   try {
-    addr = store_->get("rma/" + std::to_string(peer), limit);
+    addr = store_->get(key(peer), limit);
   } catch (const CommError&) {
     throw CommError("rank " + std::to_string(peer) + " serves no one-sided operations: it registered no region " +
                     "within " + std::to_string(limit.count() / 1000) + " s (a target registers its regions " +

@@ -43,13 +43,16 @@ struct Settings {
   int rank = 0, size = 1;
   std::string host;  // where to listen (the collectives' listening address)
   uint64_t job = 0;  // job_fingerprint of the job id, carried in every hello
+  // [rank]: the claim rank 0 accepted at start-up (empty for a world of one): each communicator publishes its
+  // one-sided address under its own key, so an earlier communicator's entry is never read.
+  std::vector<std::string> claims;
   double timeout = 60, connect_timeout = 120;
   int sockbuf = 0;
 };
 
 class Service {
  public:
-  // Listens, publishes "rma/<rank>" in the (job's) store and starts the thread.
+  // Listens, publishes "rma/<rank>/<claim>" in the (job's) store and starts the thread.
   Service(const Settings& settings, std::shared_ptr<Store> store);
   // Fails the calls still outstanding ("the communicator was closed") and joins the thread: once it returns,
   // nothing touches a registered region.
@@ -94,6 +97,7 @@ class Service {
   // with `why` from now on.
   void close(Conn& c, const std::string& why, bool retry = false);
   std::shared_ptr<Region> find(uint64_t id, std::string& why);
+  std::string key(int rank) const;  // where `rank` publishes its one-sided address
 
   Settings s_;
   uint8_t token_[16];  // what initiators must present (Hello::token)

@@ -19,7 +19,9 @@ rma::Service& Communicator::one_sided(std::shared_lock<std::shared_mutex>& lock)
     rma::Settings s;
     s.rank = rank_;
     s.size = size_;
-    s.host = static_cast<TcpTransport&>(*transport_).host();
+    const auto& tcp = static_cast<TcpTransport&>(*transport_);
+    s.host = tcp.host();
+    s.claims = tcp.claims();
     s.job = job_fingerprint(config_->job_id);
     s.timeout = config_->timeout;
     s.connect_timeout = config_->connect_timeout;

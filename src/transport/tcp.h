@@ -33,6 +33,7 @@ class TcpTransport final : public Transport {
                const std::string& route_hint, const std::string& claim = "");
   // The claim rank 0 accepted for each rank (start-up): peers' addresses are looked up under these alone.
   void accept_claims(std::vector<std::string> claims) { claims_ = std::move(claims); }
+  const std::vector<std::string>& claims() const { return claims_; }
   ~TcpTransport() override;
 
   void attach(std::vector<int> epoll_fds) override;

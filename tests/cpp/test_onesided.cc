@@ -11,11 +11,13 @@
 #include <fstream>
 #include <functional>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "core/agreement.h"
 #include "core/onesided_wire.h"
 #include "ranks.h"
 #include "smartcoll/comm.h"
@@ -79,9 +81,16 @@ struct RawChannel {
   std::string job;
 };
 
+// The store key (in the shared store) under which `rank` of a world of `size` publishes its one-sided address.
+std::string rma_key(Store& store, int rank, int size) {
+  const std::string job = "job/" + store.get("smartcoll/job", std::chrono::seconds(5)) + "/";
+  const auto claims = parse_verdict(store.get(job + "settings/verdict", std::chrono::seconds(5)), size).claims;
+  return job + "rma/" + std::to_string(rank) + "/" + claims.at(static_cast<size_t>(rank));
+}
+
 RawChannel raw_channel(Store& store, int target, int as, int size, bool bad_token = false) {
   const std::string job = store.get("smartcoll/job", std::chrono::seconds(5));
-  const std::string published = store.get("job/" + job + "/rma/" + std::to_string(target), std::chrono::seconds(5));
+  const std::string published = store.get(rma_key(store, target, size), std::chrono::seconds(5));
   const std::string addr = published.substr(0, published.find(' ')), hex = published.substr(published.find(' ') + 1);
   const auto colon = addr.rfind(':');
   const auto deadline = net::Clock::now() + std::chrono::seconds(5);
@@ -446,8 +455,7 @@ TEST(OneSided, AMalformedMessageClosesItsChannelOnly) {
 TEST(OneSided, TheInitiatorNamesARefusedHello) {
   with_float_regions([](int r, Store& store, Communicator& comm) {
     if (r == 1) {
-      const std::string job = store.get("smartcoll/job", std::chrono::seconds(5));
-      const std::string key = "job/" + job + "/rma/1", published = store.get(key, std::chrono::seconds(5));
+      const std::string key = rma_key(store, 1, 2), published = store.get(key, std::chrono::seconds(5));
       std::string spoiled = published;
       spoiled.back() = spoiled.back() == '0' ? '1' : '0';
       store.set(key, spoiled);
@@ -456,36 +464,41 @@ TEST(OneSided, TheInitiatorNamesARefusedHello) {
     if (r == 0) {
       const std::string what = getv_error(comm);
       EXPECT_NE(what.find("rank 1 refused the one-sided channel: a wrong token"), std::string::npos) << what;
-      const std::string job = store.get("smartcoll/job", std::chrono::seconds(1));
-      const std::string published = store.get("job/" + job + "/rma/1", std::chrono::seconds(1));
+      const std::string published = store.get(rma_key(store, 1, 2), std::chrono::seconds(1));
       EXPECT_EQ(what.find(published.substr(published.find(' ') + 1)), std::string::npos) << "the token is shown";
     }
   });
 }
 
 // A fake target on rank 1: publishes its own address and token, takes one channel, reads the hello and one
-// request's header and pieces table, and answers with `answer` (its id set to the request's). Then it holds
-// the channel open, reading nothing, until `release` is set.
-void fake_target(Store& store, rma::Header answer, const std::atomic<bool>& release) {
+// request's header and pieces table, and answers with `answer` (its id set to the request's; none: no answer).
+// Then it holds the channel open, reading nothing, until `release` is set.
+void fake_target(Store& store, std::optional<rma::Header> answer, const std::atomic<bool>& release) {
   net::Fd listener = net::listen_on("127.0.0.1", 0, 4);
-  const std::string job = store.get("smartcoll/job", std::chrono::seconds(5));
-  store.set("job/" + job + "/rma/1",
+  store.set(rma_key(store, 1, 2),
             "127.0.0.1:" + std::to_string(net::bound_port(listener.get())) + " " + std::string(32, 'a'));
   const auto deadline = net::Clock::now() + std::chrono::seconds(10);
   net::Fd s = net::accept_from(listener.get(), deadline);
   rma::Hello hello;
   net::recv_all(s.get(), &hello, sizeof hello, deadline, "hello");
   rma::Header h;
-  net::recv_all(s.get(), &h, sizeof h, deadline, "request");
-  std::vector<RemotePiece> pieces(h.npieces);
-  net::recv_all(s.get(), pieces.data(), pieces.size() * sizeof(RemotePiece), deadline, "pieces");
-  answer.id = h.id;
-  net::send_all(s.get(), &answer, sizeof answer, deadline, "answer");
+  try {
+    net::recv_all(s.get(), &h, sizeof h, deadline, "request");
+    std::vector<RemotePiece> pieces(h.npieces);
+    net::recv_all(s.get(), pieces.data(), pieces.size() * sizeof(RemotePiece), deadline, "pieces");
+  } catch (const CommError&) {
+    if (answer) throw;  // with no answer to give, the initiator may close before its request leaves (abort)
+  }
+  if (answer) {
+    answer->id = h.id;
+    net::send_all(s.get(), &*answer, sizeof *answer, deadline, "answer");
+  }
   while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(5));
 }
 
-// Rank 1 runs fake_target() answering with `answer`, rank 0 runs `initiator`.
-void with_fake_target(const rma::Header& answer, const std::function<void(Communicator&)>& initiator) {
+// Rank 1 runs fake_target() answering with `answer`, rank 0 runs `initiator`. No collective after it (the
+// initiator may have aborted): rank 1 waits for `release` alone.
+void with_fake_target(std::optional<rma::Header> answer, const std::function<void(Communicator&)>& initiator) {
   std::atomic<bool> release{false};
   run_threads(2, [&](int r, std::shared_ptr<Store> store) {
     Communicator comm(r, 2, store, test_options({{"log", "error"}}));
@@ -496,7 +509,6 @@ void with_fake_target(const rma::Header& answer, const std::function<void(Commun
       initiator(comm);
       release = true;
     }
-    comm.barrier()->wait();
   });
 }
 
@@ -532,6 +544,25 @@ TEST(OneSided, AnAnswerBeforeThePutLeftWholeIsMalformed) {
       EXPECT_NE(what.find("malformed one-sided message from rank 1: an answer to putv #1 on rank 0 to rank 1 "
                           "(region 1) before its request was sent whole"), std::string::npos) << what;
     }
+  });
+}
+
+// Communicator::abort fails the one-sided calls outstanding and every later one, naming the reason.
+TEST(OneSided, AbortFailsOneSidedCalls) {
+  with_fake_target(std::nullopt, [](Communicator& comm) {
+    float buf[4];
+    const LocalPiece local{buf, 16};
+    const RemotePiece fine{0, 16};
+    auto req = comm.getv(region_of(1, 1, DataType::f32, 4096), {&fine, 1}, {&local, 1});
+    comm.abort("the test is over");
+    try {
+      ASSERT_TRUE(req->wait(std::chrono::seconds(5))) << "abort left the call outstanding";
+      ADD_FAILURE() << "a call outstanding at abort succeeded";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find("rank 0 aborted: the test is over"), std::string::npos) << e.what();
+    }
+    const std::string later = getv_error(comm);
+    EXPECT_NE(later.find("rank 0 aborted: the test is over"), std::string::npos) << later;
   });
 }
 
