@@ -467,8 +467,8 @@ void Service::update_listener(Clock::time_point now) {
   listening_ = want;
 }
 
-void Service::accept_all(Clock::time_point now) {
-  while (listening_ && accepting_.size() < kMaxPendingHellos) {
+void Service::accept_all(Clock::time_point now, bool connecting) {
+  while (connecting && listening_ && accepting_.size() < kMaxPendingHellos) {
     net::Fd s(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
     if (!s) {
       const int err = errno;
@@ -489,7 +489,7 @@ void Service::accept_all(Clock::time_point now) {
     epoll_ctl(epfd_.get(), EPOLL_CTL_ADD, s.get(), &ev);
     accepting_.push_back(std::make_unique<Accepting>(Accepting{std::move(s), now}));
   }
-  take_hellos(now);
+  if (!accepting_.empty()) take_hellos(now);
   update_listener(now);
 }
 
@@ -800,11 +800,19 @@ void Service::run() {
       waiting |= !c->waiting.empty() || c->stage != 0 || c->got != 0 || c->queued != 0;
     }
     epoll_event events[64];
-    epoll_wait(epfd_.get(), events, 64, busy ? 0 : waiting ? 50 : 1000);
-    uint64_t count;
-    [[maybe_unused]] ssize_t r = ::read(wakefd_.get(), &count, sizeof count);
-    take_inbox();
-    accept_all(Clock::now());
+    const int n = epoll_wait(epfd_.get(), events, 64, busy ? 0 : waiting ? 50 : 1000);
+    // Only what woke: a pass per message when busy, so no system call that has nothing to do.
+    bool woken = false, connecting = false;
+    for (int i = 0; i < n; ++i) {
+      woken |= events[i].data.fd == wakefd_.get();
+      connecting |= events[i].data.fd == listener_.get();
+    }
+    if (woken) {
+      uint64_t count;
+      [[maybe_unused]] ssize_t r = ::read(wakefd_.get(), &count, sizeof count);
+      take_inbox();
+    }
+    accept_all(Clock::now(), connecting);
     for (auto& c : conns_) {
       try {
         progress(*c);

@@ -81,7 +81,7 @@ class Service {
   void run();
   void connect(int peer);
   void take_inbox();
-  void accept_all(Clock::time_point now);
+  void accept_all(Clock::time_point now, bool connecting);  // connecting: the listener is readable
   void take_hellos(Clock::time_point now);
   void update_listener(Clock::time_point now);
   void warn(const std::string& what);
