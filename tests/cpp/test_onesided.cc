@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/agreement.h"
+#include "core/onesided.h"
 #include "core/onesided_wire.h"
 #include "ranks.h"
 #include "smartcoll/comm.h"
@@ -606,6 +607,28 @@ TEST(OneSided, AFloodOfUnreadAnswersKeepsTheTargetsMemoryBounded) {
       }
     }
     comm.barrier()->wait();
+  });
+}
+
+// Connections that send no hello are capped: at most kMaxPendingHellos wait for theirs (5 s each); the rest wait
+// in the listener's backlog, unaccepted, until those are dropped.
+TEST(OneSided, PendingHellosAreCapped) {
+  with_float_regions([](int r, Store& store, Communicator&) {
+    if (r != 0) return;
+    const std::string published = store.get(rma_key(store, 1, 2), std::chrono::seconds(5));
+    const std::string addr = published.substr(0, published.find(' '));
+    const auto colon = addr.rfind(':');
+    const net::Endpoint at{addr.substr(0, colon), static_cast<uint16_t>(std::stoi(addr.substr(colon + 1)))};
+    std::vector<net::Fd> silent;
+    for (size_t i = 0; i < rma::kMaxPendingHellos + 36; ++i)
+      silent.push_back(net::connect_to(at, net::Clock::now() + std::chrono::seconds(5)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(6500));  // the first ones' 5 s, not the next ones'
+    size_t dropped = 0;
+    for (const net::Fd& fd : silent) {
+      char byte;
+      dropped += ::recv(fd.get(), &byte, 1, MSG_DONTWAIT) == 0;
+    }
+    EXPECT_EQ(dropped, rma::kMaxPendingHellos);
   });
 }
 
