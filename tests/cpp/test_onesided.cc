@@ -471,41 +471,55 @@ TEST(OneSided, TheInitiatorNamesARefusedHello) {
   });
 }
 
-// A fake target on rank 1: publishes its own address and token, takes one channel, reads the hello and one
-// request's header and pieces table, and answers with `answer` (its id set to the request's; none: no answer).
-// Then it holds the channel open, reading nothing, until `release` is set.
-void fake_target(Store& store, std::optional<rma::Header> answer, const std::atomic<bool>& release) {
+// What a fake target answers on one channel: a header (its id set to the request's), then `payload`.
+struct FakeAnswer {
+  rma::Header head;
+  std::string payload;
+};
+
+// A fake target on rank 1: publishes its own address and token, and for each entry of `channels` takes one
+// channel, reads the hello and one request's header and pieces table, and answers (none: no answer). Then it
+// holds the channels open, reading nothing, until `release` is set.
+void fake_target(Store& store, const std::vector<std::optional<FakeAnswer>>& channels,
+                 const std::atomic<bool>& release) {
   net::Fd listener = net::listen_on("127.0.0.1", 0, 4);
   store.set(rma_key(store, 1, 2),
             "127.0.0.1:" + std::to_string(net::bound_port(listener.get())) + " " + std::string(32, 'a'));
-  const auto deadline = net::Clock::now() + std::chrono::seconds(10);
-  net::Fd s = net::accept_from(listener.get(), deadline);
-  rma::Hello hello;
-  net::recv_all(s.get(), &hello, sizeof hello, deadline, "hello");
-  rma::Header h;
-  try {
-    net::recv_all(s.get(), &h, sizeof h, deadline, "request");
-    std::vector<RemotePiece> pieces(h.npieces);
-    net::recv_all(s.get(), pieces.data(), pieces.size() * sizeof(RemotePiece), deadline, "pieces");
-  } catch (const CommError&) {
-    if (answer) throw;  // with no answer to give, the initiator may close before its request leaves (abort)
-  }
-  if (answer) {
-    answer->id = h.id;
-    net::send_all(s.get(), &*answer, sizeof *answer, deadline, "answer");
+  std::vector<net::Fd> open;
+  for (const std::optional<FakeAnswer>& answer : channels) {
+    const auto deadline = net::Clock::now() + std::chrono::seconds(10);
+    net::Fd s = net::accept_from(listener.get(), deadline);
+    rma::Hello hello;
+    net::recv_all(s.get(), &hello, sizeof hello, deadline, "hello");
+    rma::Header h;
+    try {
+      net::recv_all(s.get(), &h, sizeof h, deadline, "request");
+      std::vector<RemotePiece> pieces(h.npieces);
+      net::recv_all(s.get(), pieces.data(), pieces.size() * sizeof(RemotePiece), deadline, "pieces");
+    } catch (const CommError&) {
+      if (answer) throw;  // with no answer to give, the initiator may close before its request leaves (abort)
+    }
+    if (answer) {
+      rma::Header a = answer->head;
+      a.id = h.id;
+      net::send_all(s.get(), &a, sizeof a, deadline, "answer");
+      net::send_all(s.get(), answer->payload.data(), answer->payload.size(), deadline, "payload");
+    }
+    open.push_back(std::move(s));
   }
   while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(5));
 }
 
-// Rank 1 runs fake_target() answering with `answer`, rank 0 runs `initiator`. No collective after it (the
-// initiator may have aborted): rank 1 waits for `release` alone.
-void with_fake_target(std::optional<rma::Header> answer, const std::function<void(Communicator&)>& initiator) {
+// Rank 1 runs fake_target() on `channels`, rank 0 runs `initiator`. No collective after it (the initiator may
+// have aborted): rank 1 waits for `release` alone.
+void with_fake_target(const std::vector<std::optional<FakeAnswer>>& channels,
+                      const std::function<void(Communicator&)>& initiator, const std::string& timeout = "20") {
   std::atomic<bool> release{false};
   run_threads(2, [&](int r, std::shared_ptr<Store> store) {
-    Communicator comm(r, 2, store, test_options({{"log", "error"}}));
+    Communicator comm(r, 2, store, test_options({{"log", "error"}, {"timeout", timeout}}));
     comm.barrier()->wait();
     if (r == 1) {
-      fake_target(*store, answer, release);
+      fake_target(*store, channels, release);
     } else {
       initiator(comm);
       release = true;
@@ -517,10 +531,11 @@ void with_fake_target(std::optional<rma::Header> answer, const std::function<voi
 // complete with its buffers untouched.
 TEST(OneSided, AnAnswerOfUnknownKindFailsTheCall) {
   for (uint8_t kind : {uint8_t{0}, uint8_t{7}, uint8_t{255}}) {
-    rma::Header answer;
-    answer.kind = kind;
-    answer.payload = 16;
-    with_fake_target(answer, [&](Communicator& comm) {
+    FakeAnswer answer;
+    answer.head.kind = kind;
+    answer.head.payload = 16;
+    answer.payload.assign(16, 'x');
+    with_fake_target({answer}, [&](Communicator& comm) {
       const std::string what = getv_error(comm);
       EXPECT_NE(what.find("malformed one-sided message from rank 1: an initiator cannot take a message of kind " +
                           std::to_string(kind)), std::string::npos) << what;
@@ -531,9 +546,9 @@ TEST(OneSided, AnAnswerOfUnknownKindFailsTheCall) {
 // A putv sends straight from the caller's buffers: an answer that comes before the request has left whole
 // would hand the buffers back while they are still read. The call fails instead, naming it.
 TEST(OneSided, AnAnswerBeforeThePutLeftWholeIsMalformed) {
-  rma::Header answer;
-  answer.kind = static_cast<uint8_t>(rma::Kind::done);
-  with_fake_target(answer, [](Communicator& comm) {
+  FakeAnswer answer;
+  answer.head.kind = static_cast<uint8_t>(rma::Kind::done);
+  with_fake_target({answer}, [](Communicator& comm) {
     std::vector<uint8_t> big(64 << 20, 7);  // more than the socket buffers hold while the target reads nothing
     const LocalPiece local{big.data(), big.size()};
     const RemotePiece all{0, big.size()};
@@ -548,9 +563,27 @@ TEST(OneSided, AnAnswerBeforeThePutLeftWholeIsMalformed) {
   });
 }
 
+// A target that does not answer within the timeout knob fails the call; it may be alive but slow, so the next
+// call opens a new channel instead of failing at once.
+TEST(OneSided, ACallAfterATimeoutReconnects) {
+  FakeAnswer data;
+  data.head.kind = static_cast<uint8_t>(rma::Kind::data);
+  data.head.payload = 16;
+  data.payload.assign(16, '\x42');
+  with_fake_target({std::nullopt, data}, [](Communicator& comm) {
+    const std::string first = getv_error(comm);
+    EXPECT_NE(first.find("no answer from rank 1 for 1"), std::string::npos) << first;
+    float buf[4];
+    const LocalPiece local{buf, 16};
+    const RemotePiece fine{0, 16};
+    comm.getv(region_of(1, 1, DataType::f32, 4096), {&fine, 1}, {&local, 1})->wait();
+    EXPECT_EQ(std::memcmp(buf, std::string(16, '\x42').data(), 16), 0);
+  }, "1");
+}
+
 // Communicator::abort fails the one-sided calls outstanding and every later one, naming the reason.
 TEST(OneSided, AbortFailsOneSidedCalls) {
-  with_fake_target(std::nullopt, [](Communicator& comm) {
+  with_fake_target({std::nullopt}, [](Communicator& comm) {
     float buf[4];
     const LocalPiece local{buf, 16};
     const RemotePiece fine{0, 16};
