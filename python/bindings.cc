@@ -35,6 +35,7 @@ namespace {
 
 using Array = nb::ndarray<nb::device::cpu>;
 using InArray = nb::ndarray<nb::ro, nb::device::cpu>;  // inputs: read-only arrays (np.frombuffer, mmap) welcome
+using Offsets = nb::ndarray<const uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 template <class A>
 DataType dtype_of(const A& a) {
@@ -412,6 +413,33 @@ NB_MODULE(_core, m) {
                            const std::vector<size_t>& rdispls) {
         Buffer i = buffer(in), o = buffer(out);
         return c.alltoallv(i.data, sendcounts, sdispls, o.data, recvcounts, rdispls, i.dtype);
+      })
+      // One-sided operations (smartcoll._onesided checks the arrays and keeps them alive).
+      .def("register_region", [](Communicator& c, Array buf) {
+        Buffer b = buffer(buf);
+        return c.register_region(b.data, b.count * dtype_size(b.dtype), b.dtype);
+      })
+      .def("deregister_region", [](Communicator& c, uint64_t id) {
+        nb::gil_scoped_release release;
+        c.deregister_region(id);
+      })
+      .def("one_sided", [](Communicator& c, const std::string& kind, int rank, uint64_t id, uint64_t bytes,
+                           const std::string& dtype, Offsets offsets, Offsets sizes,
+                           const std::vector<uintptr_t>& addrs, const std::vector<size_t>& lens,
+                           const std::string& op, const std::string& codec) {
+        if (offsets.shape(0) != sizes.shape(0) || addrs.size() != lens.size())
+          throw nb::value_error("one offset per size and one length per local address");
+        const RemoteRegion region{rank, id, bytes, parse_dtype(dtype)};
+        std::vector<RemotePiece> pieces(offsets.shape(0));
+        for (size_t i = 0; i < pieces.size(); ++i) pieces[i] = {offsets(i), sizes(i)};
+        std::vector<LocalPiece> local(addrs.size());
+        for (size_t i = 0; i < local.size(); ++i) local[i] = {reinterpret_cast<void*>(addrs[i]), lens[i]};
+        const std::optional<Codec> wire = parse_codec(codec);
+        const ReduceOp rop = parse_op(op);
+        nb::gil_scoped_release release;  // the first call to a peer connects to it
+        if (kind == "getv") return c.getv(region, pieces, local, wire);
+        if (kind == "putv") return c.putv(local, region, pieces, wire);
+        return c.accumulatev(local, region, pieces, rop, wire);
       })
       .def("close", [](Communicator& c) {
         nb::gil_scoped_release release;

@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <span>
 #include <string>
 #include <thread>
@@ -22,6 +23,7 @@
 
 #include "smartcoll/codec.h"
 #include "smartcoll/knobs.h"
+#include "smartcoll/onesided.h"
 #include "smartcoll/store.h"
 #include "smartcoll/types.h"
 
@@ -41,6 +43,9 @@ struct Path;
 }
 namespace nicd {
 class Client;
+}
+namespace rma {
+class Service;
 }
 namespace coll {
 struct Views;
@@ -73,6 +78,7 @@ class Request {
   friend class Engine;
   friend class Communicator;
   friend class nicd::Client;
+  friend class rma::Service;
   void finish(std::string error);
   std::mutex mu_;
   std::condition_variable cv_;
@@ -152,6 +158,24 @@ class Communicator {
                                      std::span<const size_t> sdispls, void* out, std::span<const size_t> recvcounts,
                                      std::span<const size_t> rdispls, DataType dt);
 
+  // One-sided operations on registered regions (smartcoll/onesided.h, docs/vectored.md). A region is any
+  // writable buffer; its id (1, 2, ... in this rank's order of registration) names it to peers, whose calls this
+  // rank's one-sided server thread serves with no call of its own. Offsets and sizes in bytes; the local buffers,
+  // taken one after the other, hold the pieces in order. Every field is checked here and again by the target.
+  // `codec` (float32 regions, whole elements): each piece travels encoded; accumulate then takes sum only.
+  uint64_t register_region(void* base, size_t bytes, DataType dtype);
+  // Waits for a copy in progress from or into the region; later calls on it fail ("region N was deregistered").
+  void deregister_region(uint64_t id);
+  std::shared_ptr<Request> getv(const RemoteRegion& from, std::span<const RemotePiece> pieces,
+                                std::span<const LocalPiece> into, std::optional<Codec> codec = std::nullopt);
+  std::shared_ptr<Request> putv(std::span<const LocalPiece> from, const RemoteRegion& into,
+                                std::span<const RemotePiece> pieces, std::optional<Codec> codec = std::nullopt);
+  // Reduces (op: sum, prod, min, max) element-wise into the region, in its dtype; a target applies one rank's
+  // calls in the order they were made.
+  std::shared_ptr<Request> accumulatev(std::span<const LocalPiece> from, const RemoteRegion& into,
+                                       std::span<const RemotePiece> pieces, ReduceOp op = ReduceOp::sum,
+                                       std::optional<Codec> codec = std::nullopt);
+
   // The codec a call uses: `requested`, or the knob's where it applies; identity means raw elements.
   // op: nullopt for collectives that do not reduce (allgather).
   Codec choose_codec(DataType dt, std::optional<ReduceOp> op, const std::optional<Codec>& requested) const;
@@ -196,6 +220,8 @@ class Communicator {
   void check_usable();                           // not closed, not a forked child's copy
   void check_buffers(const Call& call, const void* in, const void* out) const;
   void check_one_poster();  // submit_mu_ held
+  // Started on first use; `lock` (shared) holds it open for the call: close() takes it exclusively.
+  rma::Service& one_sided(std::shared_lock<std::shared_mutex>& lock);
   // At start-up, through the store: the knobs every rank must share; the claim rank 0 accepted and the host of
   // every rank.
   StartUpVerdict agree_on_settings(const std::string& claim);
@@ -210,6 +236,8 @@ class Communicator {
   std::unique_ptr<cma::Local> cma_;
   std::unique_ptr<sw::Path> switch_;  // the aggregation switches (switch knob), joined at start-up
   std::unique_ptr<nicd::Client> nicd_;  // engine=nicd: the host's offload daemon runs every call
+  std::shared_mutex rma_mu_;
+  std::unique_ptr<rma::Service> rma_;  // one-sided operations
   bool cma_usable_ = false;  // fixed at construction, so callers may read it while another thread closes
   std::string cma_reason_;
   std::shared_ptr<Engine> engine_;

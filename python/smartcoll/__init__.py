@@ -12,7 +12,9 @@ from . import codec
 from ._comm import Communicator, Request, init
 from ._core import CommError
 from ._knobs import Knob, build_info, knobs
+from ._onesided import Region, RemoteRegion
 
 __version__ = build_info()["version"]
 
-__all__ = ["CommError", "codec", "Communicator", "Knob", "Request", "build_info", "init", "knobs", "__version__"]
+__all__ = ["CommError", "codec", "Communicator", "Knob", "Region", "RemoteRegion", "Request", "build_info", "init",
+           "knobs", "__version__"]

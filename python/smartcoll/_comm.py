@@ -74,11 +74,19 @@ def _vectored() -> Any:
     return module
 
 
-class Request:
-    """A collective in progress. test() never blocks; wait() returns the result or raises CommError."""
+def _onesided() -> Any:
+    from . import _onesided as module  # imports this module: loaded on first use
 
-    def __init__(self, core_request: Any, result: Any, keepalive: tuple, comm: Any):
+    return module
+
+
+class Request:
+    """A collective or one-sided call in progress. test() never blocks; wait() returns the result or raises
+    CommError."""
+
+    def __init__(self, core_request: Any, result: Any, keepalive: tuple, comm: Any, what: str = "collective"):
         self._req = core_request
+        self._what = what  # named in wait()'s TimeoutError
         self._result = result
         self._keepalive = keepalive  # the engine reads and writes these buffers until it finishes
         self._comm = comm
@@ -105,7 +113,7 @@ class Request:
                     self._keepalive = ()
                     return self._result
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"collective not finished after {timeout} s (it is still running; wait again)")
+                    raise TimeoutError(f"{self._what} not finished after {timeout} s (it is still running; wait again)")
         except KeyboardInterrupt:
             self._interrupted()
 
@@ -293,6 +301,51 @@ class Communicator:
 
     def barrier(self) -> None:
         _finish(self._core.barrier(), None, (), self._core)
+
+    # One-sided operations on registered regions (docs/vectored.md): offsets and sizes in bytes; the peer's
+    # application makes no call. `local` is one buffer or a list, whose buffers hold the pieces in order.
+    # `codec`: each piece travels encoded (float32 regions, whole elements; accumulatev then adds only).
+
+    def register(self, buffer: Any) -> Any:
+        """Registers a writable contiguous buffer (NumPy array, CPU tensor, bytearray) as a Region: ids run
+        1, 2, 3, ... in this rank's order of registration. No collective: peers learn it from exchange_regions()
+        or by convention."""
+        return _onesided().Region(self, buffer)
+
+    def deregister(self, region: Any) -> None:
+        region.close()
+
+    def exchange_regions(self, region: Any) -> list:
+        """A collective (an allgather): every rank's region (or None), as RemoteRegions indexed by rank."""
+        return _onesided().exchange_regions(self, region)
+
+    def igetv(self, peer: int, remote: Any, offsets: Any, sizes: Any, local: Any,
+              codec: Optional[str] = None) -> Request:
+        """Reads the pieces (offsets[i], sizes[i] bytes; sizes may be one int) of `remote` into `local`."""
+        return _onesided().post(self, "getv", peer, remote, local, offsets, sizes, codec=codec)
+
+    def iputv(self, peer: int, local: Any, remote: Any, offsets: Any, sizes: Any = None,
+              codec: Optional[str] = None) -> Request:
+        """Writes `local` into the pieces of `remote` (sizes default to one piece per local buffer)."""
+        return _onesided().post(self, "putv", peer, remote, local, offsets, sizes, codec=codec)
+
+    def iaccumulatev(self, peer: int, local: Any, remote: Any, offsets: Any, sizes: Any = None,
+                     op: str = "sum", codec: Optional[str] = None) -> Request:
+        """Reduces `local` (the region's dtype) into the pieces of `remote`, element-wise; the target applies one
+        rank's calls in the order they were made."""
+        return _onesided().post(self, "accumulatev", peer, remote, local, offsets, sizes, op, codec)
+
+    def getv(self, peer: int, remote: Any, offsets: Any, sizes: Any, local: Any,
+             codec: Optional[str] = None) -> Any:
+        return self.igetv(peer, remote, offsets, sizes, local, codec).wait()
+
+    def putv(self, peer: int, local: Any, remote: Any, offsets: Any, sizes: Any = None,
+             codec: Optional[str] = None) -> None:
+        self.iputv(peer, local, remote, offsets, sizes, codec).wait()
+
+    def accumulatev(self, peer: int, local: Any, remote: Any, offsets: Any, sizes: Any = None,
+                    op: str = "sum", codec: Optional[str] = None) -> None:
+        self.iaccumulatev(peer, local, remote, offsets, sizes, op, codec).wait()
 
     def engine_stats(self) -> dict:
         """{'workers', 'cpu_seconds' (CPU time of the engine's worker threads so far), 'open_channels'}."""

@@ -14,6 +14,7 @@
 #include "core/config.h"
 #include "core/engine.h"
 #include "core/log.h"
+#include "core/onesided.h"
 #include "nicd/client.h"
 #include "smartcoll/comm.h"
 #include "switch/client.h"
@@ -261,6 +262,8 @@ void Communicator::abort(const std::string& reason) {
   if (nicd_) nicd_->abort(why);
   if (cma_) cma_->leave();  // peers waiting on this rank in a same-host call fail at once
   if (engine_) engine_->abort(why);
+  std::shared_lock rma(rma_mu_);
+  if (rma_) rma_->abort(why);
 }
 
 void Communicator::join_switches() {
@@ -340,9 +343,14 @@ void Communicator::close() {
     (void)cma_.release();
     (void)switch_.release();
     (void)nicd_.release();
+    (void)rma_.release();
     (void)transport_.release();
     (void)history_.release();
     return;
+  }
+  {
+    std::lock_guard lock(rma_mu_);  // waits for one-sided calls and deregistrations in progress
+    rma_.reset();  // fails its outstanding calls and stops touching the regions
   }
   nicd_.reset();  // waits for its calls, then says bye to the daemon
   if (engine_) engine_->stop();

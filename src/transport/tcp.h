@@ -33,6 +33,7 @@ class TcpTransport final : public Transport {
                const std::string& route_hint, const std::string& claim = "");
   // The claim rank 0 accepted for each rank (start-up): peers' addresses are looked up under these alone.
   void accept_claims(std::vector<std::string> claims) { claims_ = std::move(claims); }
+  const std::vector<std::string>& claims() const { return claims_; }
   ~TcpTransport() override;
 
   void attach(std::vector<int> epoll_fds) override;
@@ -43,6 +44,8 @@ class TcpTransport final : public Transport {
   size_t recv(int peer, int stream, const iovec* iov, int iovcnt) override;
   int pollable(int peer, int stream) const override { return chan(peer, stream).fd.load(); }
   int open_channels() const override;
+  // The host this rank listens on ("" when it listens nowhere: a world of one).
+  std::string host() const { return addrs_[rank()].substr(0, addrs_[rank()].rfind(':')); }
   void abort(const std::string& reason) override;
 
  private:

@@ -43,6 +43,7 @@ constexpr Target kTargets[] = {
     {"switch_packet", switch_packet, switch_packet_seeds},
     {"model_profile", model_profile, model_profile_seeds},
     {"nicd_message", nicd_message, nicd_message_seeds},
+    {"onesided_message", onesided_message, onesided_message_seeds},
 };
 // ---- End of registry. ----
 

@@ -48,4 +48,8 @@ Seeds model_profile_seeds();
 void nicd_message(const uint8_t* data, size_t size);
 Seeds nicd_message_seeds();
 
+// A one-sided request from an initiator (core/onesided_wire.h): refused, or served inside its region alone.
+void onesided_message(const uint8_t* data, size_t size);
+Seeds onesided_message_seeds();
+
 }  // namespace smartcoll::fuzz

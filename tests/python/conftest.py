@@ -86,6 +86,36 @@ def run_ranks(
     return run.results
 
 
+def run_thread_ranks(n: int, body, **options) -> list:
+    """body(comm) on ranks 0..n-1 as threads of this process (loopback, 20 s timeouts, `options` as init()
+    knobs); returns their results, re-raising the first error."""
+    import threading
+
+    import smartcoll
+
+    port = free_port()
+    results, errors = [None] * n, [None] * n
+
+    def rank(r):
+        try:
+            with smartcoll.init(f"tcp://127.0.0.1:{port}", rank=r, world_size=n, timeout=20, connect_timeout=20,
+                                **options) as comm:
+                results[r] = body(comm)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank did not finish within 60 s"
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
 def assert_all_ok(results: list[RankResult], ranks: Optional[Iterable[int]] = None) -> None:
     """Every listed rank (default: all) exited with status 0."""
     ranks = range(len(results)) if ranks is None else ranks

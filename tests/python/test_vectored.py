@@ -5,39 +5,17 @@ order of the sums shows); alltoallv against a reference; mismatches fail with er
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import smartcoll
-from conftest import free_port
+from conftest import free_port, run_thread_ranks
 
 SIZES = [7, 0, 1, 300, 33, 0, 1029, 5]  # mixed sizes, odd counts, empty entries
 
 
 def run_pair(body, **options):
     """body(comm) on ranks 0 and 1 (threads); returns their results, re-raising the first error."""
-    port = free_port()
-    results, errors = [None, None], [None, None]
-
-    def rank(r):
-        try:
-            with smartcoll.init(f"tcp://127.0.0.1:{port}", rank=r, world_size=2, timeout=20, connect_timeout=20,
-                                segment_size=256, **options) as comm:
-                results[r] = body(comm)
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
-            errors[r] = e
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank did not finish within 60 s"
-    for e in errors:
-        if e is not None:
-            raise e
-    return results
+    return run_thread_ranks(2, body, segment_size=256, **options)
 
 
 def entries(rng, dtype, sizes=SIZES, times=1):

@@ -58,7 +58,8 @@ _SUBCOMMANDS = {
         "`smartcoll bench train --help`: the FPGA smart-NIC paper's training experiment (an MLP trained with\n"
         "DDP on gloo and on smartcoll, with and without BFP16; time per iteration by phase, loss curves).\n"
         "`smartcoll bench list|gather|scatter --help`: list allreduce against fusing by hand, and the engine's\n"
-        "gather/scatter of small pieces against memcpy (docs/vectored.md).\n"
+        "gather/scatter of small pieces against memcpy; `smartcoll bench embedding --help`: embedding lookup\n"
+        "with one-sided getv against alltoallv in smartcoll and gloo (docs/vectored.md).\n"
         "`smartcoll bench overlap COLLECTIVE ...` is `smartcoll bench COLLECTIVE --overlap ...` (OSU overlap%).\n\n"
         "examples:\n"
         "  smartcoll bench allreduce -n 4 --sizes 1K:64M --vs gloo --vs mpi\n"
@@ -155,12 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"] and argv[1:2] in (["codec"], ["train"], ["list"], ["gather"], ["scatter"]):
-        # These have options of their own (docs/vectored.md for list, gather and scatter).
-        from .bench import codec, train, vectored
+    if argv[:1] == ["bench"] and argv[1:2] in (["codec"], ["train"], ["list"], ["gather"], ["scatter"],
+                                                ["embedding"]):
+        # These have options of their own (docs/vectored.md for list, gather, scatter and embedding).
+        from .bench import codec, embedding, train, vectored
 
         modes = {"codec": codec.main, "train": train.main, "list": vectored.list_main,
-                 "gather": vectored.gather_main, "scatter": vectored.scatter_main}
+                 "gather": vectored.gather_main, "scatter": vectored.scatter_main, "embedding": embedding.main}
         return modes[argv[1]](argv[2:])
     if argv[:2] == ["bench", "overlap"]:  # OSU's name for it: the --overlap mode of the collective that follows
         argv = ["bench", *argv[2:], "--overlap"]

@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -30,6 +29,7 @@ from typing import Optional
 import numpy as np
 
 from .sizes import parse_size
+from .workers import add_launch_options, run_workers
 
 METHODS = ("list", "fuse-copy", "separate", "contiguous")
 
@@ -86,8 +86,6 @@ def worker(outdir: str, tensors: int, total: int, iters: int) -> int:
 
 
 def list_main(argv: Optional[list[str]] = None) -> int:
-    from .. import launcher
-
     ap = argparse.ArgumentParser(prog="smartcoll bench list", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=2, help="ranks (default 2)")
@@ -98,32 +96,13 @@ def list_main(argv: Optional[list[str]] = None) -> int:
                     help="allreduce algorithm of every call (the algo knob; default auto). List calls never take "
                     "the same-host path (cma), which auto picks for large single buffers on one host: --algo ring "
                     "compares the same algorithm throughout")
-    ap.add_argument("--cluster", metavar="NAME", help="one rank per host of the emulated cluster NAME")
-    ap.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are stopped")
-    ap.add_argument("--json", help="also write the figures to this JSON file")
+    add_launch_options(ap)
     args = ap.parse_args(argv)
     total = parse_size(args.total)
-    hooks = {}
-    if args.cluster:
-        from .. import netemu
-
-        try:
-            prefix, env = launcher.cluster_hooks(args.cluster, args.n)
-        except (ValueError, netemu.ClusterError) as e:
-            print(f"smartcoll bench list: {e}", file=sys.stderr)
-            return 2
-        hooks = {"rank_prefix": prefix, "rank_env": env}
-    with tempfile.TemporaryDirectory(prefix="smartcoll-bench-list-") as outdir:
-        cmd = [sys.executable, "-m", "smartcoll.tools.bench.vectored", "worker", outdir, str(args.tensors),
-               str(total), str(args.iters)]
-        run = launcher.run_ranks(cmd, args.n, args.timeout, env_extra={"SMARTCOLL_ALGO": args.algo}, **hooks)
-        bad = [r for r, res in enumerate(run.results) if res.returncode != 0]
-        if run.hung or bad:
-            for r, res in enumerate(run.results):
-                sys.stderr.write(f"--- rank {r} (status {res.returncode})\n{res.stdout}{res.stderr}")
-            print(f"ranks {run.hung or bad} failed or hung", file=sys.stderr)
-            return 1
-        report = json.loads(Path(outdir, "rank0.json").read_text())
+    report, status = run_workers("list", "smartcoll.tools.bench.vectored", [str(args.tensors), str(total),
+                                 str(args.iters)], args.n, args.cluster, args.timeout, {"SMARTCOLL_ALGO": args.algo})
+    if report is None:
+        return status
     sizes = tensor_sizes(args.tensors, total)
     print(f"{args.n} ranks{' on cluster ' + args.cluster if args.cluster else ' on loopback'}, algo {args.algo}: "
           f"{args.tensors} float32 tensors, {total / 2**20:.0f} MiB in all ({min(sizes) * 4} B to "

@@ -1,0 +1,831 @@
+#include "core/onesided.h"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <utility>
+
+#include "core/checks.h"
+#include "core/frame.h"
+#include "core/log.h"
+#include "core/mac.h"
+
+namespace smartcoll::rma {
+
+namespace {
+
+constexpr auto kHelloDeadline = std::chrono::seconds(5);
+constexpr auto kAcceptBackoff = std::chrono::milliseconds(100);
+constexpr auto kWarnPeriod = std::chrono::seconds(1);
+constexpr size_t kDiscard = 64 * 1024;  // a refused payload is read and dropped in pieces this large
+
+std::chrono::milliseconds millis(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+// A message's bytes as a list of buffers, and how far they have moved.
+struct Cursor {
+  std::vector<iovec> segs;
+  size_t seg = 0, off = 0;
+  bool done() const { return seg == segs.size(); }
+  bool started() const { return seg != 0 || off != 0; }
+  int fill(iovec* iov) {
+    int n = 0;
+    for (size_t k = seg; k < segs.size() && n < kMaxIov; ++k) {
+      const size_t skip = k == seg ? off : 0;
+      iov[n++] = {static_cast<char*>(segs[k].iov_base) + skip, segs[k].iov_len - skip};
+    }
+    return n;
+  }
+  void advance(size_t n) {
+    while (seg < segs.size()) {
+      const size_t left = segs[seg].iov_len - off;
+      if (n < left) {
+        off += n;
+        return;
+      }
+      n -= left;
+      ++seg;
+      off = 0;
+    }
+  }
+  // Skips empty buffers at the front, so that done() tells whether any byte is still to come.
+  void settle() { advance(0); }
+};
+
+// Bytes counted against a pool (Service::held_) for as long as this lives.
+class Hold {
+ public:
+  Hold() = default;
+  Hold(std::atomic<uint64_t>& pool, uint64_t n) : pool_(&pool), n_(n) { pool += n; }
+  Hold(Hold&& o) noexcept : pool_(o.pool_), n_(std::exchange(o.n_, 0)) {}
+  Hold& operator=(Hold&& o) noexcept {
+    if (this != &o) {
+      release();
+      pool_ = o.pool_;
+      n_ = std::exchange(o.n_, 0);
+    }
+    return *this;
+  }
+  ~Hold() { release(); }
+
+ private:
+  void release() {
+    if (pool_ && n_) *pool_ -= n_;
+    n_ = 0;
+  }
+  std::atomic<uint64_t>* pool_ = nullptr;
+  uint64_t n_ = 0;
+};
+
+// A staging buffer: allocated, not zero-filled (the bytes that fill it come off the wire or from the region).
+struct Block {
+  std::unique_ptr<char[]> bytes;
+  size_t size = 0;
+  Hold hold;
+  char* data() const { return bytes.get(); }
+};
+
+Block make_block(uint64_t n, Hold hold = {}) {
+  return {std::make_unique_for_overwrite<char[]>(n), n, std::move(hold)};
+}
+
+struct Out {
+  std::vector<char> head, text;
+  Block body;
+  Cursor at;
+  uint64_t left = 0;                    // bytes not yet sent
+  std::shared_ptr<Service::Call> call;  // a request: keeps its local buffers' list alive
+};
+
+// The local buffers' bytes, one after the other, into `out`; and back.
+void from_local(std::span<const LocalPiece> local, char* out) {
+  for (const LocalPiece& p : local) {
+    if (p.bytes) std::memcpy(out, p.data, p.bytes);
+    out += p.bytes;
+  }
+}
+
+void to_local(const char* in, std::span<const LocalPiece> local) {
+  for (const LocalPiece& p : local) {
+    if (p.bytes) std::memcpy(p.data, in, p.bytes);
+    in += p.bytes;
+  }
+}
+
+// The pieces as they lie one after the other in the local buffers.
+std::vector<RemotePiece> packed(std::span<const RemotePiece> pieces) {
+  std::vector<RemotePiece> out;
+  uint64_t at = 0;
+  for (const RemotePiece& p : pieces) {
+    out.push_back({at, p.bytes});
+    at += p.bytes;
+  }
+  return out;
+}
+
+std::vector<char> head_bytes(const Header& h, std::span<const RemotePiece> pieces = {}) {
+  std::vector<char> b(sizeof h + pieces.size_bytes());
+  std::memcpy(b.data(), &h, sizeof h);
+  if (!pieces.empty()) std::memcpy(b.data() + sizeof h, pieces.data(), pieces.size_bytes());
+  return b;
+}
+
+// An error answer of id 0: why the target closes the channel. Sent best effort on a channel with no message
+// half sent, so that the initiator's error names the cause instead of only "closed by that rank".
+void farewell(int fd, const std::string& why) {
+  Header h;
+  h.kind = static_cast<uint8_t>(Kind::error);
+  h.payload = std::min<uint64_t>(why.size(), kMaxErrorText);
+  std::vector<char> b = head_bytes(h);
+  b.insert(b.end(), why.begin(), why.begin() + static_cast<ptrdiff_t>(h.payload));
+  [[maybe_unused]] ssize_t n = ::send(fd, b.data(), b.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+std::string hex_of(const uint8_t* bytes, size_t n) {
+  std::string hex;
+  char two[3];
+  for (size_t i = 0; i < n; ++i) {
+    std::snprintf(two, sizeof two, "%02x", bytes[i]);
+    hex += two;
+  }
+  return hex;
+}
+
+}  // namespace
+
+struct Service::Region {
+  Region(uint64_t i, char* b, uint64_t n, DataType d) : id(i), base(b), bytes(n), dtype(d) {}
+  const uint64_t id;
+  char* const base;
+  const uint64_t bytes;
+  const DataType dtype;
+  std::mutex mu;  // held while copying from or into the buffer
+  bool alive = true;
+};
+
+struct Service::Call {
+  std::string name;  // "getv #3 on rank 0 to rank 1"
+  int peer = 0;
+  Header head;
+  std::vector<RemotePiece> pieces;
+  std::vector<LocalPiece> local;
+  std::optional<Codec> codec;
+  std::vector<char> encoded;  // a put's or accumulate's payload under a codec
+  bool sent = false;          // the request has left whole: its buffers are no longer read
+  std::shared_ptr<Request> req;
+};
+
+struct Service::Conn {
+  net::Fd fd;
+  int peer = -1;
+  bool outgoing = false;  // this rank connected: it initiates on this channel, the peer answers
+  bool closed = false;
+  bool more = false;      // receive() stopped before the socket ran dry
+  Clock::time_point last = Clock::now();
+  // The message coming in: its header (stage 0), pieces table (1), staging taken (2), payload (3).
+  int stage = 0;
+  size_t got = 0;
+  Header h{};
+  std::vector<RemotePiece> pieces;
+  Cursor into;
+  uint64_t discard = 0;  // refused payload bytes still to drop
+  Block staging;         // target: a put's payload or a get's answer; initiator: an error's text, encoded data
+  std::string refused;              // target: why the request in hand is refused
+  std::optional<Codec> codec;       // target: the codec of the request in hand
+  std::shared_ptr<Region> region;   // target: the region it is for
+  std::shared_ptr<Call> call;       // initiator: the call the answer in hand is for (null: a farewell)
+  std::deque<Out> out;
+  uint64_t queued = 0;  // bytes of `out` not yet sent
+  std::map<uint64_t, std::shared_ptr<Call>> waiting;  // initiator: sent or queued, not answered
+};
+
+// A connection accepted whose hello has not fully arrived.
+struct Service::Accepting {
+  net::Fd fd;
+  Clock::time_point since;
+  Hello hello{};
+  size_t got = 0;
+};
+
+Service::Service(const Settings& settings, std::shared_ptr<Store> store)
+    : s_(settings), store_(std::move(store)), connected_(static_cast<size_t>(settings.size), false),
+      last_close_(static_cast<size_t>(settings.size)), gone_(static_cast<size_t>(settings.size), false),
+      to_peer_(static_cast<size_t>(settings.size), nullptr) {
+  listener_ = net::listen_on(s_.host.empty() ? "127.0.0.1" : s_.host, 0, 1024);
+  net::set_nonblocking(listener_.get(), true);
+  epfd_ = net::Fd(epoll_create1(EPOLL_CLOEXEC));
+  wakefd_ = net::Fd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!epfd_ || !wakefd_)
+    throw CommError("cannot create the one-sided server's epoll or eventfd: " + std::string(std::strerror(errno)));
+  for (int fd : {listener_.get(), wakefd_.get()}) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = fd;
+    epoll_ctl(epfd_.get(), EPOLL_CTL_ADD, fd, &ev);
+  }
+  random_bytes(token_);
+  store_->set(key(s_.rank), (s_.host.empty() ? "127.0.0.1" : s_.host) + ":" +
+                                                    std::to_string(net::bound_port(listener_.get())) + " " +
+                                                    hex_of(token_, sizeof token_));
+  thread_ = std::thread([this] { run(); });
+}
+
+std::string Service::key(int rank) const {
+  return "rma/" + std::to_string(rank) + "/" + (s_.claims.empty() ? "" : s_.claims.at(static_cast<size_t>(rank)));
+}
+
+Service::~Service() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  const uint64_t one = 1;
+  [[maybe_unused]] ssize_t n = ::write(wakefd_.get(), &one, sizeof one);
+  if (thread_.joinable()) thread_.join();
+}
+
+void Service::abort(const std::string& why) {
+  {
+    std::lock_guard lock(mu_);
+    if (aborted_.empty()) aborted_ = why;
+  }
+  const uint64_t one = 1;
+  [[maybe_unused]] ssize_t n = ::write(wakefd_.get(), &one, sizeof one);
+}
+
+uint64_t Service::add(void* base, size_t bytes, DataType dtype) {
+  require(base || bytes == 0, "register: a null buffer of " + std::to_string(bytes) + " bytes");
+  std::lock_guard lock(regions_mu_);
+  const uint64_t id = next_region_++;
+  regions_[id] = std::make_shared<Region>(id, static_cast<char*>(base), bytes, dtype);
+  return id;
+}
+
+void Service::remove(uint64_t id) {
+  std::shared_ptr<Region> r;
+  {
+    std::lock_guard lock(regions_mu_);
+    auto it = regions_.find(id);
+    require(it != regions_.end(), "deregister: region " + std::to_string(id) + (id > 0 && id < next_region_
+                                      ? " was deregistered already" : " was never registered on this rank"));
+    r = std::move(it->second);
+    regions_.erase(it);
+  }
+  std::lock_guard lock(r->mu);  // a copy in progress finishes first; none starts after
+  r->alive = false;
+}
+
+std::shared_ptr<Service::Region> Service::find(uint64_t id, std::string& why) {
+  std::lock_guard lock(regions_mu_);
+  if (auto it = regions_.find(id); it != regions_.end()) return it->second;
+  why = id > 0 && id < next_region_ ? "region " + std::to_string(id) + " was deregistered"
+                                    : "rank " + std::to_string(s_.rank) + " has no region " + std::to_string(id) +
+                                          " (it has registered " + std::to_string(next_region_ - 1) + ")";
+  return nullptr;
+}
+
+std::shared_ptr<Request> Service::post(Kind kind, const RemoteRegion& region, std::span<const RemotePiece> pieces,
+                                       std::span<const LocalPiece> local, ReduceOp op,
+                                       const std::optional<Codec>& requested) {
+  const std::string what = kind_name(static_cast<uint8_t>(kind));
+  require(region.rank >= 0 && region.rank < s_.size, what + ": rank " + std::to_string(region.rank) +
+                                                         " is outside the world of size " + std::to_string(s_.size));
+  // The identity codec changes no byte: the call moves raw bytes, on a region of any type.
+  const std::optional<Codec> codec =
+      requested && requested->kind() == CodecKind::identity ? std::nullopt : requested;
+  for (size_t i = 0; i < local.size(); ++i) {
+    require(local[i].data || local[i].bytes == 0,
+            what + ": local buffer " + std::to_string(i) + " is null but has " + std::to_string(local[i].bytes) +
+                " bytes");
+  }
+  const std::optional<uint64_t> local_bytes =
+      sum_bytes(local, kMaxPayload, [](const LocalPiece& p) { return uint64_t{p.bytes}; });
+  require(local_bytes.has_value(), what + ": the local buffers add up to more than " + std::to_string(kMaxPayload) +
+                                       " bytes; a call moves at most that much: split it");
+  check_call(kind, region, pieces, *local_bytes, op, codec);
+  auto call = std::make_shared<Call>();
+  call->peer = region.rank;
+  call->head.kind = static_cast<uint8_t>(kind);
+  call->head.dtype = static_cast<uint8_t>(region.dtype);
+  call->head.op = static_cast<uint8_t>(op);
+  call->head.npieces = static_cast<uint32_t>(pieces.size());
+  call->head.id = next_call_++;
+  call->head.region = region.id;
+  set_codec(call->head, codec);
+  call->head.payload = kind == Kind::get ? 0 : wire_bytes(pieces, codec);
+  call->pieces.assign(pieces.begin(), pieces.end());
+  call->local.assign(local.begin(), local.end());
+  call->codec = codec;
+  if (codec && kind != Kind::get) {
+    // The local buffers hold the pieces one after the other: encode each piece from their concatenation.
+    std::vector<char> raw(*local_bytes);
+    from_local(local, raw.data());
+    call->encoded.resize(call->head.payload);
+    gather(raw.data(), packed(pieces), call->encoded.data(), codec);
+  }
+  call->name = what + " #" + std::to_string(call->head.id) + " on rank " + std::to_string(s_.rank) + " to rank " +
+               std::to_string(region.rank) + " (region " + std::to_string(region.id) + ")";
+  call->req = std::make_shared<Request>();
+  connect(region.rank);
+  {
+    // Under the lock that stopping takes: the thread's last take_inbox() sees every call queued before it.
+    std::lock_guard lock(mu_);
+    if (stop_) throw InvalidArgument("the communicator is closed");
+    if (!aborted_.empty()) throw CommError(aborted_);
+    new_calls_.push_back(call);
+  }
+  const uint64_t one = 1;
+  [[maybe_unused]] ssize_t n = ::write(wakefd_.get(), &one, sizeof one);
+  return call->req;
+}
+
+void Service::connect(int peer) {
+  std::lock_guard cl(connect_mu_);
+  {
+    std::lock_guard lock(mu_);
+    if (stop_) throw InvalidArgument("the communicator is closed");
+    if (!aborted_.empty()) throw CommError(aborted_);
+    if (connected_[static_cast<size_t>(peer)]) return;
+    // A channel closed because its peer left or sent garbage, or refused this rank: that peer is not tried again.
+    if (gone_[static_cast<size_t>(peer)])
+      throw CommError(last_close_[static_cast<size_t>(peer)] + "; one-sided calls to rank " + std::to_string(peer) +
+                      " fail from now on");
+  }
+  const auto limit = millis(s_.connect_timeout);
+  std::string addr;
+  try {
+    addr = store_->get(key(peer), limit);
+  } catch (const CommError&) {
+    throw CommError("rank " + std::to_string(peer) + " serves no one-sided operations: it registered no region " +
+                    "within " + std::to_string(limit.count() / 1000) + " s (a target registers its regions " +
+                    "before peers call it; SMARTCOLL_CONNECT_TIMEOUT)");
+  }
+  // "host:port token" (32 hex digits)
+  const auto space = addr.find(' ');
+  const std::string where = addr.substr(0, space);  // never the token: error texts travel and get logged
+  const auto colon = where.rfind(':');
+  const long port = colon == std::string::npos ? 0 : std::strtol(where.c_str() + colon + 1, nullptr, 10);
+  const std::string hex = space == std::string::npos ? "" : addr.substr(space + 1);
+  if (port <= 0 || port > 65535 || hex.size() != 32 || hex.find_first_not_of("0123456789abcdef") != std::string::npos)
+    throw CommError("malformed one-sided address of rank " + std::to_string(peer) + " in the store ('" + where +
+                    "', then " + std::to_string(hex.size()) + " characters of token)");
+  Hello h{kHelloMagic, static_cast<uint32_t>(s_.rank), static_cast<uint32_t>(s_.size), kVersion, s_.job, {}};
+  for (size_t i = 0; i < sizeof h.token; ++i)
+    h.token[i] = static_cast<uint8_t>(std::stoul(hex.substr(2 * i, 2), nullptr, 16));
+  const auto deadline = Clock::now() + limit;
+  net::Fd fd = net::connect_to({where.substr(0, colon), static_cast<uint16_t>(port)}, deadline);
+  net::send_all(fd.get(), &h, sizeof h, deadline, "one-sided hello to rank " + std::to_string(peer));
+  net::set_nonblocking(fd.get(), true);
+  net::set_nodelay(fd.get());
+  net::set_buffer_sizes(fd.get(), s_.sockbuf);
+  std::lock_guard lock(mu_);
+  new_conns_.emplace_back(peer, std::move(fd));
+  connected_[static_cast<size_t>(peer)] = true;
+}
+
+void Service::take_inbox() {
+  std::vector<std::pair<int, net::Fd>> conns;
+  std::vector<std::shared_ptr<Call>> calls;
+  std::string aborted;
+  {
+    std::lock_guard lock(mu_);
+    conns.swap(new_conns_);
+    calls.swap(new_calls_);
+    aborted = aborted_;
+  }
+  for (auto& [peer, fd] : conns) {
+    auto c = std::make_unique<Conn>();
+    c->fd = std::move(fd);
+    c->peer = peer;
+    c->outgoing = true;
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
+    ev.data.fd = c->fd.get();
+    epoll_ctl(epfd_.get(), EPOLL_CTL_ADD, c->fd.get(), &ev);
+    to_peer_[static_cast<size_t>(peer)] = c.get();
+    conns_.push_back(std::move(c));
+  }
+  if (!aborted.empty())
+    for (auto& c : conns_)
+      if (c->outgoing) close(*c, aborted);
+  for (auto& call : calls) {
+    Conn* c = to_peer_[static_cast<size_t>(call->peer)];
+    if (!c || stop_) {
+      std::string why;
+      {
+        std::lock_guard lock(mu_);
+        why = last_close_[static_cast<size_t>(call->peer)];
+      }
+      call->req->finish(call->name + ": " + (stop_ ? "the communicator was closed" : why));
+      continue;
+    }
+    Out o;
+    o.head = head_bytes(call->head, call->pieces);
+    o.at.segs.push_back({o.head.data(), o.head.size()});
+    if (!call->encoded.empty())
+      o.at.segs.push_back({call->encoded.data(), call->encoded.size()});
+    else if (static_cast<Kind>(call->head.kind) != Kind::get)
+      for (const LocalPiece& p : call->local) o.at.segs.push_back({p.data, p.bytes});
+    o.left = o.head.size() + call->head.payload;
+    o.call = call;
+    if (c->waiting.empty()) c->last = Clock::now();  // the answer's clock starts now, not at the last answer
+    c->waiting[call->head.id] = call;
+    c->queued += o.left;
+    c->out.push_back(std::move(o));
+  }
+}
+
+void Service::warn(const std::string& what) {
+  const auto now = Clock::now();
+  if (now - last_warn_ < kWarnPeriod) {
+    ++unwarned_;
+    return;
+  }
+  SC_LOG(LogLevel::warn, s_.rank, "") << "one-sided: " << what
+                                      << (unwarned_ ? " (and " + std::to_string(unwarned_) + " more like it)" : "");
+  last_warn_ = now;
+  unwarned_ = 0;
+}
+
+// The listener is polled only while a connection can be taken: fewer than kMaxPendingHellos wait for their
+// hello, and not within the pause after running out of descriptors (accept() would fail at once while the
+// pending connection keeps the listener readable: polling it would spin).
+void Service::update_listener(Clock::time_point now) {
+  const bool want = accepting_.size() < kMaxPendingHellos && now >= accept_resume_;
+  if (want == listening_) return;
+  epoll_event ev{};
+  ev.events = want ? static_cast<uint32_t>(EPOLLIN) : 0u;
+  ev.data.fd = listener_.get();
+  epoll_ctl(epfd_.get(), EPOLL_CTL_MOD, listener_.get(), &ev);
+  listening_ = want;
+}
+
+void Service::accept_all(Clock::time_point now, bool connecting) {
+  while (connecting && listening_ && accepting_.size() < kMaxPendingHellos) {
+    net::Fd s(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (!s) {
+      const int err = errno;
+      if (err == EINTR || err == ECONNABORTED || err == EPROTO) continue;
+      if (err != EAGAIN && err != EWOULDBLOCK) {
+        // EMFILE, ENFILE, ENOBUFS, ENOMEM: nothing to accept with until a descriptor or memory is freed.
+        accept_resume_ = now + kAcceptBackoff;
+        warn(std::string("accept failed (") + std::strerror(err) + "): pausing new channels for " +
+             std::to_string(kAcceptBackoff.count()) + " ms at a time (raise the open files limit, ulimit -n)");
+      }
+      break;
+    }
+    net::set_nodelay(s.get());
+    net::set_buffer_sizes(s.get(), s_.sockbuf);
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
+    ev.data.fd = s.get();
+    epoll_ctl(epfd_.get(), EPOLL_CTL_ADD, s.get(), &ev);
+    accepting_.push_back(std::make_unique<Accepting>(Accepting{std::move(s), now}));
+  }
+  if (!accepting_.empty()) take_hellos(now);
+  update_listener(now);
+}
+
+void Service::take_hellos(Clock::time_point now) {
+  std::erase_if(accepting_, [&](std::unique_ptr<Accepting>& ap) {
+    Accepting& a = *ap;
+    auto* h = reinterpret_cast<char*>(&a.hello);
+    const ssize_t n = ::recv(a.fd.get(), h + a.got, sizeof(Hello) - a.got, MSG_DONTWAIT);
+    if (n > 0) a.got += static_cast<size_t>(n);
+    const bool broken = n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+    if (a.got < sizeof(Hello)) {
+      if (!broken && now - a.since <= kHelloDeadline) return false;
+      warn("dropped a connection that sent no hello within " + std::to_string(kHelloDeadline.count()) + " s");
+      return true;
+    }
+    const std::string why = hello_refusal(a.hello, s_.size, s_.job, token_);
+    if (!why.empty()) {
+      warn("refused a connection: " + why);
+      farewell(a.fd.get(), "rank " + std::to_string(s_.rank) + " refused the one-sided channel: " + why);
+      return true;
+    }
+    const int peer = static_cast<int>(a.hello.rank);
+    // One channel per initiator: a new hello from a rank replaces its old channel (it timed out and reconnects).
+    for (auto& c : conns_)
+      if (!c->outgoing && c->peer == peer) close(*c, "rank " + std::to_string(peer) + " opened a new channel");
+    auto c = std::make_unique<Conn>();
+    c->fd = std::move(a.fd);
+    c->peer = peer;
+    c->more = true;  // requests may have come with the hello
+    conns_.push_back(std::move(c));
+    return true;
+  });
+}
+
+void Service::close(Conn& c, const std::string& why, bool retry) {
+  if (c.closed) return;
+  c.closed = true;
+  if (!c.outgoing) {
+    // A malformed request: say so to the initiator, unless an answer is half sent (the text would corrupt it).
+    if (why.starts_with("malformed") && (c.out.empty() || !c.out.front().at.started()))
+      farewell(c.fd.get(), "rank " + std::to_string(s_.rank) + " closed the one-sided channel: " + why);
+  }
+  c.fd.reset();  // leaves the epoll set with it
+  c.out.clear();
+  c.queued = 0;
+  c.region.reset();
+  c.staging = {};
+  if (!c.outgoing) {
+    // An initiator that leaves closes its channel: worth a warning only when what it sent was malformed.
+    if (why.starts_with("malformed"))
+      warn("closed the channel from rank " + std::to_string(c.peer) + ": " + why);
+    else
+      SC_LOG(LogLevel::debug, s_.rank, "") << "one-sided: closed the channel from rank " << c.peer << ": " << why;
+    return;
+  }
+  to_peer_[static_cast<size_t>(c.peer)] = nullptr;
+  {
+    std::lock_guard lock(mu_);
+    connected_[static_cast<size_t>(c.peer)] = false;
+    last_close_[static_cast<size_t>(c.peer)] = why;
+    gone_[static_cast<size_t>(c.peer)] = !retry;
+  }
+  const size_t n = c.waiting.size();
+  for (auto& [id, call] : c.waiting)
+    call->req->finish(call->name + ": " + why + " (" + std::to_string(n) + " call" + (n == 1 ? "" : "s") +
+                      " outstanding)");
+  c.waiting.clear();
+}
+
+void Service::progress(Conn& c) {
+  send(c);  // first: a channel whose answers drained may be read again
+  if (!c.closed) receive(c);
+  if (!c.closed) send(c);
+  if (c.closed) return;
+  const auto idle = Clock::now() - c.last;
+  const auto limit = std::chrono::duration<double>(s_.timeout);
+  if (idle <= limit) return;
+  if (c.outgoing && !c.waiting.empty())
+    close(c, "no answer from rank " + std::to_string(c.peer) + " for " + std::to_string(s_.timeout) +
+                 " s; is it alive? (SMARTCOLL_TIMEOUT)", true);
+  else if (!c.outgoing && (c.stage != 0 || c.got != 0 || c.queued != 0))
+    close(c, "rank " + std::to_string(c.peer) + (c.queued ? " read no answer" : " sent no more of its request") +
+                 " for " + std::to_string(s_.timeout) + " s (SMARTCOLL_TIMEOUT)");
+}
+
+void Service::send(Conn& c) {
+  while (!c.out.empty()) {
+    Out& o = c.out.front();
+    iovec iov[kMaxIov];
+    msghdr m{};
+    m.msg_iov = iov;
+    m.msg_iovlen = static_cast<size_t>(o.at.fill(iov));
+    const ssize_t n = ::sendmsg(c.fd.get(), &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK)
+        close(c, "the one-sided channel to rank " + std::to_string(c.peer) + " broke while sending: " +
+                     std::strerror(errno));
+      return;
+    }
+    c.last = Clock::now();
+    o.at.advance(static_cast<size_t>(n));
+    o.left -= static_cast<uint64_t>(n);
+    c.queued -= static_cast<uint64_t>(n);
+    if (o.at.done()) {
+      if (o.call) o.call->sent = true;
+      c.out.pop_front();
+    }
+  }
+}
+
+// The header in hand is whole: check it and set up the rest of the message. False: the channel closed.
+bool Service::take_header(Conn& c) {
+  const std::string from = "rank " + std::to_string(c.peer);
+  if (std::string why = malformed(c.h, !c.outgoing); !why.empty())
+    return close(c, "malformed one-sided message from " + from + ": " + why), false;
+  c.got = 0;
+  if (!c.outgoing) {
+    c.pieces.resize(c.h.npieces);
+    c.stage = 1;
+    return true;
+  }
+  c.into = {};
+  c.call = nullptr;
+  const auto kind = static_cast<Kind>(c.h.kind);
+  if (c.h.id != 0 || kind != Kind::error) {  // id 0: the target's farewell, for no call
+    auto it = c.waiting.find(c.h.id);
+    if (it == c.waiting.end())
+      return close(c, "malformed one-sided message from " + from + ": an answer to no outstanding call (id " +
+                          std::to_string(c.h.id) + ")"), false;
+    c.call = it->second;
+    // Sending a put reads the caller's buffers: an answer before that ends would complete the call while they
+    // are still read. A target answers only whole requests, so this one is broken.
+    if (!c.call->sent)
+      return close(c, "malformed one-sided message from " + from + ": an answer to " + c.call->name +
+                          " before its request was sent whole"), false;
+    const auto asked = static_cast<Kind>(c.call->head.kind);
+    if (kind == Kind::data && (asked != Kind::get || c.h.payload != wire_bytes(c.call->pieces, c.call->codec)))
+      return close(c, "malformed one-sided message from " + from + ": data of " + std::to_string(c.h.payload) +
+                          " bytes for " + c.call->name), false;
+    if (kind == Kind::done && asked == Kind::get)
+      return close(c, "malformed one-sided message from " + from + ": 'done' for " + c.call->name), false;
+  }
+  if (kind == Kind::data && !c.call->codec) {
+    for (const LocalPiece& p : c.call->local) c.into.segs.push_back({p.data, p.bytes});
+  } else if (kind != Kind::done) {  // an error's text, or encoded pieces to decode
+    c.staging = make_block(c.h.payload);
+    c.into.segs.push_back({c.staging.data(), c.staging.size});
+  }
+  c.into.settle();
+  c.stage = 3;
+  return true;
+}
+
+// The target's pieces table is whole: check it against the region, and take the request's staging if the
+// target's memory allows (stage 2). False: wait (staging not granted) or the channel closed.
+bool Service::take_pieces(Conn& c) {
+  if (c.stage == 1) {
+    if (std::string why = malformed_pieces(c.h, c.pieces); !why.empty())
+      return close(c, "malformed one-sided message from rank " + std::to_string(c.peer) + ": " + why), false;
+    c.refused.clear();
+    c.codec = codec_of(c.h);
+    c.region = find(c.h.region, c.refused);
+    if (c.region) c.refused = refusal(c.h, c.pieces, {c.region->id, c.region->bytes, c.region->dtype});
+    c.stage = 2;
+  }
+  c.into = {};
+  c.discard = 0;
+  const bool get = static_cast<Kind>(c.h.kind) == Kind::get;
+  const uint64_t need = !c.refused.empty() ? 0 : get ? wire_bytes(c.pieces, c.codec) : c.h.payload;
+  const uint64_t held = held_;
+  if (need && held != 0 && need > kMaxHeld - std::min(held, kMaxHeld)) {
+    c.last = Clock::now();  // this wait is the target's, not the initiator's
+    return false;
+  }
+  if (!c.refused.empty()) {
+    c.discard = c.h.payload;
+  } else if (need) {
+    c.staging = make_block(need, Hold(held_, need));
+    if (!get) c.into.segs.push_back({c.staging.data(), c.staging.size});
+  }
+  c.stage = 3;
+  return true;
+}
+
+// A target reads no new request from a channel while its answers queue up (kMaxQueued).
+bool Service::paused(const Conn& c) { return !c.outgoing && c.stage == 0 && c.got == 0 && c.queued > kMaxQueued; }
+
+void Service::receive(Conn& c) {
+  static thread_local char drop[kDiscard];
+  c.more = false;
+  for (;;) {
+    // Take each finished part of the message first: the next one may need no bytes at all.
+    if (paused(c)) return;  // read on once the answers drain
+    if (c.stage == 0 && c.got == sizeof(Header) && !take_header(c)) return;
+    if ((c.stage == 1 && c.got == c.pieces.size() * sizeof(RemotePiece)) || c.stage == 2) {
+      if (!take_pieces(c)) return;
+    }
+    if (c.stage == 3 && c.into.done() && c.discard == 0) {
+      c.outgoing ? answer(c) : serve(c);
+      c.stage = 0;
+      c.got = 0;
+      c.more = !c.closed;  // one message a pass: the other channels' turn
+      return;
+    }
+    iovec iov[kMaxIov];
+    int n_iov = 1;
+    if (c.stage == 0)
+      iov[0] = {reinterpret_cast<char*>(&c.h) + c.got, sizeof(Header) - c.got};
+    else if (c.stage == 1)
+      iov[0] = {reinterpret_cast<char*>(c.pieces.data()) + c.got, c.pieces.size() * sizeof(RemotePiece) - c.got};
+    else if (c.discard)
+      iov[0] = {drop, static_cast<size_t>(std::min<uint64_t>(c.discard, kDiscard))};
+    else
+      n_iov = c.into.fill(iov);
+    msghdr m{};
+    m.msg_iov = iov;
+    m.msg_iovlen = static_cast<size_t>(n_iov);
+    const ssize_t n = ::recvmsg(c.fd.get(), &m, MSG_DONTWAIT);
+    const std::string from = "rank " + std::to_string(c.peer);
+    if (n == 0)
+      return close(c, "the one-sided channel to " + from + " was closed by that rank (it exited, crashed or " +
+                          "closed its communicator)");
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK)
+        close(c, "the one-sided channel to " + from + " broke while receiving: " + std::strerror(errno));
+      return;
+    }
+    c.last = Clock::now();
+    if (c.stage < 2)
+      c.got += static_cast<size_t>(n);
+    else if (c.discard)
+      c.discard -= static_cast<uint64_t>(n);
+    else
+      c.into.advance(static_cast<size_t>(n));
+  }
+}
+
+void Service::serve(Conn& c) {
+  Header a;
+  a.id = c.h.id;
+  Out o;
+  std::string why = c.refused;
+  if (why.empty()) {
+    std::lock_guard lock(c.region->mu);
+    if (!c.region->alive) {
+      why = "region " + std::to_string(c.region->id) + " was deregistered";
+    } else if (static_cast<Kind>(c.h.kind) == Kind::get) {
+      gather(c.region->base, c.pieces, c.staging.data(), c.codec);
+      o.body = std::move(c.staging);
+    } else {
+      scatter(c.region->base, c.pieces, c.staging.data(), c.h, c.codec);
+    }
+  }
+  c.staging = {};
+  c.region.reset();
+  if (!why.empty()) {
+    o.body = {};
+    o.text.assign(why.begin(), why.begin() + static_cast<ptrdiff_t>(std::min<size_t>(why.size(), kMaxErrorText)));
+    a.kind = static_cast<uint8_t>(Kind::error);
+  } else {
+    a.kind = static_cast<uint8_t>(static_cast<Kind>(c.h.kind) == Kind::get ? Kind::data : Kind::done);
+  }
+  a.payload = o.text.size() + o.body.size;
+  o.head = head_bytes(a);
+  o.at.segs.push_back({o.head.data(), o.head.size()});
+  if (!o.text.empty()) o.at.segs.push_back({o.text.data(), o.text.size()});
+  if (o.body.size) o.at.segs.push_back({o.body.data(), o.body.size});
+  o.left = o.head.size() + a.payload;
+  c.queued += o.left;
+  c.out.push_back(std::move(o));
+}
+
+void Service::answer(Conn& c) {
+  const std::string text(c.staging.data(), c.staging.data() + c.staging.size);
+  if (!c.call)  // the target's farewell: it closes the channel, and says why
+    return close(c, text.empty() ? "rank " + std::to_string(c.peer) + " closed the one-sided channel" : text);
+  std::shared_ptr<Call> call = std::move(c.call);
+  c.waiting.erase(c.h.id);
+  if (static_cast<Kind>(c.h.kind) == Kind::error) {
+    call->req->finish(call->name + ": rank " + std::to_string(c.peer) + " refused it: " + text);
+  } else {
+    if (static_cast<Kind>(c.h.kind) == Kind::data && call->codec) {
+      // Decode each piece into the concatenation of the local buffers (the scatter half of the codec's work).
+      std::vector<char> raw(wire_bytes(call->pieces, std::nullopt));
+      const Header put_like = [&] {
+        Header h = call->head;
+        h.kind = static_cast<uint8_t>(Kind::put);
+        return h;
+      }();
+      scatter(raw.data(), packed(call->pieces), c.staging.data(), put_like, call->codec);
+      to_local(raw.data(), call->local);
+    }
+    call->req->finish("");
+  }
+  c.staging = {};
+  if (c.waiting.empty()) c.last = Clock::now();
+}
+
+void Service::run() {
+  while (!stop_) {
+    // busy: a channel has bytes it may read now; waiting: a clock runs (an answer, a hello, a message half
+    // read, answers unread, staging not granted, the listener's pause).
+    bool busy = false, waiting = !accepting_.empty() || !listening_;
+    for (auto& c : conns_) {
+      busy |= c->more && !paused(*c);
+      waiting |= !c->waiting.empty() || c->stage != 0 || c->got != 0 || c->queued != 0;
+    }
+    epoll_event events[64];
+    const int n = epoll_wait(epfd_.get(), events, 64, busy ? 0 : waiting ? 50 : 1000);
+    // Only what woke: a pass per message when busy, so no system call that has nothing to do.
+    bool woken = false, connecting = false;
+    for (int i = 0; i < n; ++i) {
+      woken |= events[i].data.fd == wakefd_.get();
+      connecting |= events[i].data.fd == listener_.get();
+    }
+    if (woken) {
+      uint64_t count;
+      [[maybe_unused]] ssize_t r = ::read(wakefd_.get(), &count, sizeof count);
+      take_inbox();
+    }
+    accept_all(Clock::now(), connecting);
+    for (auto& c : conns_) {
+      try {
+        progress(*c);
+      } catch (const std::exception& e) {  // a staging buffer the memory cannot hold: that channel goes, not the rank
+        close(*c, std::string("the one-sided server dropped the channel: ") + e.what());
+      }
+    }
+    std::erase_if(conns_, [](const std::unique_ptr<Conn>& c) { return c->closed; });
+  }
+  for (auto& c : conns_) close(*c, "the communicator was closed");
+  take_inbox();  // calls posted meanwhile fail, naming the reason
+  conns_.clear();
+  accepting_.clear();
+}
+
+}  // namespace smartcoll::rma

@@ -1,0 +1,133 @@
+// The one-sided server and client of a communicator (docs/vectored.md, "One-sided operations").
+//
+// One thread per communicator, started on first use (a registration or a one-sided call), serves both roles over
+// framed channels of its own (core/onesided_wire.h), apart from the collectives' unframed channels and workers:
+//   - as a target, it accepts channels from initiators, reads their requests, checks every field, copies from or
+//     into (or reduces into) the registered region, and answers; the application makes no call for that;
+//   - as an initiator, it sends the calls posted on its channels to targets and completes their requests as the
+//     answers come in. Several calls may be outstanding on a channel; a target serves one initiator's requests
+//     in the order they were sent.
+// All I/O is non-blocking and a message is served only once it is whole, so one slow peer never stalls the others.
+// The target's memory is bounded: a channel is read at most one message per pass of the loop, not at all while
+// more than kMaxQueued bytes of its answers wait to be sent, and a request's staging (a put's payload, a get's
+// answer) is taken only while all channels together hold less than kMaxHeld (one request at a time may exceed it).
+// A channel that leaves a message half sent, or its answers unread, for the timeout knob is closed.
+// The region is touched under its lock only while copying (a get gathers into a staging buffer under it, then
+// sends from there; a put or accumulate receives into staging, then scatters under it), so deregistering waits
+// at most for one copy and leaves nothing that points into the buffer.
+#pragma once
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/onesided_wire.h"
+#include "smartcoll/comm.h"
+#include "smartcoll/onesided.h"
+#include "smartcoll/store.h"
+#include "transport/socket.h"
+
+namespace smartcoll::rma {
+
+using Clock = net::Clock;
+
+inline constexpr uint64_t kMaxQueued = uint64_t{8} << 20;   // answers waiting on one channel before it is not read
+inline constexpr uint64_t kMaxHeld = uint64_t{256} << 20;   // staging of all channels together (see above)
+inline constexpr size_t kMaxPendingHellos = 64;             // accepted connections whose hello has not come
+
+struct Settings {
+  int rank = 0, size = 1;
+  std::string host;  // where to listen (the collectives' listening address)
+  uint64_t job = 0;  // job_fingerprint of the job id, carried in every hello
+  // [rank]: the claim rank 0 accepted at start-up (empty for a world of one): each communicator publishes its
+  // one-sided address under its own key, so an earlier communicator's entry is never read.
+  std::vector<std::string> claims;
+  double timeout = 60, connect_timeout = 120;
+  int sockbuf = 0;
+};
+
+class Service {
+ public:
+  // Listens, publishes "rma/<rank>/<claim>" in the (job's) store and starts the thread.
+  Service(const Settings& settings, std::shared_ptr<Store> store);
+  // Fails the calls still outstanding ("the communicator was closed") and joins the thread: once it returns,
+  // nothing touches a registered region.
+  ~Service();
+  // Fails the calls outstanding and every later one with `why` (Communicator::abort).
+  void abort(const std::string& why);
+  // Bytes of staging the target holds now (requests being received or served, answers queued): for tests.
+  uint64_t held_bytes() const { return held_; }
+
+  uint64_t add(void* base, size_t bytes, DataType dtype);
+  // Waits until no request is copying from or into the region; later requests are refused, naming it.
+  void remove(uint64_t id);
+  // Checks the call as the target will, connects to the peer on first use (on this thread, within
+  // connect_timeout), and queues it. The local buffers must stay valid until the request completes.
+  // codec: float32 only; put and accumulate encode here (on this thread) and decode at the target, get the
+  // reverse. The identity codec means raw bytes (no codec).
+  std::shared_ptr<Request> post(Kind kind, const RemoteRegion& region, std::span<const RemotePiece> pieces,
+                                std::span<const LocalPiece> local, ReduceOp op, const std::optional<Codec>& codec);
+
+  struct Region;
+  struct Conn;
+  struct Call;
+  struct Accepting;
+
+ private:
+  void run();
+  void connect(int peer);
+  void take_inbox();
+  void accept_all(Clock::time_point now, bool connecting);  // connecting: the listener is readable
+  void take_hellos(Clock::time_point now);
+  void update_listener(Clock::time_point now);
+  void warn(const std::string& what);
+  void progress(Conn& c);
+  static bool paused(const Conn& c);
+  void receive(Conn& c);
+  bool take_header(Conn& c);
+  bool take_pieces(Conn& c);
+  void send(Conn& c);
+  void serve(Conn& c);
+  void answer(Conn& c);
+  // retry: a later call may open a new channel to the peer (after a timeout); otherwise calls to it fail
+  // with `why` from now on.
+  void close(Conn& c, const std::string& why, bool retry = false);
+  std::shared_ptr<Region> find(uint64_t id, std::string& why);
+  std::string key(int rank) const;  // where `rank` publishes its one-sided address
+
+  Settings s_;
+  uint8_t token_[16];  // what initiators must present (Hello::token)
+  std::shared_ptr<Store> store_;
+  net::Fd listener_, epfd_, wakefd_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};  // set under mu_, so that no call is queued after the thread's last look
+  std::string aborted_;            // under mu_: Communicator::abort's reason
+  std::atomic<uint64_t> held_{0};
+  std::atomic<uint64_t> next_call_{1};
+
+  std::mutex regions_mu_;
+  std::map<uint64_t, std::shared_ptr<Region>> regions_;
+  uint64_t next_region_ = 1;
+
+  std::mutex connect_mu_;  // one caller connects to a peer at a time
+  std::mutex mu_;          // the inbox, and which peers have a channel
+  std::vector<std::pair<int, net::Fd>> new_conns_;
+  std::vector<std::shared_ptr<Call>> new_calls_;
+  std::vector<bool> connected_;          // [peer]: a channel from this rank is open or being handed over
+  std::vector<std::string> last_close_;  // [peer]: why the last channel to it closed
+  std::vector<bool> gone_;               // [peer]: that channel closed for good (no retry)
+
+  // The thread's own state.
+  std::vector<std::unique_ptr<Conn>> conns_;
+  std::vector<Conn*> to_peer_;  // [peer]: this rank's channel to it, or null
+  std::vector<std::unique_ptr<Accepting>> accepting_;
+  bool listening_ = true;
+  Clock::time_point accept_resume_{}, last_warn_{};
+  uint64_t unwarned_ = 0;  // warnings not logged since last_warn_ (at most one a second)
+};
+
+}  // namespace smartcoll::rma

@@ -1,0 +1,121 @@
+"""One rank of a one-sided scenario (tests/python/test_onesided.py): python onesided_worker.py SCENARIO OUTDIR.
+
+Writes OUTDIR/rank<R>.json with what it saw.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import smartcoll
+
+ROWS, DIM = 4096, 16
+
+
+def table(rank: int) -> np.ndarray:
+    """Rank `rank`'s rows of the table: values that name their rank and row."""
+    return (np.arange(ROWS * DIM, dtype=np.float32).reshape(ROWS, DIM) + rank * 1e6).astype(np.float32)
+
+
+def sleeping(comm, out: dict) -> None:
+    """Rank 0 registers, then sleeps with no call in flight while ranks 1.. read, write and add into its regions;
+    it checks what they left once it wakes."""
+    rows = table(comm.rank)
+    counts = np.zeros(ROWS, dtype=np.int64)
+    regions = [comm.register(rows), comm.register(counts)]
+    remote = [comm.exchange_regions(r) for r in regions]
+    row_bytes = DIM * 4
+    if comm.rank == 0:
+        time.sleep(3.0)
+        out["woke"] = time.time()
+        comm.barrier()
+        for r in range(1, comm.size):
+            np.testing.assert_array_equal(rows[ROWS // 2 + r], np.full(DIM, r, np.float32))  # putv from rank r
+        want = np.zeros(ROWS, dtype=np.int64)
+        for r in range(1, comm.size):
+            np.add.at(want, np.random.default_rng(r).integers(0, ROWS // 2, 500), r)
+        np.testing.assert_array_equal(counts, want)
+        out["checked"] = True
+    else:
+        rng = np.random.default_rng(comm.rank)
+        ids = rng.integers(0, ROWS // 2, 500)  # the rows below ROWS // 2 are read, those above written
+        got = np.empty((len(ids), DIM), np.float32)
+        comm.getv(0, remote[0][0], ids * row_bytes, row_bytes, got)
+        np.testing.assert_array_equal(got, table(0)[ids])
+        comm.putv(0, np.full(DIM, comm.rank, np.float32), remote[0][0], [(ROWS // 2 + comm.rank) * row_bytes])
+        ones = np.full(len(ids), comm.rank, np.int64)
+        comm.accumulatev(0, ones, remote[1][0], ids * 8, 8)  # one 8-byte piece per id, repeats included
+        out["done"] = time.time()
+        comm.barrier()
+    comm.barrier()
+    for r in regions:
+        r.close()
+
+
+def killed(comm, out: dict) -> None:
+    """Rank 1 registers 8 MiB and SIGKILLs itself while rank 0 keeps four 8 MiB getv calls outstanding."""
+    data = np.ones(2 << 20, dtype=np.float32)
+    region = comm.register(data)
+    remote = comm.exchange_regions(region)
+    comm.barrier()
+    if comm.rank == 1:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    bufs = [np.empty_like(data) for _ in range(4)]
+    calls = 0
+    try:
+        while True:
+            reqs = [comm.igetv(1, remote[1], [0], data.nbytes, b) for b in bufs]
+            for q in reqs:
+                q.wait()
+            calls += len(reqs)
+    except smartcoll.CommError as e:
+        out["error"] = str(e)
+        out["failed"] = time.time()
+    out["calls"] = calls
+
+
+def stalled(comm, out: dict) -> None:
+    """Rank 1 registers, then stops (SIGSTOP): rank 0's getv gets no answer (a wait with a shorter timeout raises
+    TimeoutError) and fails after the timeout knob."""
+    data = np.ones(1024, dtype=np.float32)
+    region = comm.register(data)
+    remote = comm.exchange_regions(region)
+    comm.barrier()
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    time.sleep(0.3)
+    start = time.time()
+    req = comm.igetv(1, remote[1], [0], 16, np.empty(4, np.float32))
+    try:
+        req.wait(timeout=0.2)
+    except TimeoutError as e:  # the call goes on: waiting again gets its outcome
+        out["timeout"] = str(e)
+    try:
+        req.wait()
+    except smartcoll.CommError as e:
+        out["error"] = str(e)
+    out["elapsed"] = time.time() - start
+
+
+def main() -> None:
+    scenario, outdir = sys.argv[1], Path(sys.argv[2])
+    out: dict = {}
+    with smartcoll.init(timeout=float(sys.argv[3]) if len(sys.argv) > 3 else 20, connect_timeout=20) as comm:
+        rank = comm.rank
+        {"sleeping": sleeping, "killed": killed, "stalled": stalled}[scenario](comm, out)
+        (outdir / f"rank{rank}.json").write_text(json.dumps(out))
+        if scenario != "sleeping":  # a dead or stopped peer: leave without the closing handshakes
+            os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

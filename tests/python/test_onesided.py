@@ -1,0 +1,333 @@
+"""One-sided vectored operations from Python (docs/vectored.md, "One-sided operations").
+
+getv, putv and accumulatev against a NumPy reference (bitwise for bytes and integers; float sums against a
+float64 reference with a stated tolerance), the checks at the initiator and at the target with their messages,
+and, across processes, a target that sleeps with no call in flight while it is served, a target killed with calls
+outstanding and a target that stops answering."""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import smartcoll
+from conftest import HERE, assert_all_ok, clean_env, describe, run_cli, run_thread_ranks
+
+KIB = 1024
+WORKER = HERE / "onesided_worker.py"
+
+
+def region_bytes(rank: int, nbytes: int) -> np.ndarray:
+    return np.random.default_rng(1000 + rank).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def random_pieces(rng, nbytes: int, count: int, align: int = 1, largest: int = 64 * KIB):
+    """Pieces of 1 B (or one element) to `largest` bytes at random offsets: they overlap."""
+    sizes = rng.integers(1, largest // align + 1, count) * align
+    offsets = np.array([rng.integers(0, (nbytes - s) // align + 1) * align for s in sizes], dtype=np.int64)
+    return offsets, sizes
+
+
+def test_getv_and_putv_move_random_overlapping_pieces_bitwise():
+    nbytes = 1 << 20
+
+    def body(comm):
+        mine = region_bytes(comm.rank, nbytes)
+        region = comm.register(mine)
+        remote = comm.exchange_regions(region)
+        rng = np.random.default_rng(comm.rank)
+        peer = 1 - comm.rank
+        theirs = region_bytes(peer, nbytes)
+        offsets, sizes = random_pieces(rng, nbytes, 200)
+        # The pieces fill a list of local buffers of other sizes, one after the other.
+        flat = np.empty(int(sizes.sum()), np.uint8)
+        cuts = np.sort(rng.integers(0, flat.size, 5))
+        comm.getv(peer, remote[peer], offsets, sizes, list(np.split(flat, cuts)))
+        want = np.concatenate([theirs[o:o + s] for o, s in zip(offsets, sizes)])
+        np.testing.assert_array_equal(flat, want)
+        # Once both have read, each writes into the other; overlapping pieces land in call order.
+        comm.barrier()
+        offsets, sizes = random_pieces(rng, nbytes // 2, 100)
+        data = rng.integers(0, 256, int(sizes.sum()), dtype=np.uint8)
+        comm.putv(peer, data, remote[peer], offsets, sizes)
+        comm.barrier()
+        region.close()
+        return offsets, sizes, data, mine
+
+    results = run_thread_ranks(2, body)
+    for r in range(2):
+        offsets, sizes, data, _ = results[1 - r]  # what the peer wrote into rank r
+        want = region_bytes(r, nbytes)
+        at = 0
+        for o, s in zip(offsets, sizes):
+            want[o:o + s] = data[at:at + s]
+            at += s
+        np.testing.assert_array_equal(results[r][3], want)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "float32", "float64"])
+def test_accumulatev_sums_every_ranks_pieces(dtype):
+    """Three ranks add random element pieces into rank 0's region, repeats included. Integers must match the
+    reference bit for bit; floats are summed in an order the reference cannot know, so they are compared with a
+    float64 reference: |got - want| <= 1e-5 * (sum of |terms|) for float32, 1e-12 for float64."""
+    count = 64 * KIB
+    esize = np.dtype(dtype).itemsize
+
+    def draws(r):
+        rng = np.random.default_rng(50 + r)
+        offsets, sizes = random_pieces(rng, count * esize, 60, align=esize, largest=16 * KIB)
+        values = (rng.standard_normal(int(sizes.sum()) // esize) * 100).astype(dtype)
+        return offsets, sizes, values
+
+    def body(comm):
+        mine = np.ones(count, dtype)
+        region = comm.register(mine)
+        remote = comm.exchange_regions(region)
+        offsets, sizes, values = draws(comm.rank)
+        comm.accumulatev(0, values, remote[0], offsets, sizes)
+        comm.barrier()
+        region.close()
+        return mine
+
+    got = run_thread_ranks(3, body)[0]
+    want = np.ones(count, np.float64)
+    scale = np.ones(count, np.float64)
+    for r in range(3):
+        offsets, sizes, values = draws(r)
+        at = 0
+        for o, s in zip(offsets // esize, sizes // esize):
+            want[o:o + s] += values[at:at + s].astype(np.float64)
+            scale[o:o + s] += np.abs(values[at:at + s].astype(np.float64))
+            at += s
+    if dtype == "int32":
+        np.testing.assert_array_equal(got, want.astype(np.int32))
+    else:
+        tolerance = 1e-5 if dtype == "float32" else 1e-12
+        assert np.all(np.abs(got - want) <= tolerance * scale), np.max(np.abs(got - want) / scale)
+
+
+@pytest.mark.parametrize("codec", ["bfp16", "mxint8"])
+def test_codecs_send_each_piece_encoded(codec):
+    """getv and putv with a codec give, bit for bit, each piece's round trip through smartcoll.codec; a codec on
+    an int32 region is refused by the target (the initiator's RemoteRegion says float32 here)."""
+    count = 16 * KIB
+
+    def body(comm):
+        mine = np.random.default_rng(9).standard_normal(count).astype(np.float32)
+        ints = np.zeros(count, np.int32)
+        regions = [comm.register(mine), comm.register(ints)]
+        remote = comm.exchange_regions(regions[0])
+        peer = 1 - comm.rank
+        rng = np.random.default_rng(comm.rank)
+        offsets, sizes = random_pieces(rng, count * 4, 40, align=4, largest=8 * KIB)
+        got = np.empty(int(sizes.sum()) // 4, np.float32)
+        comm.getv(peer, remote[peer], offsets, sizes, got, codec=codec)
+        comm.barrier()
+        values = rng.standard_normal(int(sizes.sum()) // 4).astype(np.float32)
+        comm.putv(peer, values, remote[peer], offsets, sizes, codec=codec)
+        forged = smartcoll.RemoteRegion(peer, 2, count * 4, "float32")
+        with pytest.raises(smartcoll.CommError, match="getv with a codec needs a float32 region; region 2 holds int32"):
+            comm.getv(peer, forged, [0], 64, np.empty(16, np.float32), codec=codec)
+        with pytest.raises(ValueError, match="with a codec adds"):
+            comm.accumulatev(peer, values[:16], remote[peer], [0], op="max", codec=codec)
+        comm.barrier()
+        for r in regions:
+            r.close()
+        return offsets, sizes, got, values, mine
+
+    results = run_thread_ranks(2, body)
+    start = np.random.default_rng(9).standard_normal(count).astype(np.float32)
+
+    def round_trip(x):
+        return smartcoll.codec.decode(smartcoll.codec.encode(x, codec), codec, x.size)
+
+    for r in range(2):
+        offsets, sizes, got, _, _ = results[r]
+        want = np.concatenate([round_trip(start[o // 4:(o + s) // 4]) for o, s in zip(offsets, sizes)])
+        np.testing.assert_array_equal(got, want)
+        offsets, sizes, _, values, _ = results[1 - r]  # what the peer put into rank r, in order
+        want, at = start.copy(), 0
+        for o, s in zip(offsets // 4, sizes // 4):
+            want[o:o + s] = round_trip(values[at:at + s])
+            at += s
+        np.testing.assert_array_equal(results[r][4], want)
+
+
+def test_bad_calls_are_refused_by_name():
+    def body(comm):
+        data = np.zeros(1024, np.float32)
+        regions = [comm.register(bytearray(4096)), comm.register(data)]
+        remote = comm.exchange_regions(regions[1])
+        peer = 1 - comm.rank
+        out = np.empty(4, np.float32)
+        errors = []
+        for call in (
+            lambda: comm.getv(peer, remote[peer], [4090], 16, out),  # past the end
+            lambda: comm.getv(peer, remote[peer], [-4], 16, out),  # negative
+            lambda: comm.getv(peer, remote[peer], [0, 16], [16], out),  # one size short
+            lambda: comm.getv(comm.rank, remote[peer], [0], 16, out),  # the region is the peer's
+            lambda: comm.accumulatev(peer, np.ones(4, np.int32), remote[peer], [0]),  # dtype
+            lambda: comm.accumulatev(peer, out, remote[peer], [2]),  # not whole elements
+            lambda: comm.getv(peer, remote[peer], [0], 8, out),  # 8 bytes into 16
+            lambda: comm.getv(peer, remote[peer], [0], 16, out.view(np.uint8)[::2]),  # not contiguous
+        ):
+            with pytest.raises((ValueError, TypeError)) as info:
+                call()
+            errors.append(str(info.value))
+        # The target checks again: a region larger than the real one, and one this rank never registered.
+        forged = smartcoll.RemoteRegion(peer, remote[peer].id, 1 << 20, "float32")
+        with pytest.raises(smartcoll.CommError) as info:
+            comm.getv(peer, forged, [8000], 16, out)
+        errors.append(str(info.value))
+        with pytest.raises(smartcoll.CommError) as info:
+            comm.getv(peer, smartcoll.RemoteRegion(peer, 7, 4096, "float32"), [0], 16, out)
+        errors.append(str(info.value))
+        comm.barrier()
+        for region in regions:
+            region.close()
+        return errors
+
+    errors = run_thread_ranks(2, body)[0]
+    assert "piece 0 (16 bytes at offset 4090) lies outside region 2 of 4096 bytes" in errors[0]
+    assert "offsets must be non-negative" in errors[1]
+    assert "2 offsets but 1 sizes" in errors[2]
+    assert "the remote region belongs to rank 1, not to peer 0" in errors[3]
+    assert "local[0] has dtype int32 but the region holds float32" in errors[4]
+    assert "is not made of whole float32 elements" in errors[5]
+    assert "the remote pieces add up to 8 bytes but the local buffers to 16" in errors[6]
+    assert "non-contiguous" in errors[7]
+    assert "rank 1 refused it: piece 0 (16 bytes at offset 8000) lies outside region 2 of 4096 bytes" in errors[8]
+    assert "rank 1 refused it: rank 1 has no region 7 (it has registered 2)" in errors[9]
+
+
+def test_the_identity_codec_means_raw_bytes():
+    """codec="identity" (or "none") changes no byte: it works on a region of any type, like no codec at all."""
+    def body(comm):
+        data = np.arange(256, dtype=np.uint8) ^ comm.rank
+        region = comm.register(data)
+        remote = comm.exchange_regions(region)
+        peer = 1 - comm.rank
+        got = []
+        for codec in ("identity", "none"):
+            out = np.zeros(61, np.uint8)
+            comm.getv(peer, remote[peer], [3], 61, out, codec=codec)
+            got.append(out)
+        comm.barrier()
+        region.close()
+        return got
+
+    for rank, got in enumerate(run_thread_ranks(2, body)):
+        want = (np.arange(256, dtype=np.uint8) ^ (1 - rank))[3:64]
+        for out in got:
+            np.testing.assert_array_equal(out, want)
+
+
+def test_a_deregistered_region_is_refused():
+    """Leaving a `with` block deregisters a region, and so does dropping the last reference to it."""
+    def body(comm):
+        data = np.arange(256, dtype=np.float32)
+        with comm.register(data) as region:
+            remote = comm.exchange_regions(region)
+            comm.barrier()
+        dropped = comm.register(np.zeros(64, np.float32))
+        dropped_remote = comm.exchange_regions(dropped)
+        del dropped
+        gc.collect()
+        comm.barrier()  # both deregistered
+        peer = 1 - comm.rank
+        with pytest.raises(smartcoll.CommError, match=r"rank [01] refused it: region 1 was deregistered"):
+            comm.getv(peer, remote[peer], [0], 16, np.empty(4, np.float32))
+        with pytest.raises(smartcoll.CommError, match=r"rank [01] refused it: region 2 was deregistered"):
+            comm.getv(peer, dropped_remote[peer], [0], 16, np.empty(4, np.float32))
+        comm.barrier()
+
+    run_thread_ranks(2, body)
+
+
+def test_torch_tensors_and_bytearrays_as_regions():
+    torch = pytest.importorskip("torch")
+
+    def body(comm):
+        t = torch.arange(64, dtype=torch.float32) + 100 * comm.rank
+        raw = bytearray(range(256))
+        regions = [comm.register(t), comm.register(raw)]
+        remote = [comm.exchange_regions(r) for r in regions]
+        peer = 1 - comm.rank
+        got = torch.empty(4)
+        comm.getv(peer, remote[0][peer], [4 * 8], 16, got)
+        assert got.tolist() == [100 * peer + 8 + i for i in range(4)]
+        got_raw = bytearray(3)
+        comm.getv(peer, remote[1][peer], [10], 3, got_raw)
+        assert list(got_raw) == [10, 11, 12]
+        comm.barrier()
+        for r in regions:
+            r.close()
+
+    run_thread_ranks(2, body)
+
+
+def outcomes(tmp_path, ranks):
+    return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in ranks}
+
+
+def test_a_sleeping_target_is_served(ranks, tmp_path):
+    """Rank 0 sleeps 3 s with no call in flight; ranks 1 and 2 read, write and add into it meanwhile and
+    finish before it wakes; it then finds their writes and sums in place."""
+    res = ranks(3, ["sleeping", tmp_path], timeout=60, worker=WORKER)
+    assert_all_ok(res)
+    out = outcomes(tmp_path, range(3))
+    assert out[0]["checked"]
+    for r in (1, 2):
+        assert out[r]["done"] < out[0]["woke"], f"rank {r} finished after the target woke:\n{describe(res)}"
+
+
+def test_a_target_killed_with_calls_outstanding(ranks, tmp_path):
+    """Rank 1 SIGKILLs itself while rank 0 keeps four 8 MiB getv calls outstanding: they fail at once (the
+    timeout knob is 10 s), naming rank 1."""
+    res = ranks(2, ["killed", tmp_path, 10], timeout=60, worker=WORKER)
+    assert res[1].returncode == -9, describe(res)
+    assert_all_ok(res, [0])
+    out = outcomes(tmp_path, [0])[0]
+    error = out["error"]
+    assert "the one-sided channel to rank 1 " in error and ("closed by that rank" in error or "broke" in error), out
+    # Failed with calls outstanding ("(1 call outstanding)" when the rest of the batch was answered), or refused
+    # when the next batch was posted (rank 1 died between two batches).
+    assert re.search(r"\(\d+ calls? outstanding\)", error) or "one-sided calls to rank 1 fail from now on" in error, out
+
+
+def test_a_stalled_target_fails_the_call_after_the_timeout(ranks, tmp_path):
+    start = time.monotonic()
+    res = ranks(2, ["stalled", tmp_path, 2], timeout=60, worker=WORKER, must_finish=[0])
+    assert_all_ok(res, [0])
+    out = outcomes(tmp_path, [0])[0]
+    assert "no answer from rank 1 for 2" in out["error"], out
+    assert out["timeout"].startswith("getv to rank 1 not finished after 0.2 s"), out
+    assert 1.5 < out["elapsed"] < 6, out
+    assert time.monotonic() - start < 40
+
+
+def test_the_embedding_example_checks_its_rows():
+    example = HERE.parents[1] / "examples" / "embedding_lookup.py"
+    result = run_cli("run", "-n", "3", "--timeout", "60", "--", sys.executable, str(example), "--rows", "1000",
+                     "--batch", "200", timeout=90)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(re.findall(r"fetched 200 rows of 64 floats .* with 3 getv calls", result.stdout)) == 3, result.stdout
+
+
+def test_bench_embedding_reports_every_method_and_checks_rows(tmp_path):
+    out = tmp_path / "embedding.json"
+    proc = subprocess.run([sys.executable, "-m", "smartcoll.tools.cli", "bench", "embedding", "--rows", "4K",
+                           "--dims", "8", "--batches", "64", "--iters", "2", "--no-gloo", "--codec", "bfp16",
+                           "--json", str(out)],
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = json.loads(out.read_text())["table"]
+    assert [(r["dim"], r["batch"], r["method"]) for r in table] == [(8, 64, "getv"), (8, 64, "alltoallv"),
+                                                                     (8, 64, "getv+bfp16")]
+    assert all(r["median_s"] > 0 for r in table) and "rows checked" in proc.stdout
