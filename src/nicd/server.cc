@@ -625,10 +625,13 @@ void Server::drop(int fd, const std::string& why) {
                               : why);
     c.job->cv.notify_all();
   } else if (!why.empty()) {
-    send_to(fd, encode(Ready{why}), MSG_DONTWAIT);
+    {
+      // Counted before the answer goes out, so whoever reads the answer also sees the count.
+      std::lock_guard lock(stats_mu_);
+      ++stats_.refused;
+    }
     event("refused pid " + std::to_string(c.pid) + ": " + why);
-    std::lock_guard lock(stats_mu_);
-    ++stats_.refused;
+    send_to(fd, encode(Ready{why}), MSG_DONTWAIT);
   }
   connections_.erase(it);
 }
