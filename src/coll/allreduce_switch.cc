@@ -165,11 +165,6 @@ void probe(sw::Path& path, Transport& t, const char* what) {
 }
 
 void run(sw::Path& path, Transport& t, const sw::Call& a, const char* what) {
-  if (a.share == sw::kGather) {  // this rank's own block; the switch or the ring brings the others
-    const size_t block = a.count * dtype_size(a.dt);
-    char* mine = a.out + static_cast<size_t>(t.rank()) * block;
-    if (mine != a.in) std::memcpy(mine, a.in, block);
-  }
   const uint64_t call = ++path.calls;
   if (path.gone && call >= path.next_probe) probe(path, t, what);
   if (path.gone) return ring_call(t, a);
@@ -229,6 +224,13 @@ void through_switch(Builder& b, const Args& a, uint8_t share, const char* what) 
       // In place: results land where inputs may still have to be sent again (a lost datagram).
       input.assign(a.in, a.in + n * block);
       c.in = input.data();
+    }
+    if (share == sw::kGather) {
+      // This rank's own block goes in place first (the switch or the ring brings the others), and is sent from
+      // there: in place, `in` may be another rank's block of `out`, which that rank's results overwrite.
+      char* mine = a.out + static_cast<size_t>(t->rank()) * block;
+      if (mine != a.in) std::memmove(mine, a.in, block);
+      c.in = mine;
     }
     run(*path, *t, c, what);
   });

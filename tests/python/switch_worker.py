@@ -79,6 +79,15 @@ def scenario_scatter_gather(comm, outdir: Path) -> dict:
         via_ring = comm.allgather(x, np.empty(7001 * comm.size, dtype), algo="ring")
         assert via_switch.tobytes() == via_ring.tobytes(), f"allgather {dtype}"
         checked += 1
+    for dtype in ("float32", "int64"):  # in place: the input is block 0 of out, or this rank's own block
+        count = 40001  # more chunks than the window before the last rank's block: results come in meanwhile
+        via_ring = comm.allgather(values(comm.rank, count, dtype), np.empty(count * comm.size, dtype), algo="ring")
+        for at in (0, comm.rank):
+            out = np.zeros(count * comm.size, dtype)
+            out[at * count:(at + 1) * count] = values(comm.rank, count, dtype)
+            comm.allgather(out[at * count:(at + 1) * count], out, algo="switch")
+            assert out.tobytes() == via_ring.tobytes(), f"in-place allgather {dtype} from block {at}"
+            checked += 1
     return {"checked": checked}
 
 

@@ -131,9 +131,9 @@ def test_every_dtype_and_op_matches_the_ring(tmp_path, cli_switch):
 
 def test_reduce_scatter_and_allgather_through_the_switch_match_the_ring(tmp_path, cli_switch):
     sw = cli_switch("--threads", "2", "--drop", "0.01", "--dup", "0.01")
-    outdir, results = run_scenario(tmp_path, 3, "scatter_gather", switch_env(sw.address))
-    got = assert_ok(outdir, 3, results)
-    assert got[0]["checked"] == 2 * (3 * 4 + 4 * 3) + 7, got[0]  # 3 float, 4 integer dtypes
+    outdir, results = run_scenario(tmp_path, 4, "scatter_gather", switch_env(sw.address))
+    got = assert_ok(outdir, 4, results)
+    assert got[0]["checked"] == 2 * (3 * 4 + 4 * 3) + 7 + 4, got[0]  # 3 float, 4 integer dtypes; 4 in place
     final = sw.stop()
     assert "jobs joined 1, left 1" in final, final
 
