@@ -152,12 +152,10 @@ void probe(sw::Path& path, Transport& t, const char* what) {
   if (std::all_of(joined.begin(), joined.end(), [](uint8_t j) { return j == 1; })) {
     path.client = std::move(fresh);  // the old client leaves the old job
     path.gone = false;
-    path.failed_probes = 0;
     SC_LOG(LogLevel::warn, t.rank(), what) << "every rank reached the switch again (probe at call " << path.calls
                                            << "): calls with algo=switch use it again";
     return;
   }
-  ++path.failed_probes;
   path.schedule_probe();
   SC_LOG(LogLevel::info, t.rank(), what) << "probe at call " << path.calls << ": the switch is still unusable"
                                          << (why.empty() ? "" : " here (" + why + ")") << "; next probe at call "
@@ -199,7 +197,10 @@ void run(sw::Path& path, Transport& t, const sw::Call& a, const char* what) {
   std::string who;
   for (int p = 0; p < t.size(); ++p)
     if (!finished[p]) who += (who.empty() ? "" : ",") + std::to_string(p);
-  if (who.empty()) return;
+  if (who.empty()) {
+    path.backoff = 0;  // a call through the switches: the next fallback waits `retry` calls again
+    return;
+  }
   path.gone = true;
   path.schedule_probe();
   SC_LOG(LogLevel::warn, t.rank(), what)

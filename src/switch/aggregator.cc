@@ -301,7 +301,9 @@ void Aggregator::join(int t, const Packet& p, const uint8_t* raw, const sockaddr
     }
   }
   if (ans.status != static_cast<uint32_t>(JoinStatus::ok)) join_refused_.fetch_add(1, std::memory_order_relaxed);
-  reply(t, job ? *job : answer_as, Type::joined, p.h, &ans, sizeof ans, from, out);
+  Header about = p.h;
+  about.call = kFeatures;
+  reply(t, job ? *job : answer_as, Type::joined, about, &ans, sizeof ans, from, out);
 }
 
 void Aggregator::leave(int t, const Packet& p, const uint8_t* raw) {

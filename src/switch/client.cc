@@ -49,6 +49,7 @@ struct Client::Remote {
   net::Endpoint ep;
   sockaddr_in addr{};
   uint32_t threads = 1;
+  bool owned = false;  // it takes chunks owned by one rank (reduce_scatter, allgather): kFeatureOwned
   uint64_t next_seq = 0;  // the next chunk number of the job on this switch
   double srtt = 0, rttvar = 0;  // smoothed round trip and its variation, seconds (0: no sample yet)
   std::vector<Flight> flights;  // by slot
@@ -175,6 +176,7 @@ void Client::join() {
           throw CommError(name(j) + " answered the join with impossible values (threads " +
                           std::to_string(ans.threads) + "); is it a compatible smartcoll switch?");
         r.threads = ans.threads;
+        r.owned = (got.pkt.h.call & kFeatureOwned) != 0;
         r.sends.assign(r.threads, 0);
         r.newest_done.assign(r.threads, 0);
         answered = true;
@@ -220,6 +222,10 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
   const Codec* codec = call_args.codec;
   const uint8_t share = call_args.share;
   if (codec && share) throw InvalidArgument("reduce_scatter and allgather with algo=switch take no codec; use ring");
+  for (size_t j = 0; j < remotes_.size() && share; ++j)
+    if (!remotes_[j].owned)
+      throw CommError(name(j) + " predates reduce_scatter and allgather through the switch (its join answer does "
+                      "not offer owned chunks): upgrade it, or use algo=ring for these");
   if (codec && !(*codec == settings_.codec))
     throw InvalidArgument("codec '" + codec->name() + "' with algo=switch: the job joined its switches with codec '" +
                           settings_.codec.name() + "' (SMARTCOLL_CODEC); a call may use that one or none");

@@ -120,12 +120,18 @@ struct Path {
   uint64_t calls = 0;
   uint64_t retry = 0;       // switch_retry: calls on the ring after a fallback before a probe (0: never)
   uint64_t next_probe = 0;  // the call that probes
-  int failed_probes = 0;    // each doubles the wait, up to 64 x retry
+  // Fallbacks and failed probes since the last call that completed through the switches: each doubles the wait
+  // for the next probe, up to 64 x retry. A probe whose join succeeds does not reset it: a fault that lets joins
+  // through but loses data would otherwise stall a call every `retry` calls forever.
+  int backoff = 0;
   uint64_t epoch = 0;       // probes so far: each joins a fresh job, whatever the last one left at the switch
   std::function<std::unique_ptr<Client>(uint64_t epoch)> make_client;
   // Where a rank that lost its switch says so (key switch/lost/<call>), so that the others stop waiting for it.
   std::shared_ptr<Store> store;
-  void schedule_probe() { next_probe = retry ? calls + (retry << std::min(failed_probes, 6)) : UINT64_MAX; }
+  void schedule_probe() {
+    next_probe = retry ? calls + (retry << std::min(backoff, 6)) : UINT64_MAX;
+    ++backoff;
+  }
 };
 
 }  // namespace smartcoll::sw

@@ -1,9 +1,14 @@
 // The switch protocol: SipHash, the parser, the MAC, the aggregator's slots on a channel that loses, duplicates
 // and reorders datagrams, and jobs kept apart.
 #include <gtest/gtest.h>
+#include <poll.h>
 
 #include <cstring>
+#include <atomic>
 #include <deque>
+#include <mutex>
+#include <set>
+#include <thread>
 #include <limits>
 #include <map>
 #include <cmath>
@@ -1145,6 +1150,81 @@ TEST(SwitchRetry, NeverProbesWithRetryZero) {
     comm.barrier()->wait();  // nobody closes (and sends its leave) before rank 0 has looked
   }, e2e::switch_options(sw->address(), {{"switch_retry", "0"}}));
   second->stop();
+}
+
+// A switch from before owned chunks, or one whose data ports are blocked: it answers every join as a switch
+// did before (no features in the answer) and never answers a contribution. Counts the jobs joined.
+struct JoinOnlySwitch {
+  net::Fd fd = udp::open("127.0.0.1", 0);
+  std::atomic<bool> stop{false};
+  std::mutex mu;
+  std::set<uint64_t> jobs;
+  std::thread loop{[this] {
+    udp::RecvBatch in(16, kMaxDatagram);
+    uint8_t answer[kHeaderBytes + sizeof(JoinedBody)];
+    while (!stop) {
+      pollfd p{fd.get(), POLLIN, 0};
+      ::poll(&p, 1, 20);
+      for (size_t i = 0, n = in.receive(fd.get()); i < n; ++i) {
+        const Parsed got = parse(in.data(i), in.len(i));
+        if (!got.ok() || got.pkt.h.type != Type::join) continue;
+        JoinBody body;
+        std::memcpy(&body, got.pkt.payload, sizeof body);
+        Header h = got.pkt.h;
+        h.type = Type::joined;
+        const JoinedBody ans{0, 1, body.window, 0};
+        std::memcpy(answer + kHeaderBytes, &ans, sizeof ans);
+        write_header(h, SipKey::from_bytes(body.key), &ans, sizeof ans, answer);
+        ::sendto(fd.get(), answer, sizeof answer, 0, reinterpret_cast<const sockaddr*>(&in.from(i)),
+                 sizeof(sockaddr_in));
+        std::lock_guard lock(mu);
+        jobs.insert(h.job);
+      }
+    }
+  }};
+  ~JoinOnlySwitch() {
+    stop = true;
+    loop.join();
+  }
+  std::string address() const {
+    sockaddr_in a{};
+    socklen_t len = sizeof a;
+    getsockname(fd.get(), reinterpret_cast<sockaddr*>(&a), &len);
+    return "127.0.0.1:" + std::to_string(udp::port_of(a));
+  }
+  size_t joined() {
+    std::lock_guard lock(mu);
+    return jobs.size();
+  }
+};
+
+TEST(SwitchRetry, AJoinThatSucceedsDoesNotResetTheBackoffWhileNoCallGoesThrough) {
+  JoinOnlySwitch sw;
+  harness::run_ranks(3, [&](Communicator& comm) {
+    // Call 1 falls back (next probe at 2); each probe joins, its call falls back, and the wait doubles: probes
+    // at calls 2, 4 and 8. Were a successful join to reset the wait, every call would probe and stall.
+    for (int i = 0; i < 8; ++i) e2e::compare_with_ring<int32_t>(comm, DataType::i32, ReduceOp::sum, 3000);
+    comm.barrier()->wait();
+    if (comm.rank() == 0) {
+      EXPECT_EQ(sw.joined(), 4u);  // at start-up, and the probes at calls 2, 4 and 8
+    }
+    comm.barrier()->wait();
+  }, e2e::switch_options(sw.address(), {{"switch_retry", "1"}, {"switch_timeout", "0.3"}}));
+}
+
+TEST(SwitchScatterGather, ASwitchWithoutOwnedChunksIsRefusedByName) {
+  JoinOnlySwitch sw;
+  harness::run_ranks(2, [&](Communicator& comm) {
+    std::vector<int32_t> x(2000), y(1000);
+    try {
+      comm.reduce_scatter(x.data(), y.data(), 1000, DataType::i32, ReduceOp::sum, std::nullopt,
+                          Algorithm::switch_)->wait();
+      ADD_FAILURE() << "reduce_scatter through a switch without owned chunks succeeded";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find("switch " + sw.address() + " predates reduce_scatter"), std::string::npos)
+          << e.what();
+    }
+  }, e2e::switch_options(sw.address()));
 }
 
 }  // namespace
