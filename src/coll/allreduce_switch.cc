@@ -13,6 +13,8 @@
 // live switch says so in the store, so that the others stop waiting for it. With fail, the call fails naming
 // the switch, or the rank that lost it.
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "coll/algorithms.h"
@@ -169,14 +171,24 @@ void run(sw::Path& path, Transport& t, const sw::Call& a, const char* what) {
   std::vector<uint8_t> done(path.client->chunks(a), 0);
   std::string failure;
   // A rank that loses its own path to a live switch says so in the store: the others, whom the switch keeps
-  // answering while it waits for that rank, stop waiting and fall back (or fail) with it.
-  const std::string lost = "switch/lost/" + std::to_string(call);
+  // answering while it waits for that rank, stop waiting and fall back (or fail) with it. The key names the job
+  // (fresh per communicator and per probe) and holds the call it was lost in: a rank that already finished
+  // that call (the lost rank's contributions were in) sees it in its next one. A rank whose communicator failed
+  // stops too.
+  char job[17];
+  std::snprintf(job, sizeof job, "%016llx", static_cast<unsigned long long>(path.client->job()));
+  const std::string lost = std::string("switch/lost/") + job;
   auto peers_lost = [&]() -> std::string {
+    if (t.aborted()) return "this rank's communicator failed while it waited for the switch";
+    std::string said;
     try {
-      return path.store->get(lost, std::chrono::milliseconds(50));
+      said = path.store->get(lost, std::chrono::milliseconds(50));
     } catch (const CommError&) {
       return "";
     }
+    const size_t space = said.find(' ');
+    return space != std::string::npos && std::strtoull(said.c_str(), nullptr, 10) <= call ? said.substr(space + 1)
+                                                                                             : "";
   };
   try {
     path.client->run(a, done, path.store ? std::function<std::string()>(peers_lost) : nullptr);
@@ -184,7 +196,8 @@ void run(sw::Path& path, Transport& t, const sw::Call& a, const char* what) {
     failure = e.what();
     if (path.store && !dynamic_cast<const sw::PeerLostSwitch*>(&e)) {
       try {  // best effort: a store that is gone (its rank failed first) must not hide this failure
-        path.store->set(lost, "rank " + std::to_string(t.rank()) + " lost the switch: " + failure);
+        path.store->set(lost, std::to_string(call) + " rank " + std::to_string(t.rank()) + " lost the switch: " +
+                                  failure);
       } catch (const CommError&) {
       }
     }

@@ -88,6 +88,7 @@ class Client {
   // without one): a non-empty answer (which rank lost the switch, and why) ends the call with PeerLostSwitch.
   void run(const Call& call, std::vector<uint8_t>& done, const std::function<std::string()>& peers_lost = {});
   std::string name(size_t j) const;  // "switch 10.0.0.1:7000"
+  uint64_t job() const { return job_; }  // the job's id on the switches: fresh per communicator and per probe
 
  private:
   struct Remote;
@@ -126,7 +127,8 @@ struct Path {
   int backoff = 0;
   uint64_t epoch = 0;       // probes so far: each joins a fresh job, whatever the last one left at the switch
   std::function<std::unique_ptr<Client>(uint64_t epoch)> make_client;
-  // Where a rank that lost its switch says so (key switch/lost/<call>), so that the others stop waiting for it.
+  // Where a rank that lost its switch says so (key switch/lost/<job id>, value "<call> <why>"), so that the others
+  // stop waiting for it in that call and every later one.
   std::shared_ptr<Store> store;
   void schedule_probe() {
     next_probe = retry ? calls + (retry << std::min(backoff, 6)) : UINT64_MAX;

@@ -44,6 +44,7 @@ class TcpTransport final : public Transport {
   int pollable(int peer, int stream) const override { return chan(peer, stream).fd.load(); }
   int open_channels() const override;
   void abort(const std::string& reason) override;
+  bool aborted() const override { return aborted_; }
 
  private:
   struct Channel {

@@ -1198,6 +1198,84 @@ struct JoinOnlySwitch {
   }
 };
 
+// Between the ranks and a switch of one thread: forwards both ways, each rank through a socket of its own, and
+// once `cut` holds drops what the switch sends to rank `victim` (its path lost after its contributions went in).
+struct Relay {
+  net::Fd front = udp::open("127.0.0.1", 0);
+  sockaddr_in to_switch;
+  int victim;
+  std::atomic<bool> cut{false}, stop{false};
+  std::vector<std::pair<sockaddr_in, net::Fd>> backs;  // per rank's address: its socket towards the switch
+  std::thread loop;
+  Relay(uint16_t switch_port, int victim_rank)
+      : to_switch(net::ipv4_address("127.0.0.1", switch_port)), victim(victim_rank), loop([this] { run(); }) {}
+  ~Relay() {
+    stop = true;
+    loop.join();
+  }
+  std::string address() const {
+    sockaddr_in a{};
+    socklen_t len = sizeof a;
+    getsockname(front.get(), reinterpret_cast<sockaddr*>(&a), &len);
+    return "127.0.0.1:" + std::to_string(udp::port_of(a));
+  }
+  void run() {
+    std::map<size_t, int> rank_of;  // back socket -> the rank it carries (from its datagrams' rank field)
+    uint8_t buf[kMaxDatagram];
+    while (!stop) {
+      std::vector<pollfd> fds{{front.get(), POLLIN, 0}};
+      for (auto& b : backs) fds.push_back({b.second.get(), POLLIN, 0});
+      ::poll(fds.data(), fds.size(), 20);
+      sockaddr_in from{};
+      socklen_t flen = sizeof from;
+      for (ssize_t n; (n = ::recvfrom(front.get(), buf, sizeof buf, MSG_DONTWAIT, reinterpret_cast<sockaddr*>(&from),
+                                      &flen)) > 0; flen = sizeof from) {
+        size_t i = 0;
+        while (i < backs.size() && (backs[i].first.sin_port != from.sin_port)) ++i;
+        if (i == backs.size()) backs.emplace_back(from, udp::open("127.0.0.1", 0));
+        const Parsed got = parse(buf, static_cast<size_t>(n));
+        if (got.ok()) rank_of[i] = got.pkt.h.rank;
+        ::sendto(backs[i].second.get(), buf, static_cast<size_t>(n), 0, reinterpret_cast<const sockaddr*>(&to_switch),
+                 sizeof to_switch);
+      }
+      for (size_t i = 0; i < backs.size(); ++i) {
+        for (ssize_t n; (n = ::recv(backs[i].second.get(), buf, sizeof buf, MSG_DONTWAIT)) > 0;) {
+          if (cut && rank_of.count(i) && rank_of[i] == victim) continue;
+          ::sendto(front.get(), buf, static_cast<size_t>(n), 0, reinterpret_cast<const sockaddr*>(&backs[i].first),
+                   sizeof(sockaddr_in));
+        }
+      }
+    }
+  }
+};
+
+TEST(SwitchAllreduce, FailModeARankThatLostItsResultsFailsEveryRankInTheNextCall) {
+  e2e::Running sw;
+  Relay relay(sw.sw->port(), 2);
+  harness::run_threads(3, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 3, std::move(store),
+                      e2e::switch_options(relay.address(), {{"switch_fallback", "fail"}, {"timeout", "20"}}));
+    e2e::compare_with_ring<int32_t>(comm, DataType::i32, ReduceOp::sum, 3000);
+    comm.barrier()->wait();
+    if (r == 0) relay.cut = true;
+    comm.barrier()->wait();
+    // Call 2: every contribution goes in and ranks 0 and 1 get their results; rank 2's never come, so it fails
+    // after switch_timeout. Ranks 0 and 1 wait for rank 2 in call 3 and learn it from the store.
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<int32_t> x(3000, 1);
+    try {
+      for (int call = 2; call <= 3; ++call)
+        comm.allreduce(x.data(), x.data(), x.size(), DataType::i32, ReduceOp::sum, Algorithm::switch_)->wait();
+      ADD_FAILURE() << "rank " << r << ": every call succeeded";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find(r < 2 ? "rank 2 lost the switch" : "stopped answering"),
+                std::string::npos) << "rank " << r << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find("switch_fallback=fail"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4)) << "rank " << r;  // not `timeout`
+  });
+}
+
 TEST(SwitchRetry, AJoinThatSucceedsDoesNotResetTheBackoffWhileNoCallGoesThrough) {
   JoinOnlySwitch sw;
   harness::run_ranks(3, [&](Communicator& comm) {
