@@ -214,8 +214,7 @@ void run(sw::Path& path, Transport& t, const sw::Call& a, const char* what) {
     path.backoff = 0;  // a call through the switches: the next fallback waits `retry` calls again
     return;
   }
-  path.gone = true;
-  path.schedule_probe();
+  path.fall_back();
   SC_LOG(LogLevel::warn, t.rank(), what)
       << (failure.empty() ? "rank(s) " + who + " lost the switch" : failure)
       << "; every rank finishes this call, and makes the later ones, with the ring (switch_fallback=ring)"

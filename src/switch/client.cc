@@ -49,6 +49,9 @@ struct Client::Remote {
   net::Endpoint ep;
   sockaddr_in addr{};
   uint32_t threads = 1;
+  // A join went to it: it gets a leave, also when it did not answer (the join may have arrived, and its answer
+  // been lost) or a later switch failed the join; a leave of a rank the switch does not know changes nothing.
+  bool asked = false;
   bool owned = false;  // it takes chunks owned by one rank (reduce_scatter, allgather): kFeatureOwned
   uint64_t next_seq = 0;  // the next chunk number of the job on this switch
   double srtt = 0, rttvar = 0;  // smoothed round trip and its variation, seconds (0: no sample yet)
@@ -135,6 +138,7 @@ void Client::join() {
     std::memcpy(datagram + kHeaderBytes, &body, sizeof body);
     write_header(h, key_, datagram + kHeaderBytes, sizeof body, datagram);
     const auto give_up = Clock::now() + patience;
+    r.asked = true;
     bool answered = false;
     while (!answered) {
       const auto now = Clock::now();
@@ -183,13 +187,12 @@ void Client::join() {
       }
     }
   }
-  joined_ = true;
 }
 
 void Client::leave() {
-  if (!joined_) return;
-  joined_ = false;
   for (Remote& r : remotes_) {
+    if (!r.asked) continue;
+    r.asked = false;
     const Header h = header(Type::leave);
     uint8_t datagram[kHeaderBytes];
     write_header(h, key_, nullptr, 0, datagram);

@@ -88,12 +88,13 @@ class Client {
   // without one): a non-empty answer (which rank lost the switch, and why) ends the call with PeerLostSwitch.
   void run(const Call& call, std::vector<uint8_t>& done, const std::function<std::string()>& peers_lost = {});
   std::string name(size_t j) const;  // "switch 10.0.0.1:7000"
+  // Tells every switch that took this rank's join that it is done with the job (once; the destructor too).
+  void leave();
   uint64_t job() const { return job_; }  // the job's id on the switches: fresh per communicator and per probe
 
  private:
   struct Remote;
   Header header(Type type) const;  // this rank's fields of every datagram it sends
-  void leave();
   int switch_of(const sockaddr_in& from) const;  // -1: not one of ours
 
   int rank_, world_;
@@ -103,7 +104,6 @@ class Client {
   net::Fd fd_;
   std::vector<Remote> remotes_;
   uint64_t calls_ = 0;
-  bool joined_ = false;
   udp::SendBatch batch_;
   udp::RecvBatch inbox_;
   std::vector<uint8_t> encoded_;  // the call's input, encoded
@@ -130,6 +130,13 @@ struct Path {
   // Where a rank that lost its switch says so (key switch/lost/<job id>, value "<call> <why>"), so that the others
   // stop waiting for it in that call and every later one.
   std::shared_ptr<Store> store;
+  // Every rank agreed to stop using the switches: calls go to the ring until the next probe, and this rank leaves
+  // the job at once, so that the switches free its slots as soon as every rank that joined has left.
+  void fall_back() {
+    gone = true;
+    schedule_probe();
+    if (client) client->leave();
+  }
   void schedule_probe() {
     next_probe = retry ? calls + (retry << std::min(backoff, 6)) : UINT64_MAX;
     ++backoff;

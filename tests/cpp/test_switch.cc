@@ -1276,6 +1276,32 @@ TEST(SwitchAllreduce, FailModeARankThatLostItsResultsFailsEveryRankInTheNextCall
   });
 }
 
+TEST(SwitchRetry, ARankThatCannotJoinLeavesNoSlotsHeld) {
+  e2e::Running sw;
+  Relay relay(sw.sw->port(), 2);
+  relay.cut = true;  // rank 2 never hears the switch: its joins time out, ranks 0 and 1 get in
+  auto freed = [&](uint64_t joined) {
+    SwitchStats s = sw.sw->stats();
+    for (int i = 0; i < 200 && (s.jobs_left < joined || !s.jobs.empty()); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      s = sw.sw->stats();
+    }
+    EXPECT_EQ(s.jobs_joined, joined);
+    EXPECT_EQ(s.jobs_left, joined);  // left by the ranks that joined, not expired
+    EXPECT_TRUE(s.jobs.empty());
+    EXPECT_EQ(s.slots_free, s.slots_total);
+  };
+  harness::run_ranks(3, [&](Communicator& comm) {
+    comm.barrier()->wait();
+    if (comm.rank() == 0) freed(1);  // the start-up's job, while every communicator is open
+    comm.barrier()->wait();
+    e2e::compare_with_ring<int32_t>(comm, DataType::i32, ReduceOp::sum, 3000);  // probes at call 1: fails
+    comm.barrier()->wait();
+    if (comm.rank() == 0) freed(2);  // the probe's job too
+    comm.barrier()->wait();
+  }, e2e::switch_options(relay.address(), {{"switch_retry", "1"}}));
+}
+
 TEST(SwitchRetry, AJoinThatSucceedsDoesNotResetTheBackoffWhileNoCallGoesThrough) {
   JoinOnlySwitch sw;
   harness::run_ranks(3, [&](Communicator& comm) {
