@@ -43,9 +43,10 @@ void ring_pass(Transport& t, char* x, size_t m, size_t esize, int own) {
   }
 }
 
-// A ring allreduce of x (m elements, in place) over the transport's stream 0, step by step: reduce-scatter,
-// then allgather. Each part is reduced by one rank and copied by the others, so every rank has the same bits.
-void ring_in_place(Transport& t, char* x, size_t m, DataType dt, ReduceOp op) {
+// The reduce-scatter half of a ring over the transport's stream 0, step by step, in place: afterwards rank r
+// holds part own(r) = r + shift + 1 of x (m elements) reduced over every rank (avg divided), in rank-ring order.
+// Returns own(r).
+int ring_reduce(Transport& t, char* x, size_t m, DataType dt, ReduceOp op, int shift) {
   const int n = t.size(), r = t.rank();
   const size_t esize = dtype_size(dt);
   auto begin = [&](int p) { return part_begin(m, n, p); };
@@ -53,27 +54,33 @@ void ring_in_place(Transport& t, char* x, size_t m, DataType dt, ReduceOp op) {
   std::vector<char> tmp(len(0) * esize);
   const int right = mod(r + 1, n), left = mod(r - 1, n);
   for (int k = 0; k < n - 1; ++k) {
-    const int s = mod(r - k, n), g = mod(r - k - 1, n);
+    const int s = mod(r + shift - k, n), g = mod(r + shift - k - 1, n);
     Transport::Op ops[] = {{right, true, x + begin(s) * esize, len(s) * esize},
                            {left, false, tmp.data(), len(g) * esize}};
     t.run(ops);
     char* part = x + begin(g) * esize;
     reduce(dt, op == ReduceOp::avg ? ReduceOp::sum : op, part, tmp.data(), part, len(g));
   }
-  const int own = mod(r + 1, n);
+  const int own = mod(r + shift + 1, n);
   if (op == ReduceOp::avg) scale_divide(dt, x + begin(own) * esize, len(own), n);
-  ring_pass(t, x, m, esize, own);
+  return own;
+}
+
+// A ring allreduce of x (m elements, in place): reduce-scatter, then allgather. Each part is reduced by one rank
+// and copied by the others, so every rank has the same bits.
+void ring_in_place(Transport& t, char* x, size_t m, DataType dt, ReduceOp op) {
+  ring_pass(t, x, m, dtype_size(dt), ring_reduce(t, x, m, dt, op, 0));
 }
 
 // The whole call over TCP, from the inputs (which the switch part never writes): allreduce; reduce_scatter as
-// an allreduce of a copy of every block; allgather as the ring's passes of blocks (this rank's own block is
-// already in place).
+// the ring's reduce-scatter half over a copy of every block, ending with each rank's own; allgather as the
+// ring's passes of blocks (this rank's own block is already in place).
 void ring_call(Transport& t, const sw::Call& c) {
   const size_t esize = dtype_size(c.dt), n = static_cast<size_t>(t.size()), block = c.count * esize;
   if (c.share == sw::kScatter) {
     std::vector<char> all(c.in, c.in + n * block);
-    ring_in_place(t, all.data(), n * c.count, c.dt, c.op);
-    std::memcpy(c.out, all.data() + static_cast<size_t>(t.rank()) * block, block);
+    const int own = ring_reduce(t, all.data(), n * c.count, c.dt, c.op, -1);
+    std::memcpy(c.out, all.data() + static_cast<size_t>(own) * block, block);
   } else if (c.share == sw::kGather) {
     ring_pass(t, c.out, n * c.count, esize, t.rank());
   } else {
