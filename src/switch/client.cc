@@ -368,8 +368,10 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
   };
 
   double wait_s = 0.05;
-  const auto ask_every = std::chrono::milliseconds(200);
-  auto next_ask = now0 + ask_every;
+  // Asking costs a round trip to the store: only once no result has come for half of switch_timeout (a rank
+  // that lost the switch says so after a whole one), then less and less often, at most switch_timeout / 2 apart.
+  Clock::time_point next_ask{};
+  Clock::duration ask_gap{};
   while (left > 0) {
     auto now = Clock::now();
     // New chunks, into the slots that are free, in order per switch.
@@ -430,8 +432,9 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
         throw SwitchGone(name(j) + " stopped answering: nothing for " + seconds(settings_.switch_timeout) +
                          " (SMARTCOLL_SWITCH_TIMEOUT) while chunks were waiting for their results");
     }
-    if (peers_lost && now - last_result > ask_every && now >= next_ask) {
-      next_ask = now + ask_every;
+    if (peers_lost && now - last_result >= silence / 2 && now >= next_ask) {
+      ask_gap = next_ask < last_result ? silence / 8 : std::min(ask_gap * 2, silence / 2);  // a result: afresh
+      next_ask = now + ask_gap;
       if (std::string who = peers_lost(); !who.empty()) throw PeerLostSwitch(who);
     }
     if (now - last_result > stall) {

@@ -84,8 +84,9 @@ class Client {
   // the job's), chunks travel encoded and the switch sums them in float32. Throws SwitchGone when a switch
   // stops answering, CommError when the call cannot complete (ranks disagree, or no result for `timeout`
   // seconds, naming the ranks the switch waits for).
-  // `peers_lost`, when set, is asked now and then while no result comes (at most every 200 ms, only after 200 ms
-  // without one): a non-empty answer (which rank lost the switch, and why) ends the call with PeerLostSwitch.
+  // `peers_lost`, when set, is asked now and then while no result comes (first after switch_timeout / 2 without
+  // one, then at growing gaps up to switch_timeout / 2): a non-empty answer (which rank lost the switch, and
+  // why) ends the call with PeerLostSwitch.
   void run(const Call& call, std::vector<uint8_t>& done, const std::function<std::string()>& peers_lost = {});
   std::string name(size_t j) const;  // "switch 10.0.0.1:7000"
   // Tells every switch that took this rank's join that it is done with the job (once; the destructor too).
