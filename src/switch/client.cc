@@ -263,7 +263,11 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
   // Chunk c is the i-th chunk for switch c mod k, with number next_seq + i there.
   std::vector<size_t> next(k);  // the next chunk each switch gets
   std::vector<uint64_t> base(k);
-  std::vector<Clock::time_point> heard(k, now0);
+  // A switch's silence counts from the first datagram sent to it after its last answer, or after this loop last
+  // stalled (the rank was descheduled: what it sends on resuming must have time to be answered).
+  constexpr auto kNever = Clock::time_point::max();
+  std::vector<Clock::time_point> asked(k, kNever);
+  const auto stalled = std::max<Clock::duration>(silence / 4, std::chrono::milliseconds(200));
   for (size_t j = 0; j < k; ++j) {
     next[j] = j;
     base[j] = remotes_[j].next_seq;
@@ -291,6 +295,8 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
     const void* payload = codec ? static_cast<const void*>(encoded_.data() + f.chunk * enc_per) : source(f.chunk);
     const size_t bytes = codec ? codec->encoded_size(len) : payload ? len * esize : 0;
     write_header(h, key_, payload, bytes, f.header);
+    auto& first = asked[static_cast<size_t>(&r - remotes_.data())];
+    first = std::min(first, f.sent);
     sockaddr_in to = r.addr;
     to.sin_port = htons(static_cast<uint16_t>(r.ep.port + h.slot % r.threads));
     if (batch_.full()) batch_.flush(fd_.get());
@@ -316,7 +322,7 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
     if (!got.ok() || got.pkt.h.job != job_ || !authentic(got.pkt, inbox_.data(i), key_, settings_.full_auth))
       return;
     Remote& r = remotes_[static_cast<size_t>(j)];
-    heard[static_cast<size_t>(j)] = now;
+    asked[static_cast<size_t>(j)] = kNever;
     const Header& h = got.pkt.h;
     if (h.slot >= window) return;
     Flight& f = r.flights[h.slot];
@@ -372,6 +378,7 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
   // that lost the switch says so after a whole one), then less and less often, at most switch_timeout / 2 apart.
   Clock::time_point next_ask{};
   Clock::duration ask_gap{};
+  auto last_turn = now0;
   while (left > 0) {
     auto now = Clock::now();
     // New chunks, into the slots that are free, in order per switch.
@@ -398,6 +405,8 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
       for (size_t i = 0; i < n; ++i) take(i, now);
     }
     now = Clock::now();
+    if (now - last_turn > stalled) std::fill(asked.begin(), asked.end(), kNever);
+    last_turn = now;
     // Chunks whose result is overdue go again: when the switch has sent nothing for a while (the chunk or its
     // result may be lost), or when more chunks of this switch finished since it was sent than there are slots,
     // so that some sent after it finished before it (it was lost while others went through). Without waiting
@@ -428,7 +437,7 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
     for (size_t j = 0; j < k; ++j) {
       const bool busy = std::any_of(remotes_[j].flights.begin(), remotes_[j].flights.end(),
                                     [](const Flight& f) { return f.busy; });
-      if (busy && now - heard[j] > silence)
+      if (busy && asked[j] != kNever && now - asked[j] > silence)
         throw SwitchGone(name(j) + " stopped answering: nothing for " + seconds(settings_.switch_timeout) +
                          " (SMARTCOLL_SWITCH_TIMEOUT) while chunks were waiting for their results");
     }

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -118,6 +121,29 @@ def scenario_one_dies(comm, outdir: Path) -> dict:
     x = values(comm.rank, 50000, "float32")
     comm.allreduce(x, algo="switch")
     return {"unexpected": "the call succeeded without the last rank"}
+
+
+def scenario_stalls(comm, outdir: Path) -> dict:
+    """Rank 1 sleeps 3 x switch_timeout before a call, then is stopped (SIGSTOP) that long in the middle of calls
+    through the switch, as a descheduled process. Run with switch_fallback=fail: a fallback would fail a call."""
+    against_ring(comm, 100000, "float32", "sum")
+    if comm.rank == 1:
+        time.sleep(1.5)
+    against_ring(comm, 100000, "float32", "sum")
+    if comm.rank == 1:
+        def stop() -> None:
+            time.sleep(0.1)
+            subprocess.Popen(["sh", "-c", f"sleep 1.5; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+        threading.Thread(target=stop, daemon=True).start()
+    x = values(comm.rank, 1 << 20, "float32")
+    started = time.monotonic()
+    for _ in range(60):
+        comm.allreduce(x.copy(), algo="switch")
+    calls_s = time.monotonic() - started
+    against_ring(comm, 100000, "float32", "sum")
+    return {"checked": 3, "calls_s": calls_s}
 
 
 SCENARIOS = {n[len("scenario_"):]: f for n, f in globals().items() if n.startswith("scenario_")}

@@ -151,6 +151,17 @@ def test_loss_duplication_and_reordering_change_nothing(tmp_path, cli_switch):
     assert ended["retransmits"] > 0 and ended["duplicates"] + ended["resent"] > 0, ended
 
 
+def test_a_late_or_descheduled_rank_causes_no_fallback(tmp_path, cli_switch):
+    """Rank 1 sleeps 1.5 s (3 x switch_timeout) before a call, then is stopped for 1.5 s in the middle of calls:
+    with switch_fallback=fail every call still succeeds, and the switch keeps one job (no probe, no fallback)."""
+    sw = cli_switch()
+    outdir, results = run_scenario(tmp_path, 3, "stalls", switch_env(sw.address, switch_fallback="fail"))
+    got = assert_ok(outdir, 3, results)
+    assert got[0]["checked"] == 3 and got[1]["calls_s"] > 1.4, got  # rank 1 was stopped during the calls
+    final = sw.stop()
+    assert "jobs joined 1, left 1" in final, final
+
+
 def test_two_jobs_share_a_switch(tmp_path, inproc_switch):
     import threading
 
