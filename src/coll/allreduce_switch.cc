@@ -7,9 +7,10 @@
 // With switch_fallback=ring, a switch that stops answering does not fail the call: after its switch part, every
 // rank tells every other (one byte over TCP) whether it finished. If one did not, the ranks share which chunks
 // each one has; a chunk some ranks have goes from the lowest of them to the others, the chunks nobody has (every
-// rank still holds its input there, in place or not) are reduced with a ring over TCP, and later calls use the
-// ring at once (reduce_scatter and allgather: the whole call again over TCP, from the inputs) until every rank
-// probes the switches again, at a call number all agree on (switch_retry). A rank that loses its own path to a
+// rank still holds its input there, in place or not) are reduced with a ring over TCP (reduce_scatter and
+// allgather: the whole call again over TCP, from the inputs). Later calls run the ring's own pipelined schedule,
+// built next to the switch part, until every rank probes the switches again, at a call number all agree on
+// (switch_retry). A rank that loses its own path to a
 // live switch says so in the store, so that the others stop waiting for it. With fail, the call fails naming
 // the switch, or the rank that lost it.
 #include <algorithm>
@@ -172,8 +173,8 @@ void probe(sw::Path& path, Transport& t, const char* what) {
 }
 
 void run(sw::Path& path, Transport& t, const sw::Call& a, const char* what) {
-  const uint64_t call = ++path.calls;
-  if (path.gone && call >= path.next_probe) probe(path, t, what);
+  const uint64_t call = path.calls;  // counted when the call started (through_switch)
+  if (path.gone) probe(path, t, what);  // the ring's lanes ran instead until the probe's call
   if (path.gone) return ring_call(t, a);
   std::vector<uint8_t> done(path.client->chunks(a), 0);
   std::string failure;
@@ -230,8 +231,14 @@ void run(sw::Path& path, Transport& t, const sw::Call& a, const char* what) {
   finish_with_ring(t, *path.client, a, done);
 }
 
-void through_switch(Builder& b, const Args& a, uint8_t share, const char* what) {
+void through_switch(Builder& b, const Args& a, uint8_t share, const char* what,
+                    void (*ring)(Builder&, const Args&)) {
   sw::Path* path = b.cx.sw;
+  // The ring's schedule too: the call runs it, pipelined as algo=ring's, while the switches are unusable and no
+  // probe is due. Decided when the call starts, after every earlier call has finished (the switch part runs
+  // alone), so alike on every rank.
+  ring(b, a);
+  auto lanes_instead = [path] { return ++path->calls, path->gone && path->calls < path->next_probe; };
   Transport* t = b.cx.transport;
   const DataType dt = b.spec.dtype;
   const ReduceOp op = share == sw::kGather ? ReduceOp::sum : b.spec.op;
@@ -253,13 +260,17 @@ void through_switch(Builder& b, const Args& a, uint8_t share, const char* what) 
       c.in = mine;
     }
     run(*path, *t, c, what);
-  });
+  }, lanes_instead);
 }
 
 }  // namespace
 
-void allreduce_switch(Builder& b, const Args& a) { through_switch(b, a, 0, "allreduce (switch)"); }
-void reduce_scatter_switch(Builder& b, const Args& a) { through_switch(b, a, sw::kScatter, "reduce_scatter (switch)"); }
-void allgather_switch(Builder& b, const Args& a) { through_switch(b, a, sw::kGather, "allgather (switch)"); }
+void allreduce_switch(Builder& b, const Args& a) { through_switch(b, a, 0, "allreduce (switch)", allreduce_ring); }
+void reduce_scatter_switch(Builder& b, const Args& a) {
+  through_switch(b, a, sw::kScatter, "reduce_scatter (switch)", reduce_scatter_ring);
+}
+void allgather_switch(Builder& b, const Args& a) {
+  through_switch(b, a, sw::kGather, "allgather (switch)", allgather_ring);
+}
 
 }  // namespace smartcoll::coll

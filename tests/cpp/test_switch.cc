@@ -1003,6 +1003,30 @@ TEST(SwitchAllreduce, FallsBackToTheRingWhenTheSwitchGoes) {
   }
 }
 
+TEST(SwitchAllreduce, AfterAFallbackCallsGiveTheRingsBits) {
+  // Sums that round: only the same schedule as algo=ring (its segments and reduction order) gives its bits.
+  e2e::Running sw;
+  harness::run_ranks(3, [&](Communicator& comm) {
+    comm.barrier()->wait();
+    if (comm.rank() == 0) sw.sw->stop();
+    comm.barrier()->wait();
+    e2e::compare_with_ring<int32_t>(comm, DataType::i32, ReduceOp::sum, 5000);  // falls back
+    std::mt19937 rng(static_cast<unsigned>(comm.rank()) + 7);
+    std::uniform_real_distribution<float> u(-1, 1);
+    const size_t count = 3 * 100003;
+    std::vector<float> x(count), a(count), b(count);
+    for (float& v : x) v = u(rng) * 1e3f;
+    comm.allreduce(x.data(), a.data(), count, DataType::f32, ReduceOp::sum, Algorithm::switch_)->wait();
+    comm.allreduce(x.data(), b.data(), count, DataType::f32, ReduceOp::sum, Algorithm::ring)->wait();
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), count * 4), 0) << "allreduce";
+    comm.reduce_scatter(x.data(), a.data(), count / 3, DataType::f32, ReduceOp::sum, std::nullopt,
+                        Algorithm::switch_)->wait();
+    comm.reduce_scatter(x.data(), b.data(), count / 3, DataType::f32, ReduceOp::sum, std::nullopt,
+                        Algorithm::ring)->wait();
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), count / 3 * 4), 0) << "reduce_scatter";
+  }, e2e::switch_options(sw.address()));
+}
+
 TEST(SwitchAllreduce, FailModeNamesTheSwitchWithinItsTimeout) {
   e2e::Running sw;
   const std::string address = sw.address();
