@@ -100,7 +100,8 @@ inline constexpr Knob kKnobs[] = {
     {"switch_retry", "100", "int", 0, 1000000, true,
      "after a fallback to the ring, calls with algo=switch that go to the ring before every rank probes the "
      "switches again (joining afresh; they are used again only if every rank can); doubled after each failed "
-     "probe, up to 64 times. Counted in calls, alike on every rank. 0: never probe"},
+     "probe or probe whose call falls back again, up to 64 times, until a call completes through the switch. "
+     "Counted in calls, alike on every rank. 0: never probe"},
     {"switch_timeout", "2", "float", 0.05, 1e6, false,
      "seconds a switch may leave this rank without any answer, while it waits for results, before it counts as "
      "gone (a live switch answers every retransmission, even while it waits for slower ranks)"},

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -19,6 +20,9 @@ class Store {
   virtual void set(const std::string& key, const std::string& value) = 0;
   // Waits until the key exists; throws CommError naming the key after `timeout`.
   virtual std::string get(const std::string& key, std::chrono::milliseconds timeout) = 0;
+  // The value if the key exists now, without waiting (nullopt otherwise); never drops a connection. Throws
+  // CommError only when the store cannot be reached.
+  virtual std::optional<std::string> check(const std::string& key);
   // How another process can reach this store ("tcp IP PORT SECRET", "file DIR"; open_store() reads it), for the
   // offload daemon (engine=nicd); empty for stores only this process can reach.
   virtual std::string locator() const { return ""; }
@@ -36,6 +40,7 @@ class PrefixStore : public Store {
   std::string get(const std::string& key, std::chrono::milliseconds timeout) override {
     return inner_->get(prefix_ + key, timeout);
   }
+  std::optional<std::string> check(const std::string& key) override { return inner_->check(prefix_ + key); }
 
  private:
   std::shared_ptr<Store> inner_;
@@ -110,6 +115,7 @@ class TcpStore : public Store {
   ~TcpStore() override;
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key, std::chrono::milliseconds timeout) override;
+  std::optional<std::string> check(const std::string& key) override;
   std::string locator() const override { return "tcp " + ip_ + " " + std::to_string(port_) + " " + secret_; }
   // The port served (when serving with port 0, the one the kernel chose) or connected to.
   uint16_t port() const { return port_; }
@@ -121,6 +127,8 @@ class TcpStore : public Store {
   int connection(std::chrono::steady_clock::time_point deadline);
   void disconnect();
   std::string where() const;
+  // Sends a get (wait) or a check and reads its reply (nullopt: the key does not exist, for a check).
+  std::optional<std::string> ask(bool wait, const std::string& key, std::chrono::milliseconds timeout);
   uint16_t port_ = 0;  // first: checked before the host is resolved
   std::string ip_;
   std::string secret_;

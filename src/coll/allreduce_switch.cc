@@ -7,12 +7,15 @@
 // With switch_fallback=ring, a switch that stops answering does not fail the call: after its switch part, every
 // rank tells every other (one byte over TCP) whether it finished. If one did not, the ranks share which chunks
 // each one has; a chunk some ranks have goes from the lowest of them to the others, the chunks nobody has (every
-// rank still holds its input there, in place or not) are reduced with a ring over TCP, and later calls use the
-// ring at once (reduce_scatter and allgather: the whole call again over TCP, from the inputs) until every rank
-// probes the switches again, at a call number all agree on (switch_retry). A rank that loses its own path to a
+// rank still holds its input there, in place or not) are reduced with a ring over TCP (reduce_scatter and
+// allgather: the whole call again over TCP, from the inputs). Later calls run the ring's own pipelined schedule,
+// built next to the switch part, until every rank probes the switches again, at a call number all agree on
+// (switch_retry). A rank that loses its own path to a
 // live switch says so in the store, so that the others stop waiting for it. With fail, the call fails naming
 // the switch, or the rank that lost it.
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "coll/algorithms.h"
@@ -41,9 +44,10 @@ void ring_pass(Transport& t, char* x, size_t m, size_t esize, int own) {
   }
 }
 
-// A ring allreduce of x (m elements, in place) over the transport's stream 0, step by step: reduce-scatter,
-// then allgather. Each part is reduced by one rank and copied by the others, so every rank has the same bits.
-void ring_in_place(Transport& t, char* x, size_t m, DataType dt, ReduceOp op) {
+// The reduce-scatter half of a ring over the transport's stream 0, step by step, in place: afterwards rank r
+// holds part own(r) = r + shift + 1 of x (m elements) reduced over every rank (avg divided), in rank-ring order.
+// Returns own(r).
+int ring_reduce(Transport& t, char* x, size_t m, DataType dt, ReduceOp op, int shift) {
   const int n = t.size(), r = t.rank();
   const size_t esize = dtype_size(dt);
   auto begin = [&](int p) { return part_begin(m, n, p); };
@@ -51,27 +55,33 @@ void ring_in_place(Transport& t, char* x, size_t m, DataType dt, ReduceOp op) {
   std::vector<char> tmp(len(0) * esize);
   const int right = mod(r + 1, n), left = mod(r - 1, n);
   for (int k = 0; k < n - 1; ++k) {
-    const int s = mod(r - k, n), g = mod(r - k - 1, n);
+    const int s = mod(r + shift - k, n), g = mod(r + shift - k - 1, n);
     Transport::Op ops[] = {{right, true, x + begin(s) * esize, len(s) * esize},
                            {left, false, tmp.data(), len(g) * esize}};
     t.run(ops);
     char* part = x + begin(g) * esize;
     reduce(dt, op == ReduceOp::avg ? ReduceOp::sum : op, part, tmp.data(), part, len(g));
   }
-  const int own = mod(r + 1, n);
+  const int own = mod(r + shift + 1, n);
   if (op == ReduceOp::avg) scale_divide(dt, x + begin(own) * esize, len(own), n);
-  ring_pass(t, x, m, esize, own);
+  return own;
+}
+
+// A ring allreduce of x (m elements, in place): reduce-scatter, then allgather. Each part is reduced by one rank
+// and copied by the others, so every rank has the same bits.
+void ring_in_place(Transport& t, char* x, size_t m, DataType dt, ReduceOp op) {
+  ring_pass(t, x, m, dtype_size(dt), ring_reduce(t, x, m, dt, op, 0));
 }
 
 // The whole call over TCP, from the inputs (which the switch part never writes): allreduce; reduce_scatter as
-// an allreduce of a copy of every block; allgather as the ring's passes of blocks (this rank's own block is
-// already in place).
+// the ring's reduce-scatter half over a copy of every block, ending with each rank's own; allgather as the
+// ring's passes of blocks (this rank's own block is already in place).
 void ring_call(Transport& t, const sw::Call& c) {
   const size_t esize = dtype_size(c.dt), n = static_cast<size_t>(t.size()), block = c.count * esize;
   if (c.share == sw::kScatter) {
     std::vector<char> all(c.in, c.in + n * block);
-    ring_in_place(t, all.data(), n * c.count, c.dt, c.op);
-    std::memcpy(c.out, all.data() + static_cast<size_t>(t.rank()) * block, block);
+    const int own = ring_reduce(t, all.data(), n * c.count, c.dt, c.op, -1);
+    std::memcpy(c.out, all.data() + static_cast<size_t>(own) * block, block);
   } else if (c.share == sw::kGather) {
     ring_pass(t, c.out, n * c.count, esize, t.rank());
   } else {
@@ -152,12 +162,10 @@ void probe(sw::Path& path, Transport& t, const char* what) {
   if (std::all_of(joined.begin(), joined.end(), [](uint8_t j) { return j == 1; })) {
     path.client = std::move(fresh);  // the old client leaves the old job
     path.gone = false;
-    path.failed_probes = 0;
     SC_LOG(LogLevel::warn, t.rank(), what) << "every rank reached the switch again (probe at call " << path.calls
                                            << "): calls with algo=switch use it again";
     return;
   }
-  ++path.failed_probes;
   path.schedule_probe();
   SC_LOG(LogLevel::info, t.rank(), what) << "probe at call " << path.calls << ": the switch is still unusable"
                                          << (why.empty() ? "" : " here (" + why + ")") << "; next probe at call "
@@ -165,25 +173,30 @@ void probe(sw::Path& path, Transport& t, const char* what) {
 }
 
 void run(sw::Path& path, Transport& t, const sw::Call& a, const char* what) {
-  if (a.share == sw::kGather) {  // this rank's own block; the switch or the ring brings the others
-    const size_t block = a.count * dtype_size(a.dt);
-    char* mine = a.out + static_cast<size_t>(t.rank()) * block;
-    if (mine != a.in) std::memcpy(mine, a.in, block);
-  }
-  const uint64_t call = ++path.calls;
-  if (path.gone && call >= path.next_probe) probe(path, t, what);
+  const uint64_t call = path.calls;  // counted when the call started (through_switch)
+  if (path.gone) probe(path, t, what);  // the ring's lanes ran instead until the probe's call
   if (path.gone) return ring_call(t, a);
   std::vector<uint8_t> done(path.client->chunks(a), 0);
   std::string failure;
   // A rank that loses its own path to a live switch says so in the store: the others, whom the switch keeps
-  // answering while it waits for that rank, stop waiting and fall back (or fail) with it.
-  const std::string lost = "switch/lost/" + std::to_string(call);
+  // answering while it waits for that rank, stop waiting and fall back (or fail) with it. The key names the job
+  // (fresh per communicator and per probe) and holds the call it was lost in: a rank that already finished
+  // that call (the lost rank's contributions were in) sees it in its next one. A rank whose communicator failed
+  // stops too.
+  char job[17];
+  std::snprintf(job, sizeof job, "%016llx", static_cast<unsigned long long>(path.client->job()));
+  const std::string lost = std::string("switch/lost/") + job;
   auto peers_lost = [&]() -> std::string {
+    if (t.aborted()) return "this rank's communicator failed while it waited for the switch";
+    std::string said;
     try {
-      return path.store->get(lost, std::chrono::milliseconds(50));
-    } catch (const CommError&) {
+      said = path.store->check(lost).value_or("");
+    } catch (const CommError&) {  // the store is gone (its rank failed): the switch's silence tells
       return "";
     }
+    const size_t space = said.find(' ');
+    return space != std::string::npos && std::strtoull(said.c_str(), nullptr, 10) <= call ? said.substr(space + 1)
+                                                                                             : "";
   };
   try {
     path.client->run(a, done, path.store ? std::function<std::string()>(peers_lost) : nullptr);
@@ -191,7 +204,8 @@ void run(sw::Path& path, Transport& t, const sw::Call& a, const char* what) {
     failure = e.what();
     if (path.store && !dynamic_cast<const sw::PeerLostSwitch*>(&e)) {
       try {  // best effort: a store that is gone (its rank failed first) must not hide this failure
-        path.store->set(lost, "rank " + std::to_string(t.rank()) + " lost the switch: " + failure);
+        path.store->set(lost, std::to_string(call) + " rank " + std::to_string(t.rank()) + " lost the switch: " +
+                                  failure);
       } catch (const CommError&) {
       }
     }
@@ -204,9 +218,11 @@ void run(sw::Path& path, Transport& t, const sw::Call& a, const char* what) {
   std::string who;
   for (int p = 0; p < t.size(); ++p)
     if (!finished[p]) who += (who.empty() ? "" : ",") + std::to_string(p);
-  if (who.empty()) return;
-  path.gone = true;
-  path.schedule_probe();
+  if (who.empty()) {
+    path.backoff = 0;  // a call through the switches: the next fallback waits `retry` calls again
+    return;
+  }
+  path.fall_back();
   SC_LOG(LogLevel::warn, t.rank(), what)
       << (failure.empty() ? "rank(s) " + who + " lost the switch" : failure)
       << "; every rank finishes this call, and makes the later ones, with the ring (switch_fallback=ring)"
@@ -215,8 +231,14 @@ void run(sw::Path& path, Transport& t, const sw::Call& a, const char* what) {
   finish_with_ring(t, *path.client, a, done);
 }
 
-void through_switch(Builder& b, const Args& a, uint8_t share, const char* what) {
+void through_switch(Builder& b, const Args& a, uint8_t share, const char* what,
+                    void (*ring)(Builder&, const Args&)) {
   sw::Path* path = b.cx.sw;
+  // The ring's schedule too: the call runs it, pipelined as algo=ring's, while the switches are unusable and no
+  // probe is due. Decided when the call starts, after every earlier call has finished (the switch part runs
+  // alone), so alike on every rank.
+  ring(b, a);
+  auto lanes_instead = [path] { return ++path->calls, path->gone && path->calls < path->next_probe; };
   Transport* t = b.cx.transport;
   const DataType dt = b.spec.dtype;
   const ReduceOp op = share == sw::kGather ? ReduceOp::sum : b.spec.op;
@@ -230,14 +252,25 @@ void through_switch(Builder& b, const Args& a, uint8_t share, const char* what) 
       input.assign(a.in, a.in + n * block);
       c.in = input.data();
     }
+    if (share == sw::kGather) {
+      // This rank's own block goes in place first (the switch or the ring brings the others), and is sent from
+      // there: in place, `in` may be another rank's block of `out`, which that rank's results overwrite.
+      char* mine = a.out + static_cast<size_t>(t->rank()) * block;
+      if (mine != a.in) std::memmove(mine, a.in, block);
+      c.in = mine;
+    }
     run(*path, *t, c, what);
-  });
+  }, lanes_instead);
 }
 
 }  // namespace
 
-void allreduce_switch(Builder& b, const Args& a) { through_switch(b, a, 0, "allreduce (switch)"); }
-void reduce_scatter_switch(Builder& b, const Args& a) { through_switch(b, a, sw::kScatter, "reduce_scatter (switch)"); }
-void allgather_switch(Builder& b, const Args& a) { through_switch(b, a, sw::kGather, "allgather (switch)"); }
+void allreduce_switch(Builder& b, const Args& a) { through_switch(b, a, 0, "allreduce (switch)", allreduce_ring); }
+void reduce_scatter_switch(Builder& b, const Args& a) {
+  through_switch(b, a, sw::kScatter, "reduce_scatter (switch)", reduce_scatter_ring);
+}
+void allgather_switch(Builder& b, const Args& a) {
+  through_switch(b, a, sw::kGather, "allgather (switch)", allgather_ring);
+}
 
 }  // namespace smartcoll::coll

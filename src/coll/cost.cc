@@ -296,7 +296,10 @@ Algorithm cheapest(Collective c, const Query& q, const Profile& p) {
   Algorithm best = algorithms(c).front().algo;
   double best_time = -1;
   for (const AlgorithmInfo& info : algorithms(c)) {
-    if (!info.unsupported(q).empty() || (info.algo == Algorithm::switch_ && p.switch_Bps <= 0)) continue;
+    // The switch only for allreduce, once measured: its reduce_scatter and allgather measured slower than the ring
+    // (BENCHMARKS.md), as their datagrams carry every block (reduce_scatter) or wait for every rank (allgather).
+    const bool switch_ok = c == Collective::allreduce && p.switch_Bps > 0;
+    if (!info.unsupported(q).empty() || (info.algo == Algorithm::switch_ && !switch_ok)) continue;
     const double t = predict(c, info.algo, q, p).total;
     if (best_time < 0 || t < best_time) best = info.algo, best_time = t;
   }

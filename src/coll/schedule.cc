@@ -97,7 +97,10 @@ int32_t Builder::join(int stream, const std::vector<int32_t>& ops) {
 
 Collective Builder::collective() const { return static_cast<Collective>(task_.desc.coll); }
 
-void Builder::exclusive(std::function<void()> body) { task_.exclusive = std::move(body); }
+void Builder::exclusive(std::function<void()> body, std::function<bool()> lanes_instead) {
+  task_.exclusive = std::move(body);
+  task_.lanes_instead = std::move(lanes_instead);
+}
 
 char* Builder::scratch(size_t bytes) {
   task_.scratch.emplace_back(cx.pool, bytes);

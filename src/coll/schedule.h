@@ -83,8 +83,9 @@ class Builder {
   int32_t join(int stream, const std::vector<int32_t>& ops);
   // Memory that lives as long as the task, from the engine's pool.
   char* scratch(size_t bytes);
-  // The call runs `body` alone instead of lanes (core/task.h).
-  void exclusive(std::function<void()> body);
+  // The call runs `body` alone instead of lanes (core/task.h); with `lanes_instead`, the lanes built next to it
+  // run instead where that says so when the call starts.
+  void exclusive(std::function<void()> body, std::function<bool()> lanes_instead = {});
   Collective collective() const;
 
  private:

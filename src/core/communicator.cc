@@ -321,8 +321,7 @@ void Communicator::join_switches() {
   if (verdict == "ok") return;
   if (!switch_->fallback_ring)
     throw CommError("cannot use the aggregation switch: " + verdict + " (switch_fallback=fail)");
-  switch_->gone = true;
-  switch_->schedule_probe();
+  switch_->fall_back();
   SC_LOG(rank_ == 0 ? LogLevel::warn : LogLevel::info, rank_, "")
       << "cannot use the aggregation switch (" << verdict << "); allreduce with algo=switch uses the ring "
       << "(switch_fallback=ring)";

@@ -229,9 +229,13 @@ void Engine::dispatch(Task* t) {
     delete t;
     return;
   }
-  if (t->exclusive) {
+  if (t->exclusive && t->lanes_instead && t->lanes_instead()) {
+    t->exclusive = nullptr;  // the lanes built next to it run, as any call's
+  } else if (t->exclusive) {
     exclusive_running_ = true;
     // The body runs as the single compute op of a lane on worker 0.
+    t->lanes.clear();
+    t->computes.clear();
     t->computes.push_back(std::move(t->exclusive));
     Lane lane;
     Op op;

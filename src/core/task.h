@@ -101,8 +101,11 @@ struct Task {
   std::deque<std::vector<iovec>> piece_lists;  // Op::pieces
   std::shared_ptr<const void> state;  // what lanes and computes point into (reduction spec, codec)
   // Runs alone, with no other call in flight and nothing else using the channels (the same-host path, which
-  // drives its own control messages); when set, lanes is empty.
+  // drives its own control messages); when set, lanes is empty, unless `lanes_instead` is set too: asked when the
+  // call starts (every earlier call has finished then, so its answer follows from them alone), true runs the
+  // lanes as any call's instead (the switch path's ring while the switches are unusable).
   std::function<void()> exclusive;
+  std::function<bool()> lanes_instead;
   std::shared_ptr<Request> req;
   std::atomic<int> lanes_left{0};
 };

@@ -36,11 +36,15 @@ std::string encode_request(const Request& r) {
   return out;
 }
 
-std::string encode_reply(std::string_view value) {
+std::string encode_reply(std::optional<std::string_view> value) {
   std::string out;
-  out.reserve(4 + value.size());
-  append_u32(out, static_cast<uint32_t>(value.size()));
-  out += value;
+  if (!value) {
+    append_u32(out, kAbsent);
+    return out;
+  }
+  out.reserve(4 + value->size());
+  append_u32(out, static_cast<uint32_t>(value->size()));
+  out += *value;
   return out;
 }
 
@@ -65,7 +69,7 @@ std::optional<Request> RequestParser::next() {
   const std::string_view in = std::string_view(buf_).substr(pos_);
   if (in.empty()) return std::nullopt;
   const auto op = static_cast<uint8_t>(in[0]);
-  if (op != static_cast<uint8_t>(Op::set) && op != static_cast<uint8_t>(Op::get))
+  if (op < static_cast<uint8_t>(Op::set) || op > static_cast<uint8_t>(Op::check))
     return fail("unknown op " + std::to_string(op));
   if (in.size() < 5) return std::nullopt;
   const uint32_t key_len = load_u32(in.data() + 1);

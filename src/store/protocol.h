@@ -28,8 +28,10 @@ inline constexpr uint8_t kRefused = 0;
 Digest handshake_proof(std::string_view secret, std::span<const uint8_t> nonce);
 
 // Requests: op (u8), key length (u32 LE), key, and for a set: value length (u32 LE), value.
-// A get is answered, once the key exists, with value length (u32 LE) and value; a set is not answered.
-enum class Op : uint8_t { set = 1, get = 2 };
+// A get is answered, once the key exists, with value length (u32 LE) and value; a check (a get that does not
+// wait) at once, the same way or with length kAbsent when the key does not exist; a set is not answered.
+enum class Op : uint8_t { set = 1, get = 2, check = 3 };
+inline constexpr uint32_t kAbsent = 0xffffffff;
 
 struct Request {
   Op op = Op::get;
@@ -38,7 +40,7 @@ struct Request {
 };
 
 std::string encode_request(const Request& r);
-std::string encode_reply(std::string_view value);
+std::string encode_reply(std::optional<std::string_view> value);  // nullopt: a check of a key that does not exist
 uint32_t load_u32(const void* p);
 
 // Splits a client's byte stream into requests. Each header field is checked as soon as its bytes are in, so a

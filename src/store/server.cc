@@ -268,9 +268,11 @@ void Server::serve(Client& c) {
 }
 
 void Server::execute(Client& c, Request& r) {
-  if (r.op == Op::get) {
+  if (r.op == Op::get || r.op == Op::check) {
     if (auto it = values_.find(r.key); it != values_.end()) {
       reply(c, it->second);
+    } else if (r.op == Op::check) {
+      reply(c, std::nullopt);
     } else {
       c.waiting = true;
       c.waiting_for = r.key;
@@ -291,7 +293,7 @@ void Server::execute(Client& c, Request& r) {
   waiting_.erase(lo, hi);
 }
 
-void Server::reply(Client& c, std::string_view value) {
+void Server::reply(Client& c, std::optional<std::string_view> value) {
   if (c.out_sent == c.out.size()) {
     c.out.clear();
     c.out_sent = 0;

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -42,7 +43,7 @@ class Server {
   void on_proof(Client& c, std::string_view& bytes);
   void serve(Client& c);
   void execute(Client& c, Request& r);
-  void reply(Client& c, std::string_view value);
+  void reply(Client& c, std::optional<std::string_view> value);  // nullopt: a check of a key not there
   void flush(Client& c, Time now);
   void update_events(Client& c);
   void account(Client& c);

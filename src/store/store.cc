@@ -24,6 +24,15 @@ std::string timeout_message(const std::string& key, std::chrono::milliseconds ti
 
 }  // namespace
 
+std::optional<std::string> Store::check(const std::string& key) {
+  // Stores without a connection to lose: a get that gives up at once.
+  try {
+    return get(key, std::chrono::milliseconds(0));
+  } catch (const CommError&) {
+    return std::nullopt;
+  }
+}
+
 void MemoryStore::set(const std::string& key, const std::string& value) {
   {
     std::lock_guard lock(mu_);
@@ -198,6 +207,15 @@ void TcpStore::set(const std::string& key, const std::string& value) {
 }
 
 std::string TcpStore::get(const std::string& key, std::chrono::milliseconds timeout) {
+  return *ask(true, key, timeout);
+}
+
+std::optional<std::string> TcpStore::check(const std::string& key) {
+  // Answered at once: the time limit only bounds a server that has stopped answering.
+  return ask(false, key, std::chrono::seconds(5));
+}
+
+std::optional<std::string> TcpStore::ask(bool wait, const std::string& key, std::chrono::milliseconds timeout) {
   if (key.size() > limits_.max_key)
     throw InvalidArgument("store key '" + key.substr(0, 64) + "...' has " + std::to_string(key.size()) +
                           " bytes, over the limit of " + std::to_string(limits_.max_key));
@@ -210,7 +228,7 @@ std::string TcpStore::get(const std::string& key, std::chrono::milliseconds time
     return CommError(std::string(e.what()) + " (the rendezvous server on rank 0 is gone)");
   };
   const int fd = connection(deadline);
-  const std::string msg = store::encode_request({store::Op::get, key, {}});
+  const std::string msg = store::encode_request({wait ? store::Op::get : store::Op::check, key, {}});
   const std::string what = "store value for '" + key + "'";
   uint8_t len[4];
   try {
@@ -220,6 +238,7 @@ std::string TcpStore::get(const std::string& key, std::chrono::milliseconds time
     throw lost(e);
   }
   const uint32_t value_len = store::load_u32(len);
+  if (!wait && value_len == store::kAbsent) return std::nullopt;
   if (value_len > limits_.max_value) {
     disconnect();
     throw CommError("the store at " + where() + " announced a value of " + std::to_string(value_len) +

@@ -79,8 +79,8 @@ struct Aggregator::Job {
   std::unique_ptr<uint8_t[]> memory;
   std::unique_ptr<JobCounters[]> counters;  // one per thread
   std::atomic<int64_t> last_active{0};
-  std::vector<uint8_t> left;  // under mu_
-  int left_count = 0;
+  std::vector<uint8_t> joined, left;  // under mu_: per rank
+  int joined_count = 0, left_count = 0;
 };
 
 struct alignas(64) Aggregator::Thread {
@@ -257,9 +257,15 @@ void Aggregator::join(int t, const Packet& p, const uint8_t* raw, const sockaddr
       if (job->world != p.h.world || job->window != body.window || job->max_payload != body.max_payload ||
           job->full_auth != full || !known_codec || !(job->codec == codec)) {
         ans.status = static_cast<uint32_t>(JoinStatus::conflict);
-      } else if (job->left[p.h.rank]) {
-        job->left[p.h.rank] = 0;
-        --job->left_count;
+      } else {
+        if (job->left[p.h.rank]) {
+          job->left[p.h.rank] = 0;
+          --job->left_count;
+        }
+        if (!job->joined[p.h.rank]) {
+          job->joined[p.h.rank] = 1;
+          ++job->joined_count;
+        }
       }
     } else {
       const size_t bytes = size_t{body.window} * (p.h.world + 1u) * body.max_payload;
@@ -280,6 +286,9 @@ void Aggregator::join(int t, const Packet& p, const uint8_t* raw, const sockaddr
         job->full_auth = full;
         job->codec = codec;
         job->left.assign(job->world, 0);
+        job->joined.assign(job->world, 0);
+        job->joined[p.h.rank] = 1;
+        job->joined_count = 1;
         job->counters = std::make_unique<JobCounters[]>(static_cast<size_t>(threads_));
         const size_t per_slot = size_t{job->world} * job->max_payload + kHeaderBytes + job->max_payload;
         job->memory.reset(new uint8_t[per_slot * job->window]);  // untouched pages cost nothing until used
@@ -301,7 +310,9 @@ void Aggregator::join(int t, const Packet& p, const uint8_t* raw, const sockaddr
     }
   }
   if (ans.status != static_cast<uint32_t>(JoinStatus::ok)) join_refused_.fetch_add(1, std::memory_order_relaxed);
-  reply(t, job ? *job : answer_as, Type::joined, p.h, &ans, sizeof ans, from, out);
+  Header about = p.h;
+  about.call = kFeatures;
+  reply(t, job ? *job : answer_as, Type::joined, about, &ans, sizeof ans, from, out);
 }
 
 void Aggregator::leave(int t, const Packet& p, const uint8_t* raw) {
@@ -314,10 +325,11 @@ void Aggregator::leave(int t, const Packet& p, const uint8_t* raw) {
     return;
   }
   std::lock_guard lock(mu_);
-  if (job->left[p.h.rank]) return;
+  if (job->left[p.h.rank] || !job->joined[p.h.rank]) return;
   job->left[p.h.rank] = 1;
-  if (++job->left_count < job->world) return;
-  // Every worker is done: the slots go back to the pool. Threads still holding the job keep its memory alive
+  if (++job->left_count < job->joined_count) return;
+  // Every worker that joined is done (all of them, or those that got in before a probe or a start-up failed
+  // elsewhere): the slots go back to the pool. Threads still holding the job keep its memory alive
   // until they next refresh their view.
   if (jobs_.erase(job->id)) {
     retire(*job);

@@ -49,6 +49,10 @@ struct Client::Remote {
   net::Endpoint ep;
   sockaddr_in addr{};
   uint32_t threads = 1;
+  // A join went to it: it gets a leave, also when it did not answer (the join may have arrived, and its answer
+  // been lost) or a later switch failed the join; a leave of a rank the switch does not know changes nothing.
+  bool asked = false;
+  bool owned = false;  // it takes chunks owned by one rank (reduce_scatter, allgather): kFeatureOwned
   uint64_t next_seq = 0;  // the next chunk number of the job on this switch
   double srtt = 0, rttvar = 0;  // smoothed round trip and its variation, seconds (0: no sample yet)
   std::vector<Flight> flights;  // by slot
@@ -134,6 +138,7 @@ void Client::join() {
     std::memcpy(datagram + kHeaderBytes, &body, sizeof body);
     write_header(h, key_, datagram + kHeaderBytes, sizeof body, datagram);
     const auto give_up = Clock::now() + patience;
+    r.asked = true;
     bool answered = false;
     while (!answered) {
       const auto now = Clock::now();
@@ -175,19 +180,19 @@ void Client::join() {
           throw CommError(name(j) + " answered the join with impossible values (threads " +
                           std::to_string(ans.threads) + "); is it a compatible smartcoll switch?");
         r.threads = ans.threads;
+        r.owned = (got.pkt.h.call & kFeatureOwned) != 0;
         r.sends.assign(r.threads, 0);
         r.newest_done.assign(r.threads, 0);
         answered = true;
       }
     }
   }
-  joined_ = true;
 }
 
 void Client::leave() {
-  if (!joined_) return;
-  joined_ = false;
   for (Remote& r : remotes_) {
+    if (!r.asked) continue;
+    r.asked = false;
     const Header h = header(Type::leave);
     uint8_t datagram[kHeaderBytes];
     write_header(h, key_, nullptr, 0, datagram);
@@ -220,6 +225,10 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
   const Codec* codec = call_args.codec;
   const uint8_t share = call_args.share;
   if (codec && share) throw InvalidArgument("reduce_scatter and allgather with algo=switch take no codec; use ring");
+  for (size_t j = 0; j < remotes_.size() && share; ++j)
+    if (!remotes_[j].owned)
+      throw CommError(name(j) + " predates reduce_scatter and allgather through the switch (its join answer does "
+                      "not offer owned chunks): upgrade it, or use algo=ring for these");
   if (codec && !(*codec == settings_.codec))
     throw InvalidArgument("codec '" + codec->name() + "' with algo=switch: the job joined its switches with codec '" +
                           settings_.codec.name() + "' (SMARTCOLL_CODEC); a call may use that one or none");
@@ -254,7 +263,11 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
   // Chunk c is the i-th chunk for switch c mod k, with number next_seq + i there.
   std::vector<size_t> next(k);  // the next chunk each switch gets
   std::vector<uint64_t> base(k);
-  std::vector<Clock::time_point> heard(k, now0);
+  // A switch's silence counts from the first datagram sent to it after its last answer, or after this loop last
+  // stalled (the rank was descheduled: what it sends on resuming must have time to be answered).
+  constexpr auto kNever = Clock::time_point::max();
+  std::vector<Clock::time_point> asked(k, kNever);
+  const auto stalled = std::max<Clock::duration>(silence / 4, std::chrono::milliseconds(200));
   for (size_t j = 0; j < k; ++j) {
     next[j] = j;
     base[j] = remotes_[j].next_seq;
@@ -282,6 +295,8 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
     const void* payload = codec ? static_cast<const void*>(encoded_.data() + f.chunk * enc_per) : source(f.chunk);
     const size_t bytes = codec ? codec->encoded_size(len) : payload ? len * esize : 0;
     write_header(h, key_, payload, bytes, f.header);
+    auto& first = asked[static_cast<size_t>(&r - remotes_.data())];
+    first = std::min(first, f.sent);
     sockaddr_in to = r.addr;
     to.sin_port = htons(static_cast<uint16_t>(r.ep.port + h.slot % r.threads));
     if (batch_.full()) batch_.flush(fd_.get());
@@ -307,7 +322,7 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
     if (!got.ok() || got.pkt.h.job != job_ || !authentic(got.pkt, inbox_.data(i), key_, settings_.full_auth))
       return;
     Remote& r = remotes_[static_cast<size_t>(j)];
-    heard[static_cast<size_t>(j)] = now;
+    asked[static_cast<size_t>(j)] = kNever;
     const Header& h = got.pkt.h;
     if (h.slot >= window) return;
     Flight& f = r.flights[h.slot];
@@ -359,8 +374,11 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
   };
 
   double wait_s = 0.05;
-  const auto ask_every = std::chrono::milliseconds(200);
-  auto next_ask = now0 + ask_every;
+  // Asking costs a round trip to the store: only once no result has come for half of switch_timeout (a rank
+  // that lost the switch says so after a whole one), then less and less often, at most switch_timeout / 2 apart.
+  Clock::time_point next_ask{};
+  Clock::duration ask_gap{};
+  auto last_turn = now0;
   while (left > 0) {
     auto now = Clock::now();
     // New chunks, into the slots that are free, in order per switch.
@@ -387,6 +405,8 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
       for (size_t i = 0; i < n; ++i) take(i, now);
     }
     now = Clock::now();
+    if (now - last_turn > stalled) std::fill(asked.begin(), asked.end(), kNever);
+    last_turn = now;
     // Chunks whose result is overdue go again: when the switch has sent nothing for a while (the chunk or its
     // result may be lost), or when more chunks of this switch finished since it was sent than there are slots,
     // so that some sent after it finished before it (it was lost while others went through). Without waiting
@@ -417,12 +437,13 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
     for (size_t j = 0; j < k; ++j) {
       const bool busy = std::any_of(remotes_[j].flights.begin(), remotes_[j].flights.end(),
                                     [](const Flight& f) { return f.busy; });
-      if (busy && now - heard[j] > silence)
+      if (busy && asked[j] != kNever && now - asked[j] > silence)
         throw SwitchGone(name(j) + " stopped answering: nothing for " + seconds(settings_.switch_timeout) +
                          " (SMARTCOLL_SWITCH_TIMEOUT) while chunks were waiting for their results");
     }
-    if (peers_lost && now - last_result > ask_every && now >= next_ask) {
-      next_ask = now + ask_every;
+    if (peers_lost && now - last_result >= silence / 2 && now >= next_ask) {
+      ask_gap = next_ask < last_result ? silence / 8 : std::min(ask_gap * 2, silence / 2);  // a result: afresh
+      next_ask = now + ask_gap;
       if (std::string who = peers_lost(); !who.empty()) throw PeerLostSwitch(who);
     }
     if (now - last_result > stall) {

@@ -84,15 +84,18 @@ class Client {
   // the job's), chunks travel encoded and the switch sums them in float32. Throws SwitchGone when a switch
   // stops answering, CommError when the call cannot complete (ranks disagree, or no result for `timeout`
   // seconds, naming the ranks the switch waits for).
-  // `peers_lost`, when set, is asked now and then while no result comes (at most every 200 ms, only after 200 ms
-  // without one): a non-empty answer (which rank lost the switch, and why) ends the call with PeerLostSwitch.
+  // `peers_lost`, when set, is asked now and then while no result comes (first after switch_timeout / 2 without
+  // one, then at growing gaps up to switch_timeout / 2): a non-empty answer (which rank lost the switch, and
+  // why) ends the call with PeerLostSwitch.
   void run(const Call& call, std::vector<uint8_t>& done, const std::function<std::string()>& peers_lost = {});
   std::string name(size_t j) const;  // "switch 10.0.0.1:7000"
+  // Tells every switch that took this rank's join that it is done with the job (once; the destructor too).
+  void leave();
+  uint64_t job() const { return job_; }  // the job's id on the switches: fresh per communicator and per probe
 
  private:
   struct Remote;
   Header header(Type type) const;  // this rank's fields of every datagram it sends
-  void leave();
   int switch_of(const sockaddr_in& from) const;  // -1: not one of ours
 
   int rank_, world_;
@@ -102,7 +105,6 @@ class Client {
   net::Fd fd_;
   std::vector<Remote> remotes_;
   uint64_t calls_ = 0;
-  bool joined_ = false;
   udp::SendBatch batch_;
   udp::RecvBatch inbox_;
   std::vector<uint8_t> encoded_;  // the call's input, encoded
@@ -120,12 +122,26 @@ struct Path {
   uint64_t calls = 0;
   uint64_t retry = 0;       // switch_retry: calls on the ring after a fallback before a probe (0: never)
   uint64_t next_probe = 0;  // the call that probes
-  int failed_probes = 0;    // each doubles the wait, up to 64 x retry
+  // Fallbacks and failed probes since the last call that completed through the switches: each doubles the wait
+  // for the next probe, up to 64 x retry. A probe whose join succeeds does not reset it: a fault that lets joins
+  // through but loses data would otherwise stall a call every `retry` calls forever.
+  int backoff = 0;
   uint64_t epoch = 0;       // probes so far: each joins a fresh job, whatever the last one left at the switch
   std::function<std::unique_ptr<Client>(uint64_t epoch)> make_client;
-  // Where a rank that lost its switch says so (key switch/lost/<call>), so that the others stop waiting for it.
+  // Where a rank that lost its switch says so (key switch/lost/<job id>, value "<call> <why>"), so that the others
+  // stop waiting for it in that call and every later one.
   std::shared_ptr<Store> store;
-  void schedule_probe() { next_probe = retry ? calls + (retry << std::min(failed_probes, 6)) : UINT64_MAX; }
+  // Every rank agreed to stop using the switches: calls go to the ring until the next probe, and this rank leaves
+  // the job at once, so that the switches free its slots as soon as every rank that joined has left.
+  void fall_back() {
+    gone = true;
+    schedule_probe();
+    if (client) client->leave();
+  }
+  void schedule_probe() {
+    next_probe = retry ? calls + (retry << std::min(backoff, 6)) : UINT64_MAX;
+    ++backoff;
+  }
 };
 
 }  // namespace smartcoll::sw

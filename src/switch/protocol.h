@@ -100,6 +100,11 @@ inline bool gets_data(uint8_t share, int owner, int r) {
   return share == 0 || (share == kScatter) == (r == owner);
 }
 
+// What a switch supports, in the `call` field of its `joined` answer (a switch from before these echoes the join's
+// 0 there). kFeatureOwned: chunks owned by one rank (kScatter, kGather), which an older switch drops as bad_flags.
+inline constexpr uint32_t kFeatureOwned = 1;
+inline constexpr uint32_t kFeatures = kFeatureOwned;
+
 enum class JoinStatus : uint32_t { ok = 0, no_room = 1, needs_full_auth = 2, too_large = 3, conflict = 4 };
 struct JoinedBody {
   uint32_t status;   // JoinStatus

@@ -47,6 +47,7 @@ class TcpTransport final : public Transport {
   // The host this rank listens on ("" when it listens nowhere: a world of one).
   std::string host() const { return addrs_[rank()].substr(0, addrs_[rank()].rfind(':')); }
   void abort(const std::string& reason) override;
+  bool aborted() const override { return aborted_; }
 
  private:
   struct Channel {

@@ -46,6 +46,8 @@ class Transport {
   // Tells the peers why this rank fails (through the rendezvous store) and shuts every channel down, so that
   // ranks blocked on this one fail at once with that reason instead of timing out.
   virtual void abort(const std::string& reason) = 0;
+  // True once abort() ran: this rank's communicator has failed (loops that do not use the channels stop).
+  virtual bool aborted() const { return false; }
 
   // A whole-buffer send or receive for exchange-style control traffic.
   struct Op {

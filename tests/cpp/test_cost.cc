@@ -248,6 +248,15 @@ TEST(CostModel, AutoPicksTheCheaperAlgorithm) {
   EXPECT_EQ(choose(Collective::allreduce, with_switch, Algorithm::automatic, 0, &sw), Algorithm::ring);
   sw.switch_Bps = 1e12;
   EXPECT_EQ(choose(Collective::allreduce, with_switch, Algorithm::automatic, 0, &sw), Algorithm::switch_);
+  // reduce_scatter and allgather never, even where steps are dear and the switch's 2 beat the ring's n - 1 (they
+  // measured slower than the ring).
+  Profile steps_sw = slow_steps;
+  steps_sw.switch_Bps = 1e12;
+  Query many = call(64, kMiB);
+  many.switch_set = true;
+  EXPECT_EQ(choose(Collective::allreduce, many, Algorithm::automatic, 0, &steps_sw), Algorithm::switch_);
+  EXPECT_NE(choose(Collective::reduce_scatter, many, Algorithm::automatic, 0, &steps_sw), Algorithm::switch_);
+  EXPECT_NE(choose(Collective::allgather, many, Algorithm::automatic, 0, &steps_sw), Algorithm::switch_);
   // A per-algorithm step latency tips the balance back.
   Profile dear_ring = link_only(1e-6, 1e9);
   dear_ring.alpha_algo["ring"] = 1;

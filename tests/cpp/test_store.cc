@@ -79,6 +79,12 @@ TEST(StoreParser, UnknownOpIsRefusedAtItsFirstByte) {
   p.feed("\x07");
   EXPECT_FALSE(p.next());
   EXPECT_EQ(p.error(), "unknown op 7");
+  RequestParser q(4096, 1 << 20);
+  q.feed(store::encode_request({Op::check, "k", ""}));
+  const auto check = q.next();
+  ASSERT_TRUE(check);
+  EXPECT_EQ(check->op, Op::check);
+  EXPECT_EQ(check->key, "k");
   p.feed(store::encode_request({Op::get, "k", ""}));  // nothing after a bad byte is trusted
   EXPECT_FALSE(p.next());
   EXPECT_NE(p.error(), "");
@@ -205,6 +211,27 @@ TEST(TcpStore, GetAfterATimedOutGetReadsItsOwnValue) {
   server.set("failed/2", "rank 2's reason");
   std::this_thread::sleep_for(50ms);
   EXPECT_EQ(client.get("failed/2", 2s), "rank 2's reason");
+}
+
+TEST(TcpStore, CheckAnswersAtOnceOnTheSameConnection) {
+  TcpStore server("127.0.0.1", 0, true, kConnect);
+  TcpStore client("127.0.0.1", server.port(), false, kConnect);
+  server.set("first", "");  // the serving rank's own connection
+  EXPECT_EQ(client.get("first", 2s), "");
+  const uint64_t accepted = server.server_stats().accepted;
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(client.check("lost"), std::nullopt);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s);  // no waiting for the key
+  server.set("lost", "");
+  server.set("other", "its value");
+  EXPECT_EQ(client.get("other", 2s), "its value");  // both sets are in (one connection: in order)
+  EXPECT_EQ(client.check("lost"), std::optional<std::string>(""));  // an empty value is there, not absent
+  EXPECT_EQ(client.check("other"), std::optional<std::string>("its value"));
+  EXPECT_EQ(server.server_stats().accepted, accepted);  // every request on the same connection
+  MemoryStore memory;  // the stores without a connection: a get that gives up at once
+  EXPECT_EQ(memory.check("k"), std::nullopt);
+  memory.set("k", "v");
+  EXPECT_EQ(memory.check("k"), std::optional<std::string>("v"));
 }
 
 TEST(TcpStoreServer, UnknownOpDropsTheClientAtOnce) {

@@ -1,9 +1,14 @@
 // The switch protocol: SipHash, the parser, the MAC, the aggregator's slots on a channel that loses, duplicates
 // and reorders datagrams, and jobs kept apart.
 #include <gtest/gtest.h>
+#include <poll.h>
 
 #include <cstring>
+#include <atomic>
 #include <deque>
+#include <mutex>
+#include <set>
+#include <thread>
 #include <limits>
 #include <map>
 #include <cmath>
@@ -998,6 +1003,30 @@ TEST(SwitchAllreduce, FallsBackToTheRingWhenTheSwitchGoes) {
   }
 }
 
+TEST(SwitchAllreduce, AfterAFallbackCallsGiveTheRingsBits) {
+  // Sums that round: only the same schedule as algo=ring (its segments and reduction order) gives its bits.
+  e2e::Running sw;
+  harness::run_ranks(3, [&](Communicator& comm) {
+    comm.barrier()->wait();
+    if (comm.rank() == 0) sw.sw->stop();
+    comm.barrier()->wait();
+    e2e::compare_with_ring<int32_t>(comm, DataType::i32, ReduceOp::sum, 5000);  // falls back
+    std::mt19937 rng(static_cast<unsigned>(comm.rank()) + 7);
+    std::uniform_real_distribution<float> u(-1, 1);
+    const size_t count = 3 * 100003;
+    std::vector<float> x(count), a(count), b(count);
+    for (float& v : x) v = u(rng) * 1e3f;
+    comm.allreduce(x.data(), a.data(), count, DataType::f32, ReduceOp::sum, Algorithm::switch_)->wait();
+    comm.allreduce(x.data(), b.data(), count, DataType::f32, ReduceOp::sum, Algorithm::ring)->wait();
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), count * 4), 0) << "allreduce";
+    comm.reduce_scatter(x.data(), a.data(), count / 3, DataType::f32, ReduceOp::sum, std::nullopt,
+                        Algorithm::switch_)->wait();
+    comm.reduce_scatter(x.data(), b.data(), count / 3, DataType::f32, ReduceOp::sum, std::nullopt,
+                        Algorithm::ring)->wait();
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), count / 3 * 4), 0) << "reduce_scatter";
+  }, e2e::switch_options(sw.address()));
+}
+
 TEST(SwitchAllreduce, FailModeNamesTheSwitchWithinItsTimeout) {
   e2e::Running sw;
   const std::string address = sw.address();
@@ -1145,6 +1174,185 @@ TEST(SwitchRetry, NeverProbesWithRetryZero) {
     comm.barrier()->wait();  // nobody closes (and sends its leave) before rank 0 has looked
   }, e2e::switch_options(sw->address(), {{"switch_retry", "0"}}));
   second->stop();
+}
+
+// A switch from before owned chunks, or one whose data ports are blocked: it answers every join as a switch
+// did before (no features in the answer) and never answers a contribution. Counts the jobs joined.
+struct JoinOnlySwitch {
+  net::Fd fd = udp::open("127.0.0.1", 0);
+  std::atomic<bool> stop{false};
+  std::mutex mu;
+  std::set<uint64_t> jobs;
+  std::thread loop{[this] {
+    udp::RecvBatch in(16, kMaxDatagram);
+    uint8_t answer[kHeaderBytes + sizeof(JoinedBody)];
+    while (!stop) {
+      pollfd p{fd.get(), POLLIN, 0};
+      ::poll(&p, 1, 20);
+      for (size_t i = 0, n = in.receive(fd.get()); i < n; ++i) {
+        const Parsed got = parse(in.data(i), in.len(i));
+        if (!got.ok() || got.pkt.h.type != Type::join) continue;
+        JoinBody body;
+        std::memcpy(&body, got.pkt.payload, sizeof body);
+        Header h = got.pkt.h;
+        h.type = Type::joined;
+        const JoinedBody ans{0, 1, body.window, 0};
+        std::memcpy(answer + kHeaderBytes, &ans, sizeof ans);
+        write_header(h, SipKey::from_bytes(body.key), &ans, sizeof ans, answer);
+        ::sendto(fd.get(), answer, sizeof answer, 0, reinterpret_cast<const sockaddr*>(&in.from(i)),
+                 sizeof(sockaddr_in));
+        std::lock_guard lock(mu);
+        jobs.insert(h.job);
+      }
+    }
+  }};
+  ~JoinOnlySwitch() {
+    stop = true;
+    loop.join();
+  }
+  std::string address() const {
+    sockaddr_in a{};
+    socklen_t len = sizeof a;
+    getsockname(fd.get(), reinterpret_cast<sockaddr*>(&a), &len);
+    return "127.0.0.1:" + std::to_string(udp::port_of(a));
+  }
+  size_t joined() {
+    std::lock_guard lock(mu);
+    return jobs.size();
+  }
+};
+
+// Between the ranks and a switch of one thread: forwards both ways, each rank through a socket of its own, and
+// once `cut` holds drops what the switch sends to rank `victim` (its path lost after its contributions went in).
+struct Relay {
+  net::Fd front = udp::open("127.0.0.1", 0);
+  sockaddr_in to_switch;
+  int victim;
+  std::atomic<bool> cut{false}, stop{false};
+  std::vector<std::pair<sockaddr_in, net::Fd>> backs;  // per rank's address: its socket towards the switch
+  std::thread loop;
+  Relay(uint16_t switch_port, int victim_rank)
+      : to_switch(net::ipv4_address("127.0.0.1", switch_port)), victim(victim_rank), loop([this] { run(); }) {}
+  ~Relay() {
+    stop = true;
+    loop.join();
+  }
+  std::string address() const {
+    sockaddr_in a{};
+    socklen_t len = sizeof a;
+    getsockname(front.get(), reinterpret_cast<sockaddr*>(&a), &len);
+    return "127.0.0.1:" + std::to_string(udp::port_of(a));
+  }
+  void run() {
+    std::map<size_t, int> rank_of;  // back socket -> the rank it carries (from its datagrams' rank field)
+    uint8_t buf[kMaxDatagram];
+    while (!stop) {
+      std::vector<pollfd> fds{{front.get(), POLLIN, 0}};
+      for (auto& b : backs) fds.push_back({b.second.get(), POLLIN, 0});
+      ::poll(fds.data(), fds.size(), 20);
+      sockaddr_in from{};
+      socklen_t flen = sizeof from;
+      for (ssize_t n; (n = ::recvfrom(front.get(), buf, sizeof buf, MSG_DONTWAIT, reinterpret_cast<sockaddr*>(&from),
+                                      &flen)) > 0; flen = sizeof from) {
+        size_t i = 0;
+        while (i < backs.size() && (backs[i].first.sin_port != from.sin_port)) ++i;
+        if (i == backs.size()) backs.emplace_back(from, udp::open("127.0.0.1", 0));
+        const Parsed got = parse(buf, static_cast<size_t>(n));
+        if (got.ok()) rank_of[i] = got.pkt.h.rank;
+        ::sendto(backs[i].second.get(), buf, static_cast<size_t>(n), 0, reinterpret_cast<const sockaddr*>(&to_switch),
+                 sizeof to_switch);
+      }
+      for (size_t i = 0; i < backs.size(); ++i) {
+        for (ssize_t n; (n = ::recv(backs[i].second.get(), buf, sizeof buf, MSG_DONTWAIT)) > 0;) {
+          if (cut && rank_of.count(i) && rank_of[i] == victim) continue;
+          ::sendto(front.get(), buf, static_cast<size_t>(n), 0, reinterpret_cast<const sockaddr*>(&backs[i].first),
+                   sizeof(sockaddr_in));
+        }
+      }
+    }
+  }
+};
+
+TEST(SwitchAllreduce, FailModeARankThatLostItsResultsFailsEveryRankInTheNextCall) {
+  e2e::Running sw;
+  Relay relay(sw.sw->port(), 2);
+  harness::run_threads(3, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 3, std::move(store),
+                      e2e::switch_options(relay.address(), {{"switch_fallback", "fail"}, {"timeout", "20"}}));
+    e2e::compare_with_ring<int32_t>(comm, DataType::i32, ReduceOp::sum, 3000);
+    comm.barrier()->wait();
+    if (r == 0) relay.cut = true;
+    comm.barrier()->wait();
+    // Call 2: every contribution goes in and ranks 0 and 1 get their results; rank 2's never come, so it fails
+    // after switch_timeout. Ranks 0 and 1 wait for rank 2 in call 3 and learn it from the store.
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<int32_t> x(3000, 1);
+    try {
+      for (int call = 2; call <= 3; ++call)
+        comm.allreduce(x.data(), x.data(), x.size(), DataType::i32, ReduceOp::sum, Algorithm::switch_)->wait();
+      ADD_FAILURE() << "rank " << r << ": every call succeeded";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find(r < 2 ? "rank 2 lost the switch" : "stopped answering"),
+                std::string::npos) << "rank " << r << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find("switch_fallback=fail"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4)) << "rank " << r;  // not `timeout`
+  });
+}
+
+TEST(SwitchRetry, ARankThatCannotJoinLeavesNoSlotsHeld) {
+  e2e::Running sw;
+  Relay relay(sw.sw->port(), 2);
+  relay.cut = true;  // rank 2 never hears the switch: its joins time out, ranks 0 and 1 get in
+  auto freed = [&](uint64_t joined) {
+    SwitchStats s = sw.sw->stats();
+    for (int i = 0; i < 200 && (s.jobs_left < joined || !s.jobs.empty()); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      s = sw.sw->stats();
+    }
+    EXPECT_EQ(s.jobs_joined, joined);
+    EXPECT_EQ(s.jobs_left, joined);  // left by the ranks that joined, not expired
+    EXPECT_TRUE(s.jobs.empty());
+    EXPECT_EQ(s.slots_free, s.slots_total);
+  };
+  harness::run_ranks(3, [&](Communicator& comm) {
+    comm.barrier()->wait();
+    if (comm.rank() == 0) freed(1);  // the start-up's job, while every communicator is open
+    comm.barrier()->wait();
+    e2e::compare_with_ring<int32_t>(comm, DataType::i32, ReduceOp::sum, 3000);  // probes at call 1: fails
+    comm.barrier()->wait();
+    if (comm.rank() == 0) freed(2);  // the probe's job too
+    comm.barrier()->wait();
+  }, e2e::switch_options(relay.address(), {{"switch_retry", "1"}}));
+}
+
+TEST(SwitchRetry, AJoinThatSucceedsDoesNotResetTheBackoffWhileNoCallGoesThrough) {
+  JoinOnlySwitch sw;
+  harness::run_ranks(3, [&](Communicator& comm) {
+    // Call 1 falls back (next probe at 2); each probe joins, its call falls back, and the wait doubles: probes
+    // at calls 2, 4 and 8. Were a successful join to reset the wait, every call would probe and stall.
+    for (int i = 0; i < 8; ++i) e2e::compare_with_ring<int32_t>(comm, DataType::i32, ReduceOp::sum, 3000);
+    comm.barrier()->wait();
+    if (comm.rank() == 0) {
+      EXPECT_EQ(sw.joined(), 4u);  // at start-up, and the probes at calls 2, 4 and 8
+    }
+    comm.barrier()->wait();
+  }, e2e::switch_options(sw.address(), {{"switch_retry", "1"}, {"switch_timeout", "0.3"}}));
+}
+
+TEST(SwitchScatterGather, ASwitchWithoutOwnedChunksIsRefusedByName) {
+  JoinOnlySwitch sw;
+  harness::run_ranks(2, [&](Communicator& comm) {
+    std::vector<int32_t> x(2000), y(1000);
+    try {
+      comm.reduce_scatter(x.data(), y.data(), 1000, DataType::i32, ReduceOp::sum, std::nullopt,
+                          Algorithm::switch_)->wait();
+      ADD_FAILURE() << "reduce_scatter through a switch without owned chunks succeeded";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find("switch " + sw.address() + " predates reduce_scatter"), std::string::npos)
+          << e.what();
+    }
+  }, e2e::switch_options(sw.address()));
 }
 
 }  // namespace

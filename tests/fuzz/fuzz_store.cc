@@ -31,7 +31,7 @@ Expected read_directly(std::string_view in) {
   size_t pos = 0;
   while (pos < in.size()) {
     const auto op = static_cast<uint8_t>(in[pos]);
-    if (op != 1 && op != 2) {
+    if (op < 1 || op > 3) {
       e.bad = true;
       break;
     }

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -79,6 +82,15 @@ def scenario_scatter_gather(comm, outdir: Path) -> dict:
         via_ring = comm.allgather(x, np.empty(7001 * comm.size, dtype), algo="ring")
         assert via_switch.tobytes() == via_ring.tobytes(), f"allgather {dtype}"
         checked += 1
+    for dtype in ("float32", "int64"):  # in place: the input is block 0 of out, or this rank's own block
+        count = 40001  # more chunks than the window before the last rank's block: results come in meanwhile
+        via_ring = comm.allgather(values(comm.rank, count, dtype), np.empty(count * comm.size, dtype), algo="ring")
+        for at in (0, comm.rank):
+            out = np.zeros(count * comm.size, dtype)
+            out[at * count:(at + 1) * count] = values(comm.rank, count, dtype)
+            comm.allgather(out[at * count:(at + 1) * count], out, algo="switch")
+            assert out.tobytes() == via_ring.tobytes(), f"in-place allgather {dtype} from block {at}"
+            checked += 1
     return {"checked": checked}
 
 
@@ -109,6 +121,29 @@ def scenario_one_dies(comm, outdir: Path) -> dict:
     x = values(comm.rank, 50000, "float32")
     comm.allreduce(x, algo="switch")
     return {"unexpected": "the call succeeded without the last rank"}
+
+
+def scenario_stalls(comm, outdir: Path) -> dict:
+    """Rank 1 sleeps 3 x switch_timeout before a call, then is stopped (SIGSTOP) that long in the middle of calls
+    through the switch, as a descheduled process. Run with switch_fallback=fail: a fallback would fail a call."""
+    against_ring(comm, 100000, "float32", "sum")
+    if comm.rank == 1:
+        time.sleep(1.5)
+    against_ring(comm, 100000, "float32", "sum")
+    if comm.rank == 1:
+        def stop() -> None:
+            time.sleep(0.1)
+            subprocess.Popen(["sh", "-c", f"sleep 1.5; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+        threading.Thread(target=stop, daemon=True).start()
+    x = values(comm.rank, 1 << 20, "float32")
+    started = time.monotonic()
+    for _ in range(60):
+        comm.allreduce(x.copy(), algo="switch")
+    calls_s = time.monotonic() - started
+    against_ring(comm, 100000, "float32", "sum")
+    return {"checked": 3, "calls_s": calls_s}
 
 
 SCENARIOS = {n[len("scenario_"):]: f for n, f in globals().items() if n.startswith("scenario_")}
