@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
@@ -44,6 +45,18 @@ inline void run_ranks(int n, const std::function<void(Communicator&)>& body,
     Communicator comm(r, n, std::move(store), options);
     body(comm);
   });
+}
+
+// Pseudo-random floats in [-0.5, 0.5), a stream per rank and seed: sums of them are inexact, so equal results
+// mean the same order of operations.
+inline std::vector<float> noise(int rank, size_t count, uint32_t seed = 777u) {
+  std::vector<float> x(count);
+  uint32_t state = seed + static_cast<uint32_t>(rank) * 1013u;
+  for (auto& v : x) {
+    state = state * 1664525u + 1013904223u;
+    v = static_cast<float>(state >> 8) / 16777216.0f - 0.5f;
+  }
+  return x;
 }
 
 }  // namespace smartcoll::harness

@@ -23,17 +23,6 @@ void run_ranks(int n, const Options& o, const std::function<void(Communicator&)>
   harness::run_ranks(n, body, o);
 }
 
-// Pseudo-random floats: sums are inexact, so equal results mean equal order of operations.
-std::vector<float> noise(int rank, size_t count) {
-  std::vector<float> x(count);
-  uint32_t state = 777u + static_cast<uint32_t>(rank) * 1013u;
-  for (auto& v : x) {
-    state = state * 1664525u + 1013904223u;
-    v = static_cast<float>(state >> 8) / 16777216.0f - 0.5f;
-  }
-  return x;
-}
-
 // Every collective's output on every rank, concatenated, for one engine_threads value.
 std::vector<std::vector<float>> run_all(int n, const std::string& threads) {
   const size_t count = 30011;
@@ -41,7 +30,7 @@ std::vector<std::vector<float>> run_all(int n, const std::string& threads) {
   run_ranks(n, options({{"engine_threads", threads}, {"streams", "4"}, {"segment_size", "4096"}, {"cma", "off"}}),
             [&](Communicator& comm) {
               const int r = comm.rank();
-              std::vector<float> x = noise(r, count * static_cast<size_t>(n)), result;
+              std::vector<float> x = harness::noise(r, count * static_cast<size_t>(n)), result;
               for (Algorithm a : {Algorithm::ring, Algorithm::rhd, Algorithm::rd}) {
                 std::vector<float> y(count);
                 comm.allreduce(x.data(), y.data(), count, DataType::f32, ReduceOp::sum, a)->wait();

@@ -14,23 +14,13 @@
 namespace smartcoll {
 namespace {
 
-std::vector<float> noise(int rank, size_t count) {
-  std::vector<float> x(count);
-  uint32_t state = 91u + static_cast<uint32_t>(rank) * 7919u;
-  for (auto& v : x) {
-    state = state * 1664525u + 1013904223u;
-    v = static_cast<float>(state >> 8) / 16777216.0f - 0.5f;
-  }
-  return x;
-}
-
 TEST(RecursiveDoubling, InPlaceAndOutOfPlaceGiveTheSameBitsOnEveryRank) {
   const size_t count = 1001;
   for (int n : {2, 3, 5, 6}) {
     for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg}) {
       std::vector<std::vector<float>> results(static_cast<size_t>(n));
       harness::run_ranks(n, [&](Communicator& comm) {
-        const std::vector<float> x = noise(comm.rank(), count);
+        const std::vector<float> x = harness::noise(comm.rank(), count);
         std::vector<float> in = x, out(count, NAN), same = x;
         comm.allreduce(in.data(), out.data(), count, DataType::f32, op, Algorithm::rd)->wait();
         comm.allreduce(same.data(), same.data(), count, DataType::f32, op, Algorithm::rd)->wait();
@@ -41,7 +31,7 @@ TEST(RecursiveDoubling, InPlaceAndOutOfPlaceGiveTheSameBitsOnEveryRank) {
       });
       for (size_t i = 0; i < count; ++i) {
         double want = 0;
-        for (int r = 0; r < n; ++r) want += noise(r, count)[i];
+        for (int r = 0; r < n; ++r) want += harness::noise(r, count)[i];
         if (op == ReduceOp::avg) want /= n;
         ASSERT_NEAR(results[0][i], want, 1e-5) << "n " << n << " element " << i;
         for (int r = 1; r < n; ++r)
