@@ -184,8 +184,9 @@ NB_MODULE(_core, m) {
     const coll::CopyTimes t = coll::time_copy_view(static_cast<char*>(base.data()), {offsets.data(), offsets.size()},
                                                    {sizes.data(), sizes.size()}, static_cast<char*>(packed.data()),
                                                    gather, repeat);
-    return std::map<std::string, double>{{"segmented", t.segmented}, {"memcpy", t.memcpy}};
-  }, "Best seconds of the engine's gather (or scatter) of pieces and of one memcpy of the same bytes.");
+    return std::map<std::string, double>{{"segmented", t.segmented}, {"memcpy", t.memcpy}, {"read", t.read}};
+  }, "Best seconds of the engine's gather (or scatter) of pieces, of one memcpy of the same bytes and of reading "
+     "the pieces alone.");
   m.def("dtype_size", [](const std::string& name) { return dtype_size(parse_dtype(name)); });
 
   nb::class_<Store>(m, "Store");

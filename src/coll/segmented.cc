@@ -9,6 +9,7 @@
 #include <string>
 
 #include "coll/schedule.h"
+#include "kernels/copy.h"
 #include "smartcoll/types.h"
 
 namespace smartcoll::coll {
@@ -51,15 +52,32 @@ void copy_view(const Segmented& dst, const Segmented& src) {
   }
 }
 
+namespace {
+
+// The sum of the pieces' 8-byte words, read with the kernels' prefetching: what reading the pieces alone costs.
+template <class PieceAt>
+uint64_t read_pieces(size_t n, PieceAt piece) {
+  kernels::PrefetchAhead<PieceAt> ahead(piece, n, false);
+  uint64_t sum = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const auto [p, len] = piece(i);
+    ahead.advance(len);
+    for (size_t o = 0; o + 8 <= len; o += 8) {
+      uint64_t w;
+      std::memcpy(&w, p + o, 8);
+      sum += w;
+    }
+  }
+  return sum;
+}
+
+}  // namespace
+
 CopyTimes time_copy_view(char* base, std::span<const uint64_t> offsets, std::span<const uint64_t> sizes,
                          char* packed, bool gather, int repeat) {
-  std::vector<Piece> pieces;
   size_t total = 0;
-  for (size_t k = 0; k < offsets.size(); ++k) {
-    pieces.push_back({base + offsets[k], sizes[k]});
-    total += sizes[k];
-  }
-  const Segmented scattered(std::move(pieces)), contiguous({{packed, total}});
+  for (const uint64_t s : sizes) total += s;
+  const auto piece = [&](size_t k) { return std::pair<char*, size_t>{base + offsets[k], sizes[k]}; };
   std::vector<char> twin(total);  // memcpy's destination: packed stays as the gather left it
   auto best = [repeat](const auto& fn) {
     double best_s = 1e30;
@@ -72,8 +90,12 @@ CopyTimes time_copy_view(char* base, std::span<const uint64_t> offsets, std::spa
     return best_s;
   };
   CopyTimes t;
-  t.segmented = best([&] { gather ? copy_view(contiguous, scattered) : copy_view(scattered, contiguous); });
+  t.segmented = best([&] {
+    gather ? kernels::gather(packed, offsets.size(), piece, total) : kernels::scatter(packed, offsets.size(), piece, total);
+  });
   t.memcpy = best([&] { std::memcpy(twin.data(), packed, total); });
+  volatile uint64_t sink = 0;  // keeps the sum, so that the reads are not optimized away
+  t.read = best([&] { sink = sink + read_pieces(offsets.size(), piece); });
   return t;
 }
 

@@ -96,11 +96,12 @@ void scatter_range(const Views* views, char* p, const char* from, size_t bytes);
 // dst = src piece by piece: views of the same length (the size-1 world's list calls).
 void copy_view(const Segmented& dst, const Segmented& src);
 
-// `smartcoll bench gather|scatter`: best seconds of `repeat` copy_view runs between the pieces (base + offsets[k],
-// sizes[k]) and the contiguous `packed` (gather: pieces -> packed; scatter: the reverse), and of one memcpy of
-// the same bytes between contiguous buffers.
+// `smartcoll bench gather|scatter`: best seconds of `repeat` runs of the gather or scatter kernel
+// (kernels/copy.h) between the pieces (base + offsets[k], sizes[k]) and the contiguous `packed` (gather: pieces ->
+// packed; scatter: the reverse), of one memcpy of the same bytes between contiguous buffers, and of reading the
+// pieces alone (what their placement costs the memory system: a bound on the gather).
 struct CopyTimes {
-  double segmented, memcpy;
+  double segmented, memcpy, read;
 };
 CopyTimes time_copy_view(char* base, std::span<const uint64_t> offsets, std::span<const uint64_t> sizes,
                          char* packed, bool gather, int repeat);

@@ -15,6 +15,7 @@
 #include "core/frame.h"
 #include "core/log.h"
 #include "core/mac.h"
+#include "kernels/copy.h"
 
 namespace smartcoll::rma {
 
@@ -105,18 +106,20 @@ struct Out {
 };
 
 // The local buffers' bytes, one after the other, into `out`; and back.
+auto local_at(std::span<const LocalPiece> local) {
+  return [local](size_t k) { return std::pair<char*, size_t>{static_cast<char*>(local[k].data), local[k].bytes}; };
+}
+
+uint64_t total_bytes(std::span<const LocalPiece> local) {
+  return sum_bytes(local, UINT64_MAX, [](const LocalPiece& p) { return uint64_t{p.bytes}; }).value_or(0);
+}
+
 void from_local(std::span<const LocalPiece> local, char* out) {
-  for (const LocalPiece& p : local) {
-    if (p.bytes) std::memcpy(out, p.data, p.bytes);
-    out += p.bytes;
-  }
+  kernels::gather(out, local.size(), local_at(local), total_bytes(local));
 }
 
 void to_local(const char* in, std::span<const LocalPiece> local) {
-  for (const LocalPiece& p : local) {
-    if (p.bytes) std::memcpy(p.data, in, p.bytes);
-    in += p.bytes;
-  }
+  kernels::scatter(in, local.size(), local_at(local), total_bytes(local));
 }
 
 // The pieces as they lie one after the other in the local buffers.

@@ -5,6 +5,7 @@
 
 #include "core/checks.h"
 #include "core/mac.h"
+#include "kernels/copy.h"
 #include "smartcoll/reduce.h"
 
 namespace smartcoll::rma {
@@ -176,21 +177,29 @@ void check_call(Kind kind, const RemoteRegion& region, std::span<const RemotePie
   require(why.empty(), name + " to rank " + std::to_string(region.rank) + ": " + why);
 }
 
+namespace {
+
+// The pieces' bytes in the region, for the gather and scatter kernels.
+auto in_region(char* base, std::span<const RemotePiece> pieces) {
+  return [base, pieces](size_t k) { return std::pair<char*, size_t>{base + pieces[k].offset, pieces[k].bytes}; };
+}
+
+}  // namespace
+
 void gather(const char* base, std::span<const RemotePiece> pieces, char* out, const std::optional<Codec>& codec) {
+  if (!codec) {
+    kernels::gather(out, pieces.size(), in_region(const_cast<char*>(base), pieces), sum_bytes(pieces, UINT64_MAX).value_or(0));
+    return;
+  }
   std::vector<float> floats;
   for (const RemotePiece& p : pieces) {
     if (p.bytes == 0) continue;  // an empty piece may come with a null `out`
-    if (codec) {
-      // Whole float32 elements (refusal()); the region may hold them at any address.
-      const size_t n = p.bytes / 4;
-      floats.resize(n);
-      std::memcpy(floats.data(), base + p.offset, p.bytes);
-      codec->encode(floats.data(), n, reinterpret_cast<uint8_t*>(out));
-      out += codec->encoded_size(n);
-    } else {
-      std::memcpy(out, base + p.offset, p.bytes);
-      out += p.bytes;
-    }
+    // Whole float32 elements (refusal()); the region may hold them at any address.
+    const size_t n = p.bytes / 4;
+    floats.resize(n);
+    std::memcpy(floats.data(), base + p.offset, p.bytes);
+    codec->encode(floats.data(), n, reinterpret_cast<uint8_t*>(out));
+    out += codec->encoded_size(n);
   }
 }
 
@@ -198,6 +207,10 @@ void scatter(char* base, std::span<const RemotePiece> pieces, const char* in, co
              const std::optional<Codec>& codec) {
   const auto dt = static_cast<DataType>(h.dtype);
   const bool put = static_cast<Kind>(h.kind) == Kind::put;
+  if (put && !codec) {  // `in` is the connection's staging, never inside a region: the kernel may copy
+    kernels::scatter(in, pieces.size(), in_region(base, pieces), sum_bytes(pieces, UINT64_MAX).value_or(0));
+    return;
+  }
   std::vector<float> floats;
   for (const RemotePiece& p : pieces) {
     char* at = base + p.offset;
@@ -212,10 +225,7 @@ void scatter(char* base, std::span<const RemotePiece> pieces, const char* in, co
       in += codec->encoded_size(n);
       continue;
     }
-    if (put)
-      std::memmove(at, in, p.bytes);
-    else
-      reduce(dt, static_cast<ReduceOp>(h.op), at, at, in, p.bytes / dtype_size(dt));
+    reduce(dt, static_cast<ReduceOp>(h.op), at, at, in, p.bytes / dtype_size(dt));
     in += p.bytes;
   }
 }
