@@ -374,19 +374,21 @@ NB_MODULE(_core, m) {
         return c.allgather(i.data, o.data, i.count, i.dtype, parse_codec(codec),
                            parse_algorithm(algo, Collective::allgather));
       }, "in"_a, "out"_a, "codec"_a = "", "algo"_a = "auto")
-      .def("broadcast", [](Communicator& c, Array buf, int root) {
+      .def("broadcast", [](Communicator& c, Array buf, int root, const std::string& algo) {
         Buffer b = buffer(buf);
-        return c.broadcast(b.data, b.count, b.dtype, root);
-      })
-      .def("reduce", [](Communicator& c, InArray in, std::optional<Array> out, const std::string& op, int root) {
+        return c.broadcast(b.data, b.count, b.dtype, root, parse_algorithm(algo, Collective::broadcast));
+      }, "buf"_a, "root"_a, "algo"_a = "auto")
+      .def("reduce", [](Communicator& c, InArray in, std::optional<Array> out, const std::string& op, int root,
+                        const std::string& algo) {
         Buffer i = buffer(in);
         void* o = out ? buffer(*out).data : nullptr;
-        return c.reduce(i.data, o, i.count, i.dtype, parse_op(op), root);
-      })
-      .def("alltoall", [](Communicator& c, InArray in, Array out) {
+        return c.reduce(i.data, o, i.count, i.dtype, parse_op(op), root, parse_algorithm(algo, Collective::reduce));
+      }, "in"_a, "out"_a, "op"_a, "root"_a, "algo"_a = "auto")
+      .def("alltoall", [](Communicator& c, InArray in, Array out, const std::string& algo) {
         Buffer i = buffer(in), o = buffer(out);
-        return c.alltoall(i.data, o.data, i.count / static_cast<size_t>(c.size()), i.dtype);
-      })
+        return c.alltoall(i.data, o.data, i.count / static_cast<size_t>(c.size()), i.dtype,
+                          parse_algorithm(algo, Collective::alltoall));
+      }, "in"_a, "out"_a, "algo"_a = "auto")
       .def("barrier", [](Communicator& c) { return c.barrier(); })
       // List forms and alltoallv (docs/vectored.md): addresses and counts, which smartcoll._vectored takes from
       // the arrays it checked and keeps alive.

@@ -233,30 +233,34 @@ class Communicator:
         _check_pair(x, out, self.size, "allgather")
         return Request(self._core.allgather(x, out, codec or "", algo or "auto"), out, (x, out), self._core)
 
-    def ibroadcast(self, x: Any, root: int = 0) -> Request:
+    def ibroadcast(self, x: Any, root: int = 0, algo: Optional[str] = None) -> Request:
+        """algo: auto, tree, chain or cma (a list of arrays takes auto's choice)."""
         if isinstance(x, (list, tuple)):
             return _vectored().ibroadcast(self, x, root)
         _check_array(x, "x", writable=True)
-        return Request(self._core.broadcast(x, root), x, (x,), self._core)
+        return Request(self._core.broadcast(x, root, algo or "auto"), x, (x,), self._core)
 
-    def ireduce(self, x: Any, root: int = 0, op: str = "sum", out: Any = None) -> Request:
-        """The result lands in `out` (default: x itself) on root; other ranks' buffers are left unchanged."""
+    def ireduce(self, x: Any, root: int = 0, op: str = "sum", out: Any = None, algo: Optional[str] = None) -> Request:
+        """The result lands in `out` (default: x itself) on root; other ranks' buffers are left unchanged.
+        algo: auto, tree, chain or cma."""
         _check_array(x, "x", writable=out is None and self.rank == root)
         if self.rank == root:
             out = x if out is None else out
             _check_pair(x, out, 1, "reduce")
         else:
             out = None
-        return Request(self._core.reduce(x, out, op, root), out if out is not None else x, (x, out), self._core)
+        return Request(self._core.reduce(x, out, op, root, algo or "auto"), out if out is not None else x, (x, out),
+                       self._core)
 
-    def ialltoall(self, x: Any, out: Any) -> Request:
+    def ialltoall(self, x: Any, out: Any, algo: Optional[str] = None) -> Request:
+        """algo: auto, direct or cma."""
         _check_array(x, "x")
         _check_pair(x, out, 1, "alltoall")
         if _numel(x) % self.size:
             raise ValueError(f"alltoall: {_numel(x)} elements do not split into {self.size} equal blocks")
         if out is x:
             raise ValueError("alltoall cannot run in place: pass a separate out array")
-        return Request(self._core.alltoall(x, out), out, (x, out), self._core)
+        return Request(self._core.alltoall(x, out, algo or "auto"), out, (x, out), self._core)
 
     def ialltoallv(
         self, x: Any, out: Any, send_counts: Any, recv_counts: Any, send_displs: Any = None, recv_displs: Any = None
@@ -285,14 +289,14 @@ class Communicator:
     def allgather(self, x: Any, out: Any, codec: Optional[str] = None, algo: Optional[str] = None) -> Any:
         return self.iallgather(x, out, codec, algo).wait()
 
-    def broadcast(self, x: Any, root: int = 0) -> Any:
-        return self.ibroadcast(x, root).wait()
+    def broadcast(self, x: Any, root: int = 0, algo: Optional[str] = None) -> Any:
+        return self.ibroadcast(x, root, algo).wait()
 
-    def reduce(self, x: Any, root: int = 0, op: str = "sum", out: Any = None) -> Any:
-        return self.ireduce(x, root, op, out).wait()
+    def reduce(self, x: Any, root: int = 0, op: str = "sum", out: Any = None, algo: Optional[str] = None) -> Any:
+        return self.ireduce(x, root, op, out, algo).wait()
 
-    def alltoall(self, x: Any, out: Any) -> Any:
-        return self.ialltoall(x, out).wait()
+    def alltoall(self, x: Any, out: Any, algo: Optional[str] = None) -> Any:
+        return self.ialltoall(x, out, algo).wait()
 
     def alltoallv(
         self, x: Any, out: Any, send_counts: Any, recv_counts: Any, send_displs: Any = None, recv_displs: Any = None

@@ -125,13 +125,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=DTYPES, default="float32", help="element type (default: %(default)s)"
     )
     parser.add_argument("--op", choices=OPS, default="sum", help="reduction op (default: %(default)s)")
-    algo_knob = next((k for k in available_knobs() if k.name == "algo"), None)
     parser.add_argument(
         "--algo",
         default="auto",
-        help="algorithm, passed to each allreduce, reduce_scatter and allgather call (the algo knob's choices; "
-        "smartcoll info describes them) (default: %(default)s)",
-        **(_knob_option(algo_knob) if algo_knob else {}),
+        help="algorithm, passed to each call: one of the collective's algorithms as `smartcoll info` lists them "
+        "under collectives (allreduce: ring, rhd, rd, cma, hier, switch; broadcast: tree, chain, cma; ...) "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--root", type=int, default=0, help="root rank of broadcast and reduce (default: %(default)s)"
@@ -312,9 +311,18 @@ def _validate(args: argparse.Namespace) -> Optional[str]:
         return f"--root {args.root} is not a rank of {args.nprocs}"
     if getattr(args, "nicd", False) and not getattr(args, "overlap", False):
         return "--nicd applies to the overlap mode (smartcoll bench overlap COLLECTIVE --nicd)"
-    if args.algo != "auto" and args.collective not in ("allreduce", "reduce_scatter", "allgather"):
-        return f"--algo applies to allreduce, reduce_scatter and allgather only, not {args.collective}"
+    algos = collective_algorithms().get(args.collective)
+    if args.algo != "auto" and algos is not None and args.algo not in algos:
+        return f"--algo {args.algo} is not an algorithm of {args.collective}: use auto or one of {', '.join(algos)}"
     return None
+
+
+def collective_algorithms() -> dict[str, list[str]]:
+    """Each collective's algorithms, from the core's algorithm tables (`smartcoll info`: collectives)."""
+    from smartcoll import _core
+
+    listing = _core.build_info()["collectives"]  # "allreduce: ring rhd ...; broadcast: tree chain cma; ..."
+    return {name.strip(): algos.split() for name, algos in (part.split(":") for part in listing.split(";"))}
 
 
 def main(args: argparse.Namespace) -> int:

@@ -167,9 +167,9 @@ class SmartcollRunner:
             "allreduce": lambda: comm.allreduce(x, op=op, out=y, algo=self.algo),
             "reduce_scatter": lambda: comm.reduce_scatter(x, y, op=op, algo=self.algo),
             "allgather": lambda: comm.allgather(x, y, algo=self.algo),
-            "broadcast": lambda: comm.broadcast(x, root=root),
-            "reduce": lambda: comm.reduce(x, root=root, op=op, out=y),
-            "alltoall": lambda: comm.alltoall(x, y),
+            "broadcast": lambda: comm.broadcast(x, root=root, algo=self.algo),
+            "reduce": lambda: comm.reduce(x, root=root, op=op, out=y, algo=self.algo),
+            "alltoall": lambda: comm.alltoall(x, y, algo=self.algo),
             "barrier": comm.barrier,
         }
         return calls[case.collective], (x if y is None else y)
@@ -181,9 +181,9 @@ class SmartcollRunner:
             "allreduce": lambda: comm.iallreduce(x, op=op, out=y, algo=self.algo),
             "reduce_scatter": lambda: comm.ireduce_scatter(x, y, op=op, algo=self.algo),
             "allgather": lambda: comm.iallgather(x, y, algo=self.algo),
-            "broadcast": lambda: comm.ibroadcast(x, root=root),
-            "reduce": lambda: comm.ireduce(x, root=root, op=op, out=y),
-            "alltoall": lambda: comm.ialltoall(x, y),
+            "broadcast": lambda: comm.ibroadcast(x, root=root, algo=self.algo),
+            "reduce": lambda: comm.ireduce(x, root=root, op=op, out=y, algo=self.algo),
+            "alltoall": lambda: comm.ialltoall(x, y, algo=self.algo),
             "barrier": comm.ibarrier,
         }
         return posts[case.collective], lambda req: req.wait()
