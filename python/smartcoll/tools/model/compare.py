@@ -48,7 +48,7 @@ def rows_of(path: Path, profile: str) -> list[dict]:
             continue
         # Query.bytes: the whole vector, or one rank's block where the bench's size is split into n of them.
         nbytes = r["bytes"] // n if COLLECTIVES[coll].split else r["bytes"]
-        algo = meta.get("algo", "auto") if coll == "allreduce" else "auto"
+        algo = meta.get("algo", "auto")
         picked = algo
         if algo == "auto":
             picked = _core.model_choose(coll, n, nbytes, chooser, codec,
