@@ -101,9 +101,17 @@ constexpr AlgorithmInfo kReduceAlgos[] = {
      [](int n) { return n - 1.0; }, [](int) { return 1.0; }, [](int) { return 1.0; }},
     kCmaReduce,
 };
+// Blocks a Bruck alltoall sends per rank: one per set bit of every slot index below n.
+double bruck_blocks(int n) {
+  double blocks = 0;
+  for (int i = 1; i < n; ++i) blocks += __builtin_popcount(static_cast<unsigned>(i));
+  return blocks;
+}
 constexpr AlgorithmInfo kAlltoallAlgos[] = {
     {Algorithm::direct, "every pair at once", alltoall_direct, raw_only, [](int) { return 1.0; },
      [](int n) { return n - 1.0; }, none},
+    {Algorithm::bruck, "Bruck: ceil(log2 n) steps of about n/2 blocks each, for small blocks", alltoall_bruck,
+     raw_only, [](int n) { return log2n(n); }, bruck_blocks, none},
     kCmaGather,
 };
 constexpr AlgorithmInfo kAlltoallvAlgos[] = {

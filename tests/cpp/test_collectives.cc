@@ -1,6 +1,7 @@
 // Collectives with ranks as threads sharing an in-memory store, over real loopback TCP.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -85,10 +86,14 @@ TEST_P(Collectives, ReduceScatterAllgatherBroadcastReduceAlltoall) {
     std::vector<int32_t> send(count * n), recv(count * n, -1);
     for (int p = 0; p < n; ++p)
       for (size_t i = 0; i < count; ++i) send[p * count + i] = static_cast<int32_t>(r * 1000000 + p * 1000 + i);
-    comm.alltoall(send.data(), recv.data(), count, DataType::i32)->wait();
-    for (int p = 0; p < n; ++p)
-      for (size_t i = 0; i < count; ++i)
-        ASSERT_EQ(recv[p * count + i], static_cast<int32_t>(p * 1000000 + r * 1000 + i)) << "alltoall from " << p;
+    for (Algorithm a : {Algorithm::direct, Algorithm::bruck}) {
+      std::fill(recv.begin(), recv.end(), -1);
+      comm.alltoall(send.data(), recv.data(), count, DataType::i32, a)->wait();
+      for (int p = 0; p < n; ++p)
+        for (size_t i = 0; i < count; ++i)
+          ASSERT_EQ(recv[p * count + i], static_cast<int32_t>(p * 1000000 + r * 1000 + i))
+              << "alltoall (" << algorithm_name(a) << ") from " << p;
+    }
     comm.barrier()->wait();
   });
 }

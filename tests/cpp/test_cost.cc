@@ -58,6 +58,21 @@ TEST(CostModel, FoldOnlyOffPowersOfTwo) {
   EXPECT_DOUBLE_EQ(wire(Algorithm::rd, 5), 2 + 1);
 }
 
+TEST(CostModel, BruckAlltoallTradesBytesForSteps) {
+  // n = 8: 3 steps; slots 1..7 hold 1+1+2+1+2+2+3 = 12 set bits, so 12 blocks leave each rank (direct: 7 blocks,
+  // one message each, all in flight at once: one step). n = 5: slots 1..4 hold 1+1+2+1 = 5 bits, 3 steps.
+  const Profile p = link_only(1e-4, 1e8);
+  const Cost bruck = predict(Collective::alltoall, Algorithm::bruck, call(8, 1024), p);
+  EXPECT_DOUBLE_EQ(bruck.steps, 3);
+  EXPECT_DOUBLE_EQ(bruck.wire_bytes, 12 * 1024);
+  EXPECT_NEAR(bruck.total, 3e-4 + 12 * 1024 / 1e8, 1e-12);
+  const Cost direct = predict(Collective::alltoall, Algorithm::direct, call(8, 1024), p);
+  EXPECT_DOUBLE_EQ(direct.steps, 1);
+  EXPECT_DOUBLE_EQ(direct.wire_bytes, 7 * 1024);
+  EXPECT_DOUBLE_EQ(predict(Collective::alltoall, Algorithm::bruck, call(5, 1024), p).steps, 3);
+  EXPECT_DOUBLE_EQ(predict(Collective::alltoall, Algorithm::bruck, call(5, 1024), p).wire_bytes, 5 * 1024);
+}
+
 TEST(CostModel, PerAlgorithmLatencyAndEfficiency) {
   Profile p = link_only(1e-4, 1e8);
   p.alpha_algo["rhd"] = 3e-4;

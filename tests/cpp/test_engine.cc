@@ -54,8 +54,10 @@ std::vector<std::vector<float>> run_all(int n, const std::string& threads) {
                 comm.reduce(x.data(), s.data(), count, DataType::f32, ReduceOp::sum, 1, a)->wait();
                 if (r == 1) result.insert(result.end(), s.begin(), s.end());
               }
-              comm.alltoall(x.data(), all.data(), count, DataType::f32)->wait();
-              result.insert(result.end(), all.begin(), all.end());
+              for (Algorithm a : {Algorithm::direct, Algorithm::bruck}) {
+                comm.alltoall(x.data(), all.data(), count, DataType::f32, a)->wait();
+                result.insert(result.end(), all.begin(), all.end());
+              }
               comm.barrier()->wait();
               out[static_cast<size_t>(r)] = std::move(result);
             });
