@@ -10,13 +10,14 @@ void allgather_bruck(Builder& b, const Args& a) {
   const int n = b.cx.size, r = b.cx.rank;
   const size_t blk = a.count * dtype_size(b.spec.dtype);
   char* tmp = b.scratch(blk * static_cast<size_t>(n));
-  int32_t last = b.copy(0, tmp, a.in, blk);
-  int32_t got = last;
+  int32_t got = b.copy(0, tmp, a.in, blk);
   for (int d = 1; d < n; d *= 2) {
     const size_t blocks = static_cast<size_t>(std::min(d, n - d));
-    last = b.send(0, mod(r - d, n), tmp, blocks * blk, {got});
-    // After the previous receive (the rotation below waits for the last one only) and this step's send.
-    got = b.recv(0, mod(r + d, n), tmp + static_cast<size_t>(d) * blk, blocks * blk, {got, last});
+    b.send(0, mod(r - d, n), tmp, blocks * blk, {got});
+    // After the previous receive only, not this step's send: the two touch different blocks (blocks <= d), and
+    // ranks that all wait for their sends to leave before receiving deadlock once a message outgrows the socket
+    // buffers (a model profile may pick Bruck for large calls).
+    got = b.recv(0, mod(r + d, n), tmp + static_cast<size_t>(d) * blk, blocks * blk, {got});
   }
   for (int i = 0; i < n; ++i)
     b.copy(0, a.out + static_cast<size_t>(mod(r + i, n)) * blk, tmp + static_cast<size_t>(i) * blk, blk, {got});
