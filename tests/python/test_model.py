@@ -173,6 +173,15 @@ def test_compare_puts_measured_next_to_predicted(tmp_path):
     assert f"| allreduce | auto ({chosen}) | 4 | 16M |" in r.stdout, r.stdout
     # auto against the best fixed algorithm at each size: ring's 300 ms / auto's 250 ms.
     assert f"| allreduce | 16M | auto ({chosen}) | 250.0 | ring | 300.0 | 1.20 |" in r.stdout, r.stdout
+    # The summary counts the points by their errors; --json holds the same rows.
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| allreduce | ") and " identity | " in line]
+    errors = [abs(float(line.split("|")[8])) for line in rows]
+    assert len(errors) == 4
+    assert f"4 points: {sum(e <= 10 for e in errors)} within 10%, {sum(e <= 15 for e in errors)} within 15%" in r.stdout
+    r = run_cli("model", "compare", "--profile", str(prof), str(ring), str(auto), "--json", str(tmp_path / "c.json"))
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert saved["summary"]["points"] == 4 and len(saved["rows"]) == 4
+    assert saved["summary"]["auto_points"] == 2
     r = run_cli("model", "compare", str(prof))
     assert r.returncode == 2 and "is not a `smartcoll bench --json` file" in r.stderr, r.stderr
 

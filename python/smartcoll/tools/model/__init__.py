@@ -23,6 +23,32 @@ def load_profile(path: Optional[Path]) -> str:
     return _core.model_load_profile(str(path)) if path else _core.model_builtin_profile()
 
 
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None where matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+NO_MATPLOTLIB = "matplotlib is not installed (pip install matplotlib)"
+
+
+def save_figure(fig, ax, path: Path) -> None:
+    """The figures' common finish: a grid, the legend, and a PNG at path."""
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from . import calibrate, compare, predict
 

@@ -6,18 +6,20 @@ Each file's collective, world size, algorithm (for algo=auto, the algorithm auto
 file's model_profile knob, else by the size rules) and codec come from its metadata; one rank per host when it
 ran on an emulated cluster (--cluster), all on this host otherwise. error = (predicted - measured) / measured.
 Then, per collective, size and codec where the files hold a fixed algorithm and auto: auto's measured time
-against the best fixed algorithm's.
+against the best fixed algorithm's; and a summary: how many points lie within 10% and 15%, the median error.
+--png draws measured against predicted (log-log, the diagonal and a band of +-10%), --json writes the rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 from smartcoll import _core
 
-from . import load_profile
+from . import NO_MATPLOTLIB, load_profile, pyplot, save_figure
 from ..bench.runners import COLLECTIVES
 from ..bench.sizes import format_size, format_table
 
@@ -28,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", type=Path, help="`smartcoll bench ... --json` files")
     parser.add_argument("--profile", type=Path, help="the profile to predict with (default: built-in)")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables (for BENCHMARKS.md)")
+    parser.add_argument("--png", type=Path, help="draw measured against predicted (needs matplotlib)")
+    parser.add_argument("--json", type=Path, help="write the rows and the summary as JSON")
 
 
 def rows_of(path: Path, profile: str) -> list[dict]:
@@ -98,4 +102,56 @@ def main(args: argparse.Namespace) -> int:
     if versus:
         print()
         print(fmt(["collective", "size", "auto", "auto ms", "best fixed", "best ms", "best / auto"], versus))
+    result = summary(rows, versus)
+    print()
+    print(f"{result['points']} points: {result['within_10pct']} within 10%, {result['within_15pct']} within 15%, "
+          f"median |error| {result['median_abs_error_pct']:.1f}%"
+          + (f"; auto at least 0.95x the best fixed algorithm at {result['auto_within_5pct']} of "
+             f"{result['auto_points']} points" if versus else ""))
+    if args.png:
+        why = draw(rows, args.png)
+        print(f"could not draw {args.png}: {why}" if why else f"wrote {args.png}")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "summary": result}, indent=1) + "\n")
     return 0
+
+
+def summary(rows: list[dict], versus: list[list[str]]) -> dict:
+    errors = [abs(r["error_pct"]) for r in rows]
+    return {"points": len(rows), "within_10pct": sum(e <= 10 for e in errors),
+            "within_15pct": sum(e <= 15 for e in errors),
+            "median_abs_error_pct": statistics.median(errors) if errors else 0.0,
+            "auto_points": len(versus), "auto_within_5pct": sum(float(v[-1]) >= 0.95 for v in versus)}
+
+
+def draw(rows: list[dict], path: Path):
+    """Why it could not draw, or None."""
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
+    from matplotlib.ticker import FuncFormatter
+
+    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    lo = min(min(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 / 1.5
+    hi = max(max(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 * 1.5
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="predicted = measured")
+    ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="0.85", label="within 10%")
+    markers = "osD^v<>p"
+    for i, coll in enumerate(dict.fromkeys(r["collective"] for r in rows)):
+        mine = [r for r in rows if r["collective"] == coll]
+        ax.plot([r["measured_s"] * 1e3 for r in mine], [r["predicted_s"] * 1e3 for r in mine], markers[i % 8],
+                color=f"C{i}", label=coll, alpha=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")  # 20, not 2 x 10^1
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(plain)
+        axis.set_minor_formatter(plain)
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("measured ms")
+    ax.set_ylabel("predicted ms")
+    ns = sorted({r["n"] for r in rows})
+    ax.set_title(f"cost model against measurements, N = {', '.join(map(str, ns))}", fontsize=10)
+    save_figure(fig, ax, path)
+    return None

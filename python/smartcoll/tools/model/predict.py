@@ -28,7 +28,7 @@ from typing import Optional
 
 from smartcoll import _core
 
-from . import load_profile
+from . import NO_MATPLOTLIB, load_profile, pyplot, save_figure
 from ..bench.sizes import format_size, format_table, parse_sizes
 
 SUMMARY = "a collective's time per algorithm and codec, or the training iteration's scaling (Fig. 4b)"
@@ -150,13 +150,9 @@ def print_train(pred: dict) -> None:
 
 
 def draw(pred: dict, path: Path) -> Optional[str]:
-    try:
-        import matplotlib
-    except ImportError:
-        return "matplotlib is not installed (pip install matplotlib)"
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     fig, ax = plt.subplots(figsize=(7, 4.8))
     nodes = pred["nodes"]
     ax.plot(nodes, nodes, "k--", label="ideal")
@@ -172,11 +168,7 @@ def draw(pred: dict, path: Path) -> Optional[str]:
     ax.set_ylabel("training throughput relative to one worker")
     ax.set_title(f"{pred['layers']}-layer MLP {pred['width']}x{pred['width']}, batch {pred['batch']} per worker",
                  fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, ax, path)
     return None
 
 
