@@ -57,8 +57,10 @@ enum class Collective : uint8_t {
 };
 inline constexpr int kCollectives = 8;
 enum class Algorithm : uint8_t {
-  automatic, ring, rhd, chain, direct, local, cma, tree, rd, bruck, dissemination, hier, switch_
+  automatic, ring, rhd, chain, direct, local, cma, tree, rd, bruck, dissemination, hier, switch_, pairwise
 };
+// The highest code: what range checks of algorithm codes read from the network compare against.
+inline constexpr Algorithm kLastAlgorithm = Algorithm::pairwise;
 
 std::string_view collective_name(Collective c);
 std::string_view algorithm_name(Algorithm a);

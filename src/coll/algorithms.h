@@ -49,6 +49,8 @@ void reduce_chain(Builder& b, const Args& a);
 void reduce_tree(Builder& b, const Args& a);
 void alltoall_direct(Builder& b, const Args& a);
 void alltoall_bruck(Builder& b, const Args& a);
+// n-1 rounds, one peer each way per round: no incast at a receiver.
+void alltoall_pairwise(Builder& b, const Args& a);
 // Every pair at once, each block preceded by its count, which the receiver checks against its own.
 void alltoallv_direct(Builder& b, const Args& a);
 void barrier_dissemination(Builder& b, const Args& a);

@@ -112,6 +112,8 @@ constexpr AlgorithmInfo kAlltoallAlgos[] = {
      [](int n) { return n - 1.0; }, none},
     {Algorithm::bruck, "Bruck: ceil(log2 n) steps of about n/2 blocks each, for small blocks", alltoall_bruck,
      raw_only, [](int n) { return log2n(n); }, bruck_blocks, none},
+    {Algorithm::pairwise, "pairwise: n-1 rounds, one peer each way per round (no incast at a receiver)",
+     alltoall_pairwise, raw_only, [](int n) { return n - 1.0; }, [](int n) { return n - 1.0; }, none},
     kCmaGather,
 };
 constexpr AlgorithmInfo kAlltoallvAlgos[] = {

@@ -97,7 +97,7 @@ uint32_t list_layout(const Descriptor& d) {
 std::string describe(const Descriptor& d) {
   // Every code is range-checked before it names anything: the bytes came from the network.
   if (d.magic != kDescriptorMagic || d.coll >= kCollectives || d.dtype > static_cast<uint8_t>(DataType::i64) ||
-      d.op > static_cast<uint8_t>(ReduceOp::avg) || d.algo > static_cast<uint8_t>(Algorithm::switch_))
+      d.op > static_cast<uint8_t>(ReduceOp::avg) || d.algo > static_cast<uint8_t>(kLastAlgorithm))
     return "a corrupted or foreign message";
   auto coll = static_cast<Collective>(d.coll);
   std::string s = std::string(collective_name(coll)) + "(count=" + std::to_string(d.count) + ", " +

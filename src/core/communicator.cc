@@ -36,7 +36,7 @@ std::string call_name(uint8_t coll, uint64_t seq, int rank) {
 
 std::string_view algorithm_name(Algorithm a) {
   constexpr std::string_view names[] = {"auto", "ring", "rhd",  "chain", "direct",       "local",
-                                        "cma",  "tree", "rd",   "bruck", "dissemination", "hier", "switch"};
+                                        "cma",  "tree", "rd",   "bruck", "dissemination", "hier", "switch", "pairwise"};
   return names[static_cast<int>(a)];
 }
 

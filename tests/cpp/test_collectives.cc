@@ -86,7 +86,7 @@ TEST_P(Collectives, ReduceScatterAllgatherBroadcastReduceAlltoall) {
     std::vector<int32_t> send(count * n), recv(count * n, -1);
     for (int p = 0; p < n; ++p)
       for (size_t i = 0; i < count; ++i) send[p * count + i] = static_cast<int32_t>(r * 1000000 + p * 1000 + i);
-    for (Algorithm a : {Algorithm::direct, Algorithm::bruck}) {
+    for (Algorithm a : {Algorithm::direct, Algorithm::bruck, Algorithm::pairwise}) {
       std::fill(recv.begin(), recv.end(), -1);
       comm.alltoall(send.data(), recv.data(), count, DataType::i32, a)->wait();
       for (int p = 0; p < n; ++p)

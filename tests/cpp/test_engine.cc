@@ -54,7 +54,7 @@ std::vector<std::vector<float>> run_all(int n, const std::string& threads) {
                 comm.reduce(x.data(), s.data(), count, DataType::f32, ReduceOp::sum, 1, a)->wait();
                 if (r == 1) result.insert(result.end(), s.begin(), s.end());
               }
-              for (Algorithm a : {Algorithm::direct, Algorithm::bruck}) {
+              for (Algorithm a : {Algorithm::direct, Algorithm::bruck, Algorithm::pairwise}) {
                 comm.alltoall(x.data(), all.data(), count, DataType::f32, a)->wait();
                 result.insert(result.end(), all.begin(), all.end());
               }

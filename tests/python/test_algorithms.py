@@ -9,7 +9,8 @@ from conftest import needs_core, run_cli
 
 @needs_core
 @pytest.mark.parametrize("collective,algo", [("broadcast", "tree"), ("broadcast", "chain"), ("reduce", "tree"),
-                                             ("reduce", "chain"), ("alltoall", "direct"), ("allgather", "bruck")])
+                                             ("reduce", "chain"), ("alltoall", "direct"), ("alltoall", "bruck"),
+                                             ("alltoall", "pairwise"), ("allgather", "bruck")])
 def test_bench_runs_each_algorithm_and_checks_every_element(collective, algo):
     # 3 ranks and root 1: a tree and a chain that are not a power of two and do not start at rank 0.
     r = run_cli("bench", collective, "-n", "3", "--algo", algo, "--root", "1", "--sizes", "1K,1M", "--iters", "2",
