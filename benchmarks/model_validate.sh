@@ -6,7 +6,7 @@
 #   bash benchmarks/model_validate.sh OUTDIR N [N ...]        (root: builds network namespaces)
 #
 # Environment: SIZES (default 1M,4M,16M,64M), ITERS (timed calls per size, default 5), LINK (default 1gbit).
-# Writes OUTDIR/profile-nN.json, OUTDIR/nN-COLLECTIVE-ALGO.json and OUTDIR/compare-nN.md; takes down each
+# Writes OUTDIR/profile-nN.json, OUTDIR/nN-COLLECTIVE-ALGO.json and OUTDIR/compare-nN.{md,png,json}; takes down each
 # cluster it built, also on failure or Ctrl-C.
 set -euo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 OUTDIR N [N ...]" >&2; exit 2; }
@@ -21,7 +21,7 @@ export SMARTCOLL_TIMEOUT=${SMARTCOLL_TIMEOUT:-60}
 # collective:algorithm[:codec]; auto runs with the calibrated profile.
 runs="allreduce:ring allreduce:rhd allreduce:ring:bfp16 allreduce:auto allgather:ring allgather:bruck allgather:auto
 broadcast:tree broadcast:chain broadcast:auto reduce:tree reduce:chain reduce:auto reduce_scatter:ring
-reduce_scatter:auto alltoall:direct alltoall:auto"
+reduce_scatter:auto alltoall:direct alltoall:bruck alltoall:pairwise alltoall:auto"
 
 cluster=""
 cleanup() { [ -z "$cluster" ] || smartcoll cluster down --name "$cluster" >/dev/null 2>&1 || true; }
@@ -44,7 +44,8 @@ for n in "$@"; do
       --algo "$algo" "${extra[@]}" --json "$name" >/dev/null
     files+=("$name")
   done
-  smartcoll model compare --profile "$profile" "${files[@]}" --markdown >"$out/compare-n$n.md"
+  smartcoll model compare --profile "$profile" "${files[@]}" --markdown --png "$out/compare-n$n.png" \
+    --json "$out/compare-n$n.json" >"$out/compare-n$n.md"
   cleanup
   cluster=""
 done
