@@ -221,3 +221,27 @@ def test_auto_picks_a_set_switch_where_the_builtin_model_says_it_beats_the_ring(
         assert _core.model_choose("allreduce", n, 64 * MiB, "", hosts=1, per_host=n, cma=True,
                                   switch=True) == "cma", n
     assert pick(2, 64 * MiB, switch=True) == "ring"
+
+
+@needs_core
+def test_calibrate_switch_terms():
+    # 4 ranks summed 4 x 8 MiB in 0.5 s through two switches: each summed 32 MiB / 2 in 0.5 s. In the switch
+    # namespace the switches have no link of their own; on a host they sit behind that host's link.
+    from types import SimpleNamespace
+
+    from smartcoll.tools.model.calibrate import switch_terms
+
+    cluster = SimpleNamespace(switch_addr="10.77.9.254")
+    two = "10.77.9.254:7000,10.77.9.254:7001"
+    t = switch_terms(two, cluster, 4, 8 * MiB, 0.5, 1.2e8)
+    assert t == {"switch_Bps": 4 * 8 * MiB / (2 * 0.5), "switch_link_Bps": 0.0}
+    assert switch_terms("10.77.9.1:7000", cluster, 4, 8 * MiB, 0.5, 1.2e8)["switch_link_Bps"] == 1.2e8
+    assert switch_terms("127.0.0.1:7000", None, 2, MiB, 1.0, 1e9)["switch_link_Bps"] == 0.0
+    # The profile the terms go into parses, and with them its cheapest algorithm may be the switch: 8 ranks that
+    # summed 8 x 8 MiB in 80 ms through one switch (0.84 GB/s): 64 MiB costs it 0.64 s, the ring 0.98 s.
+    t = switch_terms("10.77.9.254:7000", cluster, 8, 8 * MiB, 0.08, 1.2e8)
+    text = json.dumps(profile(alpha_s=1e-4, link_Bps=1.2e8, link_efficiency=1.0, **t))
+    from smartcoll import _core
+
+    assert _core.model_choose("allreduce", 8, 64 * MiB, _core.model_parse_profile(text, "p"), hosts=8, per_host=1,
+                              switch=True) == "switch"

@@ -18,7 +18,14 @@ What is measured, in this order (a progress bar on stderr):
                   the threads a rank of `smartcoll bench train` gets (CPUs / N)
   update_s_per_byte  torch SGD with momentum on one width x width layer, seconds per parameter byte
 
-The aggregation switch is not measured: switch_Bps stays 0 and auto never picks algo=switch from the profile.
+  alpha_algo.switch, efficiency_algo.switch, switch_Bps, switch_link_Bps
+        only where an aggregation switch is set (SMARTCOLL_SWITCH, or a cluster started with --aggregator):
+        allreduce with algo=switch at the small and the large size, fitted like the others; switch_Bps is the
+        rate at which the switch summed in the large call (N vectors in its time: a lower bound, the link may
+        have been the limit), and switch_link_Bps the link rate when the switch is a host (one link for all
+        ranks), 0 in the network. Without a switch, switch_Bps stays 0 and auto never picks algo=switch from
+        the profile.
+
 Use the profile with SMARTCOLL_MODEL_PROFILE=FILE (auto then picks per call the algorithm the model predicts
 fastest) and `smartcoll model predict --profile FILE`.
 """
@@ -104,9 +111,10 @@ def fit_link(nranks: int, small: int, large: int, times: dict[str, dict[int, flo
     the fit uses the model's own terms."""
     base = _core.model_builtin_profile()
     alphas, goodputs = {}, {}
-    for algo in FIT_ALGOS:
+    for algo in times:
         big = large_point(algo, small, large)
-        small_k, large_k = (_core.model_predict("allreduce", algo, nranks, b, base) for b in (small, big))
+        small_k, large_k = (_core.model_predict("allreduce", algo, nranks, b, base, switch=algo == "switch")
+                            for b in (small, big))
         t_small, t_large = times[algo][small], times[algo][big]
         if t_large <= t_small:
             raise RuntimeError(f"{algo} at {format_size(big)} ({t_large:.2e} s) was not slower than at "
@@ -114,6 +122,15 @@ def fit_link(nranks: int, small: int, large: int, times: dict[str, dict[int, flo
         goodputs[algo] = (large_k["wire_bytes"] - small_k["wire_bytes"]) / (t_large - t_small)
         alphas[algo] = max(MIN_ALPHA_S, (t_small - small_k["wire_bytes"] / goodputs[algo]) / small_k["steps"])
     return {"alpha_algo": alphas, "goodput_algo": goodputs}
+
+
+def switch_terms(switch: str, cluster, nranks: int, large: int, t_large: float, link_Bps: float) -> dict:
+    """switch_Bps: the float32 bytes one switch summed per second in the large call (nranks vectors, shared by
+    the switches of the list); and its own link's rate where the switch runs on one of the cluster's hosts
+    (behind that host's single link)."""
+    addresses = switch.split(",")
+    on_host = bool(cluster) and all(a.split(":")[0] != cluster.switch_addr for a in addresses)
+    return {"switch_Bps": nranks * large / (len(addresses) * t_large), "switch_link_Bps": link_Bps if on_host else 0.0}
 
 
 def local_rates(codecs: list[str], width: int, batch: int, threads: int, repeat: int, progress) -> dict:
@@ -169,7 +186,9 @@ def main(args: argparse.Namespace) -> int:
     codecs = [c for c in args.codecs.split(",") if c]
     repeat, iters = (2, 5) if args.quick else (5, 20)
     threads = args.threads or max(1, (os.cpu_count() or 1) // nranks)
-    bar = ProgressBar("calibrate", len(FIT_ALGOS) + 2 + len(codecs) + 2)
+    switch = os.environ.get("SMARTCOLL_SWITCH") or (cluster.aggregator if cluster else None)
+    algos = FIT_ALGOS + (("switch",) if switch else ())
+    bar = ProgressBar("calibrate", len(algos) + 2 + len(codecs) + 2)
     done = [0]
 
     def progress(note: str) -> None:
@@ -179,7 +198,7 @@ def main(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     times: dict[str, dict[int, float]] = {}
     try:
-        for algo in FIT_ALGOS:
+        for algo in algos:
             sizes = [small, large_point(algo, small, large)]
             times[algo] = bench_times("allreduce", algo, sizes, nranks, args.cluster, iters, args.time_limit)
             progress(f"allreduce {algo}")
@@ -202,6 +221,8 @@ def main(args: argparse.Namespace) -> int:
     profile.update(rates)
     profile.update(alpha_s=fit["alpha_algo"]["rhd"], alpha_algo=fit["alpha_algo"], link_Bps=link_Bps,
                    link_efficiency=efficiency["ring"], efficiency_algo=efficiency)
+    if switch:
+        profile.update(switch_terms(switch, cluster, nranks, large, times["switch"][large], link_Bps))
     profile["measured"] = {
         **host_metadata(),
         "ranks": nranks, "cluster": args.cluster, "iperf_GBps": iperf, "allreduce_s": times,
