@@ -236,6 +236,8 @@ class Communicator:
     def ibroadcast(self, x: Any, root: int = 0, algo: Optional[str] = None) -> Request:
         """algo: auto, tree, chain or cma (a list of arrays takes auto's choice)."""
         if isinstance(x, (list, tuple)):
+            if algo not in (None, "auto"):
+                raise ValueError(f"broadcast of a list takes auto's algorithm; drop algo={algo!r}")
             return _vectored().ibroadcast(self, x, root)
         _check_array(x, "x", writable=True)
         return Request(self._core.broadcast(x, root, algo or "auto"), x, (x,), self._core)
@@ -253,7 +255,7 @@ class Communicator:
                        self._core)
 
     def ialltoall(self, x: Any, out: Any, algo: Optional[str] = None) -> Request:
-        """algo: auto, direct or cma."""
+        """algo: auto, direct, bruck, pairwise or cma."""
         _check_array(x, "x")
         _check_pair(x, out, 1, "alltoall")
         if _numel(x) % self.size:

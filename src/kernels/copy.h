@@ -33,20 +33,26 @@ inline constexpr size_t kStreamBytes = size_t{8} << 20;
 void copy_streaming(char* d, const char* s, size_t n);
 void stream_fence();
 
-// Prefetches the pieces ahead of a copy: piece(i) -> {address, bytes} for i in [0, n).
+// Prefetches the pieces ahead of a copy: piece(i) -> {address, bytes} for i in [0, n). Positions count bytes of
+// the pieces one after the other.
 template <class PieceAt>
 class PrefetchAhead {
  public:
   PrefetchAhead(PieceAt piece, size_t n, bool write) : piece_(piece), n_(n), write_(write) {}
-  // The copy is about to move `bytes` more: keep kPrefetchBytes ahead of it.
+  // The copy is about to move the next `bytes`: prefetch up to kPrefetchBytes past them. Bytes the copy has
+  // reached before they were prefetched (a piece longer than the window) are skipped, never prefetched late.
   void advance(size_t bytes) {
-    ahead_ = ahead_ > bytes ? ahead_ - bytes : 0;
-    while (ahead_ < kPrefetchBytes && i_ < n_) {
+    copied_ += bytes;
+    while (i_ < n_ && issued_ < copied_ + kPrefetchBytes) {
       const auto [p, len] = piece_(i_);
       if (off_ < len) {  // len > 0: p is an address
-        write_ ? __builtin_prefetch(p + off_, 1, 3) : __builtin_prefetch(p + off_, 0, 3);
         const size_t step = std::min<size_t>(64, len - off_);
-        off_ += step, ahead_ += step;
+        if (issued_ >= copied_) write_ ? __builtin_prefetch(p + off_, 1, 3) : __builtin_prefetch(p + off_, 0, 3);
+        else if (const size_t behind = std::min(copied_ - issued_, len - off_); behind > step) {
+          off_ += behind, issued_ += behind;  // jump over the copied part of a long piece at once
+          continue;
+        }
+        off_ += step, issued_ += step;
       }
       if (off_ >= len) ++i_, off_ = 0;
     }
@@ -54,7 +60,7 @@ class PrefetchAhead {
 
  private:
   PieceAt piece_;
-  size_t n_, i_ = 0, off_ = 0, ahead_ = 0;
+  size_t n_, i_ = 0, off_ = 0, issued_ = 0, copied_ = 0;
   bool write_;
 };
 

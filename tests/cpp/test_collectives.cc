@@ -101,7 +101,7 @@ TEST_P(Collectives, ReduceScatterAllgatherBroadcastReduceAlltoall) {
 INSTANTIATE_TEST_SUITE_P(Shapes, Collectives,
                          ::testing::Values(Shape{1, 5}, Shape{2, 0}, Shape{2, 1}, Shape{2, 1000}, Shape{3, 7},
                                            Shape{3, 100003}, Shape{4, 2}, Shape{4, 4099}, Shape{5, 1000},
-                                           Shape{5, 3}, Shape{8, 65536 + 3}, Shape{8, 5}),
+                                           Shape{5, 3}, Shape{6, 1001}, Shape{7, 9}, Shape{8, 65536 + 3}, Shape{8, 5}),
                          [](const auto& info) {
                            return "n" + std::to_string(info.param.world) + "_count" +
                                   std::to_string(info.param.count);

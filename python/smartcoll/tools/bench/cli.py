@@ -340,7 +340,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"smartcoll bench: {e}", file=sys.stderr)
         return 2
-    problem = _validate(args) or core_missing()
+    problem = core_missing() or _validate(args)  # _validate reads the core's algorithm tables
     if problem:
         print(f"smartcoll bench: {problem}", file=sys.stderr)
         return 2

@@ -109,7 +109,7 @@ def main(args: argparse.Namespace) -> int:
           + (f"; auto at least 0.95x the best fixed algorithm at {result['auto_within_5pct']} of "
              f"{result['auto_points']} points" if versus else ""))
     if args.png:
-        why = draw(rows, args.png)
+        why = draw(rows, args.png) if rows else "the files hold no smartcoll results"
         print(f"could not draw {args.png}: {why}" if why else f"wrote {args.png}")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "summary": result}, indent=1) + "\n")
