@@ -185,7 +185,7 @@ NB_MODULE(_core, m) {
                                                    {sizes.data(), sizes.size()}, static_cast<char*>(packed.data()),
                                                    gather, repeat);
     return std::map<std::string, double>{{"segmented", t.segmented}, {"memcpy", t.memcpy}, {"read", t.read}};
-  }, "Best seconds of the engine's gather (or scatter) of pieces, of one memcpy of the same bytes and of reading "
+  }, "Best seconds of the gather (or scatter) kernel over pieces, of one memcpy of the same bytes and of reading "
      "the pieces alone.");
   m.def("dtype_size", [](const std::string& name) { return dtype_size(parse_dtype(name)); });
 

@@ -1,6 +1,7 @@
 // Gather and scatter of many pieces by one core: COPA's inline gather (pieces -> one contiguous buffer) and
-// lookaside scatter (the reverse), as the one-sided server, the list calls' staging and `smartcoll bench
-// gather|scatter` use them.
+// lookaside scatter (the reverse), as the one-sided server runs them (a getv's pieces into its answer, a putv's
+// message into the pieces, the codec paths' packing) and `smartcoll bench gather|scatter` measures them. List
+// collectives copy nothing: their pieces go to sendmsg/recvmsg as iovecs.
 //
 // A loop of memcpy calls loses to one memcpy of the same bytes for two reasons this file removes:
 // - Reads of pieces at scattered addresses: the hardware prefetchers follow streams, not lists, so each piece
