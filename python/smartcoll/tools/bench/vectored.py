@@ -11,8 +11,8 @@ table shows the median and best of --iters and the algbw (bytes / median time).
     smartcoll bench gather|scatter [--total 64M] [--sizes 32,64,...,4096] [--repeat 5] [--json FILE]
 
 The gather (pieces -> one contiguous buffer) or scatter (the reverse) kernel that the one-sided server runs
-(src/kernels/copy.h), in one process, as the COPA
-slides measure it: --total bytes in pieces of each size, placed in a region twice as large either in order
+(src/kernels/copy.h), in one process, as the COPA slides measure it: --total bytes in pieces of each size,
+placed in a region twice as large either in order
 (every other slot: "sequential") or in random slots in random order ("random"), in GB/s next to one memcpy
 of the same bytes between contiguous buffers, and next to reading the pieces alone (the placement's own cost to
 the memory system: the hardware prefetchers fetch the gaps between "sequential" pieces too, so a gather of them
