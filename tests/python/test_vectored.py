@@ -67,16 +67,19 @@ def test_list_reduce_scatter_allgather_broadcast_equal_fused_calls():
     run_pair(body)
 
 
-def test_list_of_torch_tensors_in_place():
+@pytest.mark.parametrize("algo", [None, "cma"])
+def test_list_of_torch_tensors_in_place(algo):
     torch = pytest.importorskip("torch")
 
     def body(comm):
         g = torch.Generator().manual_seed(comm.rank)
         ts = [torch.randn(k, generator=g).to(torch.bfloat16) for k in SIZES]
         fused = torch.cat(ts)
-        comm.allreduce(fused)
-        comm.allreduce(ts)
+        comm.allreduce(fused, algo=algo)
+        before = comm.engine_stats()["same_host_calls"]
+        comm.allreduce(ts, algo=algo)
         assert torch.equal(torch.cat(ts), fused)
+        assert comm.engine_stats()["same_host_calls"] - before == (algo == "cma")
 
     run_pair(body)
 
@@ -98,11 +101,17 @@ def test_list_arguments_are_refused_naming_the_entry():
             comm.broadcast([np.zeros(6, np.float32)[::2]])
 
 
-def test_mismatched_lists_fail_naming_the_layout():
+# On the same-host path the ranks compare their calls in the control segment: the error names both.
+@pytest.mark.parametrize("algo, error", [
+    (None, "list of counts digest"),
+    ("cma", r"cma: ranks disagree: rank \d called allreduce\(count=8, float32, op=sum, root=-1, a list of counts "
+            r"digest [0-9a-f]{8}\), this rank \(\d\) allreduce\(count=8, float32, op=sum, root=-1, a list of counts "
+            r"digest [0-9a-f]{8}\)")], ids=["tcp", "cma"])
+def test_mismatched_lists_fail_naming_the_layout(algo, error):
     def body(comm):
         xs = [np.ones(3, np.float32), np.ones(5, np.float32)]
-        with pytest.raises(smartcoll.CommError, match="list of counts digest"):
-            comm.allreduce(xs if comm.rank == 0 else xs[::-1])
+        with pytest.raises(smartcoll.CommError, match=error):
+            comm.allreduce(xs if comm.rank == 0 else xs[::-1], algo=algo)
 
     run_pair(body)
 
@@ -155,26 +164,6 @@ def test_list_calls_take_the_same_host_path():
         assert comm.engine_stats()["same_host_calls"] - before == calls
 
     run_pair(body, rhd_max_bytes=0)
-
-
-def test_bf16_torch_list_with_algo_cma_and_mismatched_layouts():
-    torch = pytest.importorskip("torch")
-
-    def body(comm):
-        g = torch.Generator().manual_seed(comm.rank)
-        ts = [torch.randn(k, generator=g).to(torch.bfloat16) for k in SIZES]
-        fused = torch.cat(ts)
-        comm.allreduce(fused, algo="cma")
-        before = comm.engine_stats()["same_host_calls"]
-        comm.allreduce(ts, algo="cma")
-        assert torch.equal(torch.cat(ts), fused) and comm.engine_stats()["same_host_calls"] == before + 1
-        xs = [torch.ones(3), torch.ones(5)]
-        with pytest.raises(smartcoll.CommError, match=r"cma: ranks disagree: rank \d called allreduce\(count=8, "
-                           r"float32, op=sum, root=-1, a list of counts digest [0-9a-f]{8}\), this rank \(\d\) "
-                           r"allreduce\(count=8, float32, op=sum, root=-1, a list of counts digest [0-9a-f]{8}\)"):
-            comm.allreduce(xs if comm.rank == 0 else xs[::-1], algo="cma")
-
-    run_pair(body)
 
 
 def test_alltoallv_matches_reference_and_checks_counts():
