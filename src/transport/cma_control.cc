@@ -88,6 +88,7 @@ struct alignas(64) Slot {
   Addresses call[2];
 };
 
+static_assert(sizeof(Slot) == 192);  // docs/same-host.md
 static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free);
 
 size_t segment_bytes(int n) {
