@@ -112,7 +112,6 @@ class Vector {
     for (const Extent& e : parts) add(e.at, e.bytes);
   }
   uint64_t bytes() const { return ends_.empty() ? 0 : ends_.back(); }
-  size_t parts() const { return parts_.size(); }
 
   // fn(address, offset in the range, n) over the runs of [off, off + len), in order (within bytes()).
   template <class F>
@@ -341,7 +340,8 @@ struct Local::Sides {
       const iovec mine{table.data(), pieces * sizeof(Extent)};
       const iovec theirs{reinterpret_cast<void*>(static_cast<uintptr_t>(at)), mine.iov_len};
       local.read_peer(t, p, {&mine, 1}, {&theirs, 1});
-      if (v.emplace(table).bytes() != want) wrong = std::to_string(v->bytes()) + " bytes in " + std::to_string(pieces) + " pieces";
+      if (v.emplace(table).bytes() != want)
+        wrong = std::to_string(v->bytes()) + " bytes in " + std::to_string(pieces) + " pieces";
     }
     if (!wrong.empty())
       throw CommError(prefix(t) + ": rank " + std::to_string(p) + "'s list for " + describe(a) + " holds " + wrong +
@@ -356,7 +356,8 @@ void Local::read_peer(Transport& t, int peer, std::span<const iovec> local, std:
   size_t li = 0, ri = 0, lskip = 0, rskip = 0;
   std::vector<iovec> lb, rb;
   auto batch = [](std::span<const iovec> v, size_t i, size_t skip, std::vector<iovec>& out) {
-    out.assign(v.begin() + static_cast<ptrdiff_t>(i), v.begin() + static_cast<ptrdiff_t>(std::min(v.size(), i + kIovMax)));
+    const auto first = v.begin() + static_cast<ptrdiff_t>(i);
+    out.assign(first, first + static_cast<ptrdiff_t>(std::min(v.size() - i, kIovMax)));
     out.front().iov_base = static_cast<char*>(out.front().iov_base) + skip;
     out.front().iov_len -= skip;
   };
@@ -491,7 +492,8 @@ void Local::run_call(Transport& t, const Call& c) {
   s.in = c.in_list.empty() ? Vector(address(c.in), s.in_bytes[ur]) : Vector(c.in_list);
   s.out = out_list.empty() ? Vector(address(out), s.out_bytes[ur]) : Vector(out_list);
   // A side given as a list must hold what the call takes (peers check its table alike).
-  for (const auto& [list, v, want] : {std::tuple{c.in_list, &s.in, s.in_bytes[ur]}, {out_list, &s.out, s.out_bytes[ur]}})
+  for (const auto& [list, v, want] :
+       {std::tuple{c.in_list, &s.in, s.in_bytes[ur]}, {out_list, &s.out, s.out_bytes[ur]}})
     if (!list.empty() && v->bytes() != want)
       throw InvalidArgument(prefix(t) + ": a list of " + std::to_string(v->bytes()) + " bytes where " +
                             describe(mine) + " takes " + std::to_string(want));
