@@ -2,6 +2,7 @@
 // and run as one call with the same algorithm; alltoallv against a reference; mismatches fail by name.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <optional>
@@ -427,12 +428,12 @@ void same_host_lists_match_fused(int n, const std::vector<size_t>& counts, Algor
       expect_bitwise(by_rank(all, n), gathered, "allgather " + what);
       std::vector<const void*> own_block;
       for (size_t i = 0; i < counts.size(); ++i) {
-        std::memcpy(all[i].data() + r * counts[i] * esize, mine[i].data(), mine[i].size());
-        own_block.push_back(all[i].data() + r * counts[i] * esize);
+        const size_t block = counts[i] * esize;
+        for (int j = 0; j < n; ++j)  // the other blocks are overwritten
+          std::fill_n(all[i].begin() + static_cast<ptrdiff_t>(j * block), block, static_cast<char>(0x5a));
+        std::copy(mine[i].begin(), mine[i].end(), all[i].begin() + static_cast<ptrdiff_t>(r * block));
+        own_block.push_back(all[i].data() + r * block);
       }
-      for (size_t i = 0; i < counts.size(); ++i)  // the other blocks are overwritten
-        for (int j = 0; j < n; ++j)
-          if (j != r) std::memset(all[i].data() + j * counts[i] * esize, 0x5a, counts[i] * esize);
       comm.allgather(own_block, addresses(all), counts, c.dt, algo)->wait();
       expect_bitwise(by_rank(all, n), gathered, "allgather in place " + what);
       calls += 3;
