@@ -402,29 +402,40 @@ void Local::reduce_from_all(Transport& t, Sides& s, const Call& c, size_t from, 
   const size_t esize = dtype_size(c.dt), piece = kPieceBytes / esize;
   char* s0 = staging_.data() + (64 - reinterpret_cast<uintptr_t>(staging_.data()) % 64) % 64;
   char* s1 = s0 + kPieceBytes;
-  // x_0 op x_1 op ... accumulates in staging (s0); the last step writes dst. A piece ends where one of this rank's
-  // buffers ends (a list's pieces hold whole elements), so that its own input is read in place and its output
-  // written in place; where dst is this rank's own input (in place), dst is written only by the last step of
-  // each piece, which reads that same piece (exact aliasing, allowed by reduce()).
+  // x_0 op x_1 op ... accumulates in staging (s0); the last step writes dst, run by run where dst is a list (its
+  // pieces hold whole elements). This rank's own input is read in place where one of its buffers holds the piece:
+  // a piece that would straddle two ends at the first one's end where that leaves a large piece, while a piece
+  // over small buffers is copied into staging rather than cut into many small reads. Where dst is this rank's
+  // own input (in place), dst is written only by the last step of each piece, which reads that same piece (exact
+  // aliasing, allowed by reduce()) or a copy of it.
   for (size_t off = 0, k = 0; off < len; off += k) {
     const size_t at = (from + off) * esize;
     const auto [in, in_left] = s.in.locate(at);
-    const auto [dst, dst_left] = s.out.locate(dst_off + off * esize);
-    k = std::min({piece, len - off, in_left / esize, dst_left / esize});
+    k = std::min(piece, len - off);
+    if (in_left < k * esize && in_left >= kPieceBytes / 4) k = in_left / esize;
+    const bool in_place = in_left >= k * esize;
     auto fetch = [&](int p, char* buf) -> const char* {
-      if (p == r) return in;
-      const iovec into{buf, k * esize};
-      read_peer(t, p, {&into, 1}, s.of(p, false).iov(at, k * esize));
+      if (p == r && in_place) return in;
+      if (p == r) {
+        s.in.runs(at, k * esize, [buf](const char* part, uint64_t pos, uint64_t m) {
+          std::memcpy(buf + pos, part, m);
+        });
+      } else {
+        const iovec into{buf, k * esize};
+        read_peer(t, p, {&into, 1}, s.of(p, false).iov(at, k * esize));
+      }
       return buf;
     };
     const char* acc = fetch(0, s0);
-    for (int p = 1; p < n; ++p) {
-      const char* x = fetch(p, s1);
-      char* into = p == n - 1 ? dst : s0;
-      reduce(c.dt, c.op, into, acc, x, k);
-      acc = into;
+    for (int p = 1; p < n - 1; ++p) {
+      reduce(c.dt, c.op, s0, acc, fetch(p, s1), k);
+      acc = s0;
     }
-    if (c.op == ReduceOp::avg) scale_divide(c.dt, dst, k, n);
+    const char* x = fetch(n - 1, s1);
+    s.out.runs(dst_off + off * esize, k * esize, [&](char* dst, uint64_t pos, uint64_t m) {
+      reduce(c.dt, c.op, dst, acc + pos, x + pos, m / esize);
+      if (c.op == ReduceOp::avg) scale_divide(c.dt, dst, m / esize, n);
+    });
   }
 }
 
