@@ -141,8 +141,14 @@ class Vector {
 
  private:
   static constexpr uint64_t kStep = uint64_t{1} << 30;
+  // Parts that follow each other in memory (a list of views of one buffer) become one: fewer, longer iovecs.
   void add(uint64_t at, uint64_t n) {
     if (n == 0) return;
+    if (!parts_.empty() && parts_.back().at + parts_.back().bytes == at) {
+      parts_.back().bytes += n;
+      ends_.back() += n;
+      return;
+    }
     ends_.push_back(bytes() + n);
     parts_.push_back({at, n});
   }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <random>
 #include <string>
@@ -508,6 +509,62 @@ TEST(SameHostLists, MismatchedLayoutsNameBothCalls) {
     EXPECT_NE(e.find("allreduce(count=8, float32, op=sum, root=-1, a list of counts digest"), std::string::npos)
         << e;
   }
+}
+
+// auto takes the same-host path for a list exactly where it takes it for one buffer of the same bytes: below and
+// above rhd_max_bytes (the default, 256 KiB), for every collective. A list of views of one buffer (pieces that
+// follow each other in memory, which the path reads as one) gives the same bits as the buffer itself.
+TEST(SameHostLists, AutoPicksThePathAsForOneBufferOfTheSameBytes) {
+  run_ranks(3, [&](Communicator& comm) {
+    const int n = comm.size();
+    for (const std::vector<size_t>& counts : {kCounts, kSameHostCounts}) {
+      size_t total = 0;
+      for (size_t c : counts) total += c;
+      auto path_of = [&comm](const std::function<void()>& call) {
+        const uint64_t before = comm.engine_stats().same_host_calls;
+        call();
+        return comm.engine_stats().same_host_calls - before;
+      };
+      std::vector<float> one = harness::noise(comm.rank(), total * n), whole(total * n);
+      std::vector<void*> views;
+      std::vector<const void*> ins;
+      for (size_t i = 0, off = 0; i < counts.size(); off += counts[i++]) views.push_back(one.data() + off);
+      const std::string what = std::to_string(total) + " elements";
+      std::vector<float> fused(one.begin(), one.begin() + static_cast<ptrdiff_t>(total));
+      EXPECT_EQ(path_of([&] {
+                  comm.allreduce(fused.data(), fused.data(), total, DataType::f32, ReduceOp::sum)->wait();
+                }),
+                path_of([&] { comm.allreduce(views, counts, DataType::f32, ReduceOp::sum)->wait(); }))
+          << "allreduce " << what;
+      expect_bitwise(std::vector<float>(one.begin(), one.begin() + static_cast<ptrdiff_t>(total)), fused,
+                     "allreduce of views " + what);
+      EXPECT_EQ(path_of([&] { comm.broadcast(whole.data(), total, DataType::f32, 0)->wait(); }),
+                path_of([&] { comm.broadcast(views, counts, DataType::f32, 0)->wait(); }))
+          << "broadcast " << what;
+      for (void* v : views) ins.push_back(v);
+      std::vector<Bytes> outs;
+      for (size_t c : counts) outs.emplace_back(c * 4 * n);
+      EXPECT_EQ(path_of([&] { comm.allgather(one.data(), whole.data(), total, DataType::f32)->wait(); }),
+                path_of([&] { comm.allgather(ins, addresses(outs), counts, DataType::f32)->wait(); }))
+          << "allgather " << what;
+      // One buffer of n blocks as a list of its n blocks, one entry each: the fused call's bits too.
+      std::vector<float> block(total), from_list(total);
+      std::vector<const void*> rank_blocks;
+      for (int j = 0; j < n; ++j) rank_blocks.push_back(one.data() + static_cast<size_t>(j) * total);
+      const std::vector<size_t> one_entry = {total};
+      std::vector<void*> out_entry = {from_list.data()};
+      EXPECT_EQ(path_of([&] {
+                  comm.reduce_scatter(one.data(), block.data(), total, DataType::f32, ReduceOp::sum)->wait();
+                }),
+                path_of([&] {
+                  std::vector<const void*> whole_in = {one.data()};
+                  comm.reduce_scatter(whole_in, out_entry, one_entry, DataType::f32, ReduceOp::sum)->wait();
+                }))
+          << "reduce_scatter " << what;
+      expect_bitwise(from_list, block, "reduce_scatter of one entry " + what);
+    }
+    EXPECT_GT(comm.engine_stats().same_host_calls, 0u);
+  });
 }
 
 // A list with a codec keeps the TCP path (the same-host path has no codecs): auto goes around it, algo cma is
