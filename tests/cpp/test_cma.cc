@@ -261,8 +261,9 @@ TEST(CmaThreads, ListsCutDifferentlyOnEveryRankReadAsOneVector) {
         std::vector<char> in = input(c, t.rank(), count), out(in.size(), static_cast<char>(0xAB));
         const size_t esize = dtype_size(c.dt);
         // More pieces than one process_vm_readv takes (IOV_MAX) on some ranks, on one side of a read or both.
-        const auto ins = cut(in.data(), in.size(), esize, std::vector<size_t>{2, 1500, 7}[r]);
-        const auto outs = in_place ? ins : cut(out.data(), out.size(), esize, std::vector<size_t>{1200, 3, 2000}[r]);
+        const size_t in_cuts[] = {2, 1500, 7}, out_cuts[] = {1200, 3, 2000};
+        const auto ins = cut(in.data(), in.size(), esize, in_cuts[r]);
+        const auto outs = in_place ? ins : cut(out.data(), out.size(), esize, out_cuts[r]);
         local.run(t, {Collective::allreduce, c.dt, c.op, -1, count, nullptr, nullptr, ins, outs});
         if ((in_place ? in : out) != reference(c, n, count))
           problems[r] += std::string(c.name) + (in_place ? " in place; " : " out of place; ");
