@@ -58,9 +58,9 @@ class Local {
 
   // A collective among ranks that all share this host, as the communicator's call passes it (count per rank for
   // reduce_scatter, allgather and alltoall; broadcast's buffer is `out`; reduce's out is read on the root only).
-  // A list call (docs/vectored.md) gives a side as its pieces instead, in vector order, each a whole number of
-  // elements (in_list for in, out_list for out; an empty list: the pointer is the buffer), and the digest of its
-  // counts (`layout`, 0 where calls are not compared): the call then reads and writes the pieces where they are.
+  // A list call (docs/vectored.md) gives a side as its pieces instead, in vector order, each a whole number (not
+  // 0) of elements (in_list for in, out_list for out; an empty list: the pointer is the buffer), and the digest
+  // of its counts (`layout`, 0 where calls are not compared): the call reads and writes the pieces where they are.
   struct Call {
     Collective coll;
     DataType dt;
