@@ -356,8 +356,9 @@ NB_MODULE(_core, m) {
       .def("engine_stats", [](const Communicator& c) {
         const EngineStats s = c.engine_stats();
         return std::map<std::string, double>{{"workers", s.workers}, {"cpu_seconds", s.cpu_seconds},
-                                             {"open_channels", s.open_channels}};
-      }, "Engine worker count, their CPU seconds so far, and the connections this rank holds.")
+                                             {"open_channels", s.open_channels},
+                                             {"same_host_calls", static_cast<double>(s.same_host_calls)}};
+      }, "Engine worker count, their CPU seconds so far, the connections this rank holds, same-host calls run.")
       .def("allreduce", [](Communicator& c, InArray in, Array out, const std::string& op, const std::string& algo,
                            const std::string& codec) {
         Buffer i = buffer(in), o = buffer(out);

@@ -94,6 +94,7 @@ struct EngineStats {
   int workers = 0;
   double cpu_seconds = 0;  // CPU time of the engine's worker threads so far
   int open_channels = 0;   // connections this rank holds now
+  uint64_t same_host_calls = 0;  // calls run on the same-host path (algo cma) so far
 };
 
 class Communicator {
@@ -138,8 +139,8 @@ class Communicator {
 
   // Lists of buffers (docs/vectored.md), all of dtype dt: one call, one pipeline over the whole list, each buffer
   // read and written where it is (no copy into one buffer). counts[i]: elements of list entry i. Every rank must
-  // pass lists of the same counts (checked). The same-host path is not used. Codecs as for one buffer, in
-  // codec_mode hop only (allreduce, reduce_scatter).
+  // pass lists of the same counts (checked). On one host they take the same-host path (cma) where one buffer of
+  // the same bytes would. Codecs as for one buffer, in codec_mode hop only (allreduce, reduce_scatter).
   std::shared_ptr<Request> allreduce(std::span<void* const> bufs, std::span<const size_t> counts, DataType dt,
                                      ReduceOp op, Algorithm algo = Algorithm::automatic,
                                      std::optional<Codec> codec = std::nullopt);  // in place

@@ -354,10 +354,11 @@ class Communicator:
         self.iaccumulatev(peer, local, remote, offsets, sizes, op, codec).wait()
 
     def engine_stats(self) -> dict:
-        """{'workers', 'cpu_seconds' (CPU time of the engine's worker threads so far), 'open_channels'}."""
+        """{'workers', 'cpu_seconds' (CPU time of the engine's worker threads so far), 'open_channels',
+        'same_host_calls' (calls run on the same-host path, algo cma)}."""
         stats = self._core.engine_stats()
         return {"workers": int(stats["workers"]), "cpu_seconds": stats["cpu_seconds"],
-                "open_channels": int(stats["open_channels"])}
+                "open_channels": int(stats["open_channels"]), "same_host_calls": int(stats["same_host_calls"])}
 
     def allreduce_algorithm(
         self, count: int, dtype: str = "float32", algo: str = "auto", op: str = "sum", codec: Optional[str] = None

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "coll/segmented.h"
+#include "core/agreement.h"
 #include "core/engine.h"
 #include "smartcoll/reduce.h"
 
@@ -96,6 +97,8 @@ int32_t Builder::join(int stream, const std::vector<int32_t>& ops) {
 }
 
 Collective Builder::collective() const { return static_cast<Collective>(task_.desc.coll); }
+
+uint32_t Builder::compared_layout() const { return task_.check ? list_layout(task_.desc) : 0; }
 
 void Builder::exclusive(std::function<void()> body, std::function<bool()> lanes_instead) {
   task_.exclusive = std::move(body);

@@ -87,6 +87,8 @@ class Builder {
   // run instead where that says so when the call starts.
   void exclusive(std::function<void()> body, std::function<bool()> lanes_instead = {});
   Collective collective() const;
+  // A list call's digest of its counts where ranks compare their calls (the check knob); else 0.
+  uint32_t compared_layout() const;
 
  private:
   Lane& lane(int stream);

@@ -367,6 +367,7 @@ EngineStats Communicator::engine_stats() const {
     s.cpu_seconds = engine_->cpu_seconds();
   }
   if (transport_) s.open_channels = transport_->open_channels();
+  if (cma_) s.same_host_calls = cma_->calls();
   return s;
 }
 

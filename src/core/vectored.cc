@@ -84,17 +84,19 @@ Codec list_codec(Collective coll, const Codec& chosen, bool requested, bool owne
 
 std::shared_ptr<Request> Communicator::submit_list(Call call, const Pieces& in, const Pieces& out) {
   check_usable();
-  if (call.algo == Algorithm::cma || call.algo == Algorithm::switch_)
-    throw InvalidArgument(std::string(collective_name(call.coll)) + ": list calls run over TCP; algo '" +
-                          std::string(algorithm_name(call.algo)) + "' takes one buffer");
+  if (call.algo == Algorithm::switch_)
+    throw InvalidArgument(std::string(collective_name(call.coll)) + ": list calls do not take the aggregation "
+                          "switch; algo 'switch' takes one buffer");
   Algorithm requested = call.algo;
   if (requested == Algorithm::automatic && call.coll == Collective::allreduce) {
     requested = parse_algorithm(config_->algo, call.coll);
-    if (requested == Algorithm::cma || requested == Algorithm::switch_) requested = Algorithm::automatic;
+    if (requested == Algorithm::switch_) requested = Algorithm::automatic;
   }
+  // The same-host path reads a list's pieces where they are (transport/cma.h): auto picks it as for one buffer
+  // of the same bytes.
   const auto [hosts, per_host] = coll::host_layout_shape(hosts_);
   const bool compressed = call.codec.kind() != CodecKind::identity;
-  const coll::Query q{size_, call.count * dtype_size(call.dt), compressed, false, false, hosts, per_host};
+  const coll::Query q{size_, call.count * dtype_size(call.dt), compressed, cma_usable_, false, hosts, per_host};
   call.algo = size_ == 1 ? Algorithm::local
                          : coll::choose(call.coll, q, requested, config_->rhd_max_bytes, config_->profile.get());
   auto views = std::make_shared<coll::Views>();

@@ -10,8 +10,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <random>
 
 #include "core/log.h"
@@ -21,7 +23,7 @@ namespace smartcoll::cma {
 
 namespace {
 
-constexpr uint32_t kHelloMagic = 0x434d4132;    // "CMA2": with the control segment
+constexpr uint32_t kHelloMagic = 0x434d4133;    // "CMA3": with the control segment and list calls
 constexpr uint32_t kVerdictMagic = 0x434d4157;  // "CMAW": with the segment flag
 
 struct Hello {
@@ -92,6 +94,74 @@ uint64_t random_token() {
   } catch (const std::exception&) {  // no entropy source: the clock and pid still make a mix-up unlikely
   }
   return x | 1;
+}
+
+#ifdef IOV_MAX
+constexpr size_t kIovMax = IOV_MAX;
+#else
+constexpr size_t kIovMax = 1024;
+#endif
+
+// One side of a call (a rank's input or output) as the byte ranges that hold it, in order: one buffer, or a list
+// call's pieces. Offsets are into the vector they make up.
+class Vector {
+ public:
+  Vector() = default;
+  Vector(uint64_t at, uint64_t bytes) { add(at, bytes); }
+  explicit Vector(std::span<const Extent> parts) {
+    for (const Extent& e : parts) add(e.at, e.bytes);
+  }
+  uint64_t bytes() const { return ends_.empty() ? 0 : ends_.back(); }
+
+  // fn(address, offset in the range, n) over the runs of [off, off + len), in order (within bytes()).
+  template <class F>
+  void runs(uint64_t off, uint64_t len, F&& fn) const {
+    auto i = static_cast<size_t>(std::upper_bound(ends_.begin(), ends_.end(), off) - ends_.begin());
+    for (uint64_t done = 0; done < len; ++i) {
+      const uint64_t in = off + done - (ends_[i] - parts_[i].bytes);
+      const uint64_t n = std::min(len - done, parts_[i].bytes - in);
+      fn(reinterpret_cast<char*>(static_cast<uintptr_t>(parts_[i].at + in)), done, n);
+      done += n;
+    }
+  }
+  // [off, off + len) as iovecs of at most 1 GiB each (the kernel caps one transfer near 2 GiB).
+  std::vector<iovec> iov(uint64_t off, uint64_t len) const {
+    std::vector<iovec> v;
+    runs(off, len, [&v](char* at, uint64_t, uint64_t n) {
+      for (uint64_t k = 0; k < n; k += kStep) v.push_back({at + k, std::min(n - k, kStep)});
+    });
+    return v;
+  }
+  // The address of byte `off` (< bytes()) and how many bytes of its part follow it.
+  std::pair<char*, uint64_t> locate(uint64_t off) const {
+    const auto i = static_cast<size_t>(std::upper_bound(ends_.begin(), ends_.end(), off) - ends_.begin());
+    const uint64_t in = off - (ends_[i] - parts_[i].bytes);
+    return {reinterpret_cast<char*>(static_cast<uintptr_t>(parts_[i].at + in)), parts_[i].bytes - in};
+  }
+
+ private:
+  static constexpr uint64_t kStep = uint64_t{1} << 30;
+  // Parts that follow each other in memory (a list of views of one buffer) become one: fewer, longer iovecs.
+  void add(uint64_t at, uint64_t n) {
+    if (n == 0) return;
+    if (!parts_.empty() && parts_.back().at + parts_.back().bytes == at) {
+      parts_.back().bytes += n;
+      ends_.back() += n;
+      return;
+    }
+    ends_.push_back(bytes() + n);
+    parts_.push_back({at, n});
+  }
+  std::vector<Extent> parts_;
+  std::vector<uint64_t> ends_;  // [i]: where part i ends in the vector
+};
+
+uint64_t address(const void* p) { return reinterpret_cast<uintptr_t>(p); }
+
+// What a side publishes: a list of several pieces by its table, else the one buffer itself.
+std::pair<uint64_t, uint32_t> published(std::span<const Extent> list, const void* buffer) {
+  if (list.size() > 1) return {address(list.data()), static_cast<uint32_t>(list.size())};
+  return {list.empty() ? address(buffer) : list.front().at, 0};
 }
 
 // Restores the transport's context (used in error messages) when setup ends.
@@ -251,13 +321,59 @@ void Local::narrow() {
   widened_ = false;
 }
 
-void Local::read_peer(Transport& t, int peer, void* local, uint64_t remote, size_t len) {
-  auto* dst = static_cast<char*>(local);
-  while (len > 0) {
-    const size_t step = std::min<size_t>(len, size_t{1} << 30);  // the kernel caps one call near 2 GiB
-    iovec l{dst, step};
-    iovec rm{reinterpret_cast<void*>(static_cast<uintptr_t>(remote)), step};
-    ssize_t k = process_vm_readv(pids_[peer], &l, 1, &rm, 1, 0);
+// The call's sides as vectors: this rank's own, and its peers', whose piece tables are read when first needed.
+struct Local::Sides {
+  Local& local;
+  Transport& t;
+  std::vector<Addresses> addrs;
+  std::vector<uint64_t> in_bytes, out_bytes;  // [rank]: the bytes of its input and output in this call
+  Vector in, out;                             // this rank's
+  std::vector<std::optional<Vector>> peer_in, peer_out;
+
+  const Vector& of(int p, bool output) {
+    if (p == t.rank()) return output ? out : in;
+    std::optional<Vector>& v = (output ? peer_out : peer_in)[static_cast<size_t>(p)];
+    if (v) return *v;
+    const Addresses& a = addrs[static_cast<size_t>(p)];
+    const uint64_t at = output ? a.out : a.in, want = (output ? out_bytes : in_bytes)[static_cast<size_t>(p)];
+    const uint32_t pieces = output ? a.out_pieces : a.in_pieces;
+    if (pieces == 0) return v.emplace(at, want);
+    std::string wrong;
+    if (pieces > want) {  // every piece holds a byte at least
+      wrong = std::to_string(pieces) + " pieces";
+    } else {
+      std::vector<Extent> table(pieces);
+      const iovec mine{table.data(), pieces * sizeof(Extent)};
+      const iovec theirs{reinterpret_cast<void*>(static_cast<uintptr_t>(at)), mine.iov_len};
+      local.read_peer(t, p, {&mine, 1}, {&theirs, 1});
+      if (v.emplace(table).bytes() != want)
+        wrong = std::to_string(v->bytes()) + " bytes in " + std::to_string(pieces) + " pieces";
+    }
+    if (!wrong.empty())
+      throw CommError(prefix(t) + ": rank " + std::to_string(p) + "'s list for " + describe(a) + " holds " + wrong +
+                      " where the call takes " + std::to_string(want) + " bytes (a corrupted piece table?)");
+    return *v;
+  }
+};
+
+void Local::read_peer(Transport& t, int peer, std::span<const iovec> local, std::span<const iovec> remote) {
+  // Each side's position: the iovec it is at and the bytes of that one already read. One call reads as much as
+  // both batches hold; a short read (the kernel's cap, a piece it could not reach) resumes where it stopped.
+  size_t li = 0, ri = 0, lskip = 0, rskip = 0;
+  std::vector<iovec> lb, rb;
+  auto batch = [](std::span<const iovec> v, size_t i, size_t skip, std::vector<iovec>& out) {
+    const auto first = v.begin() + static_cast<ptrdiff_t>(i);
+    out.assign(first, first + static_cast<ptrdiff_t>(std::min(v.size() - i, kIovMax)));
+    out.front().iov_base = static_cast<char*>(out.front().iov_base) + skip;
+    out.front().iov_len -= skip;
+  };
+  auto advance = [](std::span<const iovec> v, size_t& i, size_t& skip, size_t n) {
+    for (skip += n; i < v.size() && skip >= v[i].iov_len; ++i) skip -= v[i].iov_len;
+  };
+  while (li < local.size() && ri < remote.size()) {
+    batch(local, li, lskip, lb);
+    batch(remote, ri, rskip, rb);
+    ssize_t k = process_vm_readv(pids_[peer], lb.data(), lb.size(), rb.data(), rb.size(), 0);
     if (k < 0 && errno == EINTR) continue;
     if (k <= 0) {
       int err = k < 0 ? errno : 0;
@@ -268,9 +384,8 @@ void Local::read_peer(Transport& t, int peer, void* local, uint64_t remote, size
                       std::to_string(pids_[peer]) + ") failed: " + (err ? std::strerror(err) : "short read") +
                       what);
     }
-    dst += k;
-    remote += static_cast<uint64_t>(k);
-    len -= static_cast<size_t>(k);
+    advance(local, li, lskip, static_cast<size_t>(k));
+    advance(remote, ri, rskip, static_cast<size_t>(k));
   }
 }
 
@@ -288,35 +403,51 @@ void Local::check_alive(Transport& t) {
                       ") exited during the call; that rank crashed or failed (see its output)");
 }
 
-void Local::reduce_from_all(Transport& t, const std::vector<Addresses>& addrs, const Call& c, size_t from,
-                            size_t len, char* dst) {
+void Local::reduce_from_all(Transport& t, Sides& s, const Call& c, size_t from, size_t len, uint64_t dst_off) {
   const int n = t.size(), r = t.rank();
   const size_t esize = dtype_size(c.dt), piece = kPieceBytes / esize;
   char* s0 = staging_.data() + (64 - reinterpret_cast<uintptr_t>(staging_.data()) % 64) % 64;
   char* s1 = s0 + kPieceBytes;
-  // x_0 op x_1 op ... accumulates in staging (s0); the last step writes dst. This rank's own input is read in
-  // place; where dst is this rank's own input (allreduce in place), dst is written only by the last step of each
-  // piece, which reads that same piece (exact aliasing, allowed by reduce()).
-  for (size_t off = 0; off < len; off += piece) {
-    const size_t k = std::min(piece, len - off), at = (from + off) * esize;
+  // x_0 op x_1 op ... accumulates in staging (s0); the last step writes dst, run by run where dst is a list (its
+  // pieces hold whole elements). This rank's own input is read in place where one of its buffers holds the piece:
+  // a piece that would straddle two ends at the first one's end where that leaves a large piece, while a piece
+  // over small buffers is copied into staging rather than cut into many small reads. Where dst is this rank's
+  // own input (in place), dst is written only by the last step of each piece, which reads that same piece (exact
+  // aliasing, allowed by reduce()) or a copy of it.
+  for (size_t off = 0, k = 0; off < len; off += k) {
+    const size_t at = (from + off) * esize;
+    const auto [in, in_left] = s.in.locate(at);
+    k = std::min(piece, len - off);
+    if (in_left < k * esize && in_left >= kPieceBytes / 4) k = in_left / esize;
+    const bool in_place = in_left >= k * esize;
     auto fetch = [&](int p, char* buf) -> const char* {
-      if (p == r) return c.in + at;
-      read_peer(t, p, buf, addrs[p].in + at, k * esize);
+      if (p == r && in_place) return in;
+      if (p == r) {
+        s.in.runs(at, k * esize, [buf](const char* part, uint64_t pos, uint64_t m) {
+          std::memcpy(buf + pos, part, m);
+        });
+      } else {
+        const iovec into{buf, k * esize};
+        read_peer(t, p, {&into, 1}, s.of(p, false).iov(at, k * esize));
+      }
       return buf;
     };
     const char* acc = fetch(0, s0);
-    for (int p = 1; p < n; ++p) {
-      const char* x = fetch(p, s1);
-      char* into = p == n - 1 ? dst + off * esize : s0;
-      reduce(c.dt, c.op, into, acc, x, k);
-      acc = into;
+    for (int p = 1; p < n - 1; ++p) {
+      reduce(c.dt, c.op, s0, acc, fetch(p, s1), k);
+      acc = s0;
     }
-    if (c.op == ReduceOp::avg) scale_divide(c.dt, dst + off * esize, k, n);
+    const char* x = fetch(n - 1, s1);
+    s.out.runs(dst_off + off * esize, k * esize, [&](char* dst, uint64_t pos, uint64_t m) {
+      reduce(c.dt, c.op, dst, acc + pos, x + pos, m / esize);
+      if (c.op == ReduceOp::avg) scale_divide(c.dt, dst, m / esize, n);
+    });
   }
 }
 
 void Local::run(Transport& t, const Call& c) {
   if (!usable_) throw InvalidArgument("cma: cross-memory attach is not usable here: " + why_not_);
+  calls_.fetch_add(1, std::memory_order_relaxed);
   try {
     run_call(t, c);
   } catch (...) {
@@ -327,7 +458,8 @@ void Local::run(Transport& t, const Call& c) {
 
 void Local::run_call(Transport& t, const Call& c) {
   const int n = t.size(), r = t.rank();
-  const size_t esize = dtype_size(c.dt), block = c.count * esize;
+  const size_t esize = dtype_size(c.dt), block = c.count * esize, un = static_cast<size_t>(n),
+               ur = static_cast<size_t>(r);
   const bool reduces = c.coll == Collective::allreduce || c.coll == Collective::reduce_scatter ||
                        c.coll == Collective::reduce;
   if (reduces && c.op == ReduceOp::avg && !is_floating(c.dt))
@@ -338,54 +470,77 @@ void Local::run_call(Transport& t, const Call& c) {
   }
   // Chunk q of a whole vector (the same split as the ring) is reduced by rank q.
   auto chunk_begin = [&](int q) {
-    const size_t base = c.count / n, extra = c.count % n, uq = static_cast<size_t>(q);
+    const size_t base = c.count / un, extra = c.count % un, uq = static_cast<size_t>(q);
     return uq * base + std::min(uq, extra);
   };
   auto chunk_len = [&](int q) { return chunk_begin(q + 1) - chunk_begin(q); };
   // reduce: a non-root reduces its chunk here, where the root reads it.
-  std::vector<char> chunk(c.coll == Collective::reduce && r != c.root ? chunk_len(r) * esize : 0);
-  char* out = c.coll == Collective::reduce && r != c.root ? chunk.data() : c.out;
+  const bool reduce_chunk = c.coll == Collective::reduce && r != c.root;
+  std::vector<char> chunk(reduce_chunk ? chunk_len(r) * esize : 0);
+  char* out = reduce_chunk ? chunk.data() : c.out;
+  const std::span<const Extent> out_list = reduce_chunk ? std::span<const Extent>() : c.out_list;
 
   // Addresses, and the call, so that a mismatch fails cleanly instead of reading past a peer's buffer.
+  const auto [in_at, in_pieces] = published(c.in_list, c.in);
+  const auto [out_at, out_pieces] = published(out_list, out);
   const Addresses mine{kAddrMagic, static_cast<uint8_t>(c.coll), static_cast<uint8_t>(c.dt),
                        static_cast<uint8_t>(reduces ? c.op : ReduceOp::sum), 0, c.root, c.count,
-                       reinterpret_cast<uintptr_t>(c.in), reinterpret_cast<uintptr_t>(out)};
-  std::vector<Addresses> addrs(n);
-  control_->exchange(mine, addrs.data());
+                       in_at, out_at, in_pieces, out_pieces, c.layout, 0};
+  Sides s{*this, t, std::vector<Addresses>(un), {}, {}, {}, {}, std::vector<std::optional<Vector>>(un),
+          std::vector<std::optional<Vector>>(un)};
+  control_->exchange(mine, s.addrs.data());
   for (int p = 0; p < n; ++p) {
-    const Addresses& a = addrs[p];
+    const Addresses& a = s.addrs[static_cast<size_t>(p)];
     if (a.magic != kAddrMagic || a.coll != mine.coll || a.dtype != mine.dtype || a.op != mine.op ||
-        a.root != mine.root || a.count != mine.count)
+        a.root != mine.root || a.count != mine.count || a.layout != mine.layout)
       throw CommError(prefix(t) + ": ranks disagree: rank " + std::to_string(p) + " called " +
                       (a.magic == kAddrMagic ? describe(a) : "something else (a corrupted message)") +
                       ", this rank (" + std::to_string(r) + ") " + describe(mine));
   }
+  // Every rank's sides: a whole vector, rank j's block of n, or (reduce) a non-root's chunk.
+  const bool n_in = c.coll == Collective::reduce_scatter || c.coll == Collective::alltoall;
+  const bool n_out = c.coll == Collective::allgather || c.coll == Collective::alltoall;
+  for (int p = 0; p < n; ++p) {
+    s.in_bytes.push_back(n_in ? un * block : block);
+    s.out_bytes.push_back(c.coll == Collective::reduce && p != c.root ? chunk_len(p) * esize
+                          : n_out                                     ? un * block
+                                                                      : block);
+  }
+  s.in = c.in_list.empty() ? Vector(address(c.in), s.in_bytes[ur]) : Vector(c.in_list);
+  s.out = out_list.empty() ? Vector(address(out), s.out_bytes[ur]) : Vector(out_list);
+  // A side given as a list must hold what the call takes (peers check its table alike).
+  for (const auto& [list, v, want] :
+       {std::tuple{c.in_list, &s.in, s.in_bytes[ur]}, {out_list, &s.out, s.out_bytes[ur]}})
+    if (!list.empty() && v->bytes() != want)
+      throw InvalidArgument(prefix(t) + ": a list of " + std::to_string(v->bytes()) + " bytes where " +
+                            describe(mine) + " takes " + std::to_string(want));
+  // Reads of rank p's side range [from, from + len) into this rank's side range [to, to + len).
+  auto read = [&](int p, bool their_out, uint64_t from, uint64_t to, uint64_t len) {
+    if (len) read_peer(t, p, s.out.iov(to, len), s.of(p, their_out).iov(from, len));
+  };
   // A call of no elements reads nothing, but still passes the closing barrier that keeps the calls in step.
   switch (c.count == 0 ? Collective::barrier : c.coll) {
     case Collective::allreduce:
-      reduce_from_all(t, addrs, c, chunk_begin(r), chunk_len(r), out + chunk_begin(r) * esize);
+      reduce_from_all(t, s, c, chunk_begin(r), chunk_len(r), chunk_begin(r) * esize);
       check_alive(t);
       // Every chunk is final in its owner's out, and nobody reads any in any more: out may now be overwritten
       // (in place, out[chunk p] of this rank is in[chunk p], which rank p was reading until this barrier).
       control_->barrier(1);
       for (int k = 1; k < n; ++k) {
         const int p = (r + k) % n;
-        const size_t b = chunk_begin(p) * esize;
-        if (chunk_len(p)) read_peer(t, p, out + b, addrs[p].out + b, chunk_len(p) * esize);
+        read(p, true, chunk_begin(p) * esize, chunk_begin(p) * esize, chunk_len(p) * esize);
       }
       break;
     case Collective::reduce_scatter:
-      reduce_from_all(t, addrs, c, static_cast<size_t>(r) * c.count, c.count, out);
+      reduce_from_all(t, s, c, static_cast<size_t>(r) * c.count, c.count, 0);
       break;
     case Collective::reduce:
-      reduce_from_all(t, addrs, c, chunk_begin(r), chunk_len(r),
-                      r == c.root ? out + chunk_begin(r) * esize : chunk.data());
+      reduce_from_all(t, s, c, chunk_begin(r), chunk_len(r), r == c.root ? chunk_begin(r) * esize : 0);
       check_alive(t);
       control_->barrier(1);  // every chunk is reduced: the root gathers them
       if (r == c.root)
         for (int p = 0; p < n; ++p)
-          if (p != r && chunk_len(p))
-            read_peer(t, p, out + chunk_begin(p) * esize, addrs[p].out, chunk_len(p) * esize);
+          if (p != r) read(p, true, 0, chunk_begin(p) * esize, chunk_len(p) * esize);
       break;
     case Collective::allgather:
     case Collective::alltoall: {
@@ -393,14 +548,18 @@ void Local::run_call(Transport& t, const Call& c) {
       const size_t at = c.coll == Collective::alltoall ? static_cast<size_t>(r) * block : 0;
       for (int k = 1; k < n; ++k) {
         const int p = (r + k) % n;
-        read_peer(t, p, out + static_cast<size_t>(p) * block, addrs[p].in + at, block);
+        read(p, false, at, static_cast<size_t>(p) * block, block);
       }
-      char* own = out + static_cast<size_t>(r) * block;
-      if (own != c.in + at) std::memcpy(own, c.in + at, block);  // in-place allgather: already there
+      // This rank's own block; in-place allgather: already there.
+      s.out.runs(static_cast<size_t>(r) * block, block, [&](char* to, uint64_t pos, uint64_t m) {
+        s.in.runs(at + pos, m, [to](const char* from, uint64_t q, uint64_t k) {
+          if (to + q != from) std::memcpy(to + q, from, k);
+        });
+      });
       break;
     }
     case Collective::broadcast:
-      if (r != c.root) read_peer(t, c.root, out, addrs[static_cast<size_t>(c.root)].out, block);
+      if (r != c.root) read(c.root, true, 0, 0, block);
       break;
     case Collective::barrier:
     case Collective::alltoallv:  // not on this path (coll/table.cc)

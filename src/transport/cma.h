@@ -5,9 +5,13 @@
 // either way a dead or stalled peer is reported by name within the no-progress timeout.
 #pragma once
 
+#include <sys/uio.h>
+
 #include <cstddef>
 #include <cstdint>
+#include <atomic>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -17,6 +21,11 @@
 #include "transport/transport.h"
 
 namespace smartcoll::cma {
+
+// Bytes at an address of this process: a piece of a list call, as its table, which peers read, lists them.
+struct Extent {
+  uint64_t at, bytes;
+};
 
 // Which kernel and namespaces this process runs in: two processes may read each other's memory by pid only when
 // these all match. Empty (and `error` says why) when it cannot be read.
@@ -49,6 +58,9 @@ class Local {
 
   // A collective among ranks that all share this host, as the communicator's call passes it (count per rank for
   // reduce_scatter, allgather and alltoall; broadcast's buffer is `out`; reduce's out is read on the root only).
+  // A list call (docs/vectored.md) gives a side as its pieces instead, in vector order, each a whole number (not
+  // 0) of elements (in_list for in, out_list for out; an empty list: the pointer is the buffer), and the digest
+  // of its counts (`layout`, 0 where calls are not compared): the call reads and writes the pieces where they are.
   struct Call {
     Collective coll;
     DataType dt;
@@ -57,29 +69,37 @@ class Local {
     size_t count;
     const char* in;
     char* out;
+    std::span<const Extent> in_list = {}, out_list = {};
+    uint32_t layout = 0;
   };
   // Runs `c` with single-copy reads of the peers' buffers: each byte crosses memory once (allgather, alltoall,
   // broadcast) or is read once by the rank that reduces it (chunk q of a reduction by rank q, in rank order: every
-  // rank gets identical bits, the same from run to run; avg divides the sum by n once). Buffers must not be
-  // touched by the caller during the call; in == out is in place, other overlap is not allowed. Throws CommError
-  // naming the peer when a read fails (the peer died: ESRCH) or a barrier fails, and when ranks call different
-  // collectives, counts, dtypes, ops or roots. Requires usable().
+  // rank gets identical bits, the same from run to run, for a list as for the same elements in one buffer; avg
+  // divides the sum by n once). Buffers must not be touched by the caller during the call; in == out (the same
+  // pieces, for lists) is in place, other overlap is not allowed. Throws CommError naming the peer when a read
+  // fails (the peer died: ESRCH) or a barrier fails, and when ranks call different collectives, counts, dtypes,
+  // ops, roots or list layouts. Requires usable().
   void run(Transport& t, const Call& c);
   void allreduce(Transport& t, const char* in, char* out, size_t count, DataType dt, ReduceOp op) {
     run(t, {Collective::allreduce, dt, op, -1, count, in, out});
   }
+
+  // Calls run on this path so far (the tests check which path a call took).
+  uint64_t calls() const { return calls_.load(std::memory_order_relaxed); }
 
   // Bytes per piece of the reduce phase (read from a peer into an L2-resident staging buffer, then reduced).
   // Exposed for benchmarks; a multiple of every element size.
   static constexpr size_t kPieceBytes = 256 * 1024;
 
  private:
-  // dst[0, len) = elements [from, from + len) of every rank's input, reduced in rank order, piece by piece.
+  struct Sides;
   void run_call(Transport& t, const Call& c);
-  void reduce_from_all(Transport& t, const std::vector<Addresses>& addrs, const Call& c, size_t from,
-                       size_t len, char* dst);
-  // Reads `len` bytes at `remote` in rank `peer`'s memory into `local`; throws CommError naming the peer.
-  void read_peer(Transport& t, int peer, void* local, uint64_t remote, size_t len);
+  // Elements [from, from + len) of every rank's input, reduced in rank order piece by piece, into bytes
+  // [dst_off, ...) of this rank's output.
+  void reduce_from_all(Transport& t, Sides& s, const Call& c, size_t from, size_t len, uint64_t dst_off);
+  // Reads the bytes of `remote` in rank `peer`'s memory into `local` (the same total, cut alike or not, in batches
+  // of IOV_MAX); throws CommError naming the peer.
+  void read_peer(Transport& t, int peer, std::span<const iovec> local, std::span<const iovec> remote);
   // Throws CommError naming a peer whose process has exited (guards against reads from a recycled pid).
   void check_alive(Transport& t);
 
@@ -91,6 +111,7 @@ class Local {
   std::vector<int> pidfds_;  // [rank]; -1 for this rank or where pidfd_open is unavailable
   std::vector<char> staging_;
   uint64_t token_ = 0;  // read by every peer's probe during setup
+  std::atomic<uint64_t> calls_{0};
   std::unique_ptr<Control> control_;
 };
 

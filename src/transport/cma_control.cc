@@ -30,8 +30,14 @@ std::string describe(const Addresses& a) {
                                                       : "dtype " + std::to_string(a.dtype);
   std::string op = a.op < std::size(kAllReduceOps) ? std::string(op_name(static_cast<ReduceOp>(a.op)))
                                                    : "op " + std::to_string(a.op);
+  std::string list;
+  if (a.layout) {
+    char digest[16];
+    std::snprintf(digest, sizeof digest, "%08x", a.layout);
+    list = std::string(", a list of counts digest ") + digest;
+  }
   return coll + "(count=" + std::to_string(a.count) + ", " + dt + ", op=" + op +
-         ", root=" + std::to_string(a.root) + ")";
+         ", root=" + std::to_string(a.root) + list + ")";
 }
 
 namespace {
@@ -82,6 +88,7 @@ struct alignas(64) Slot {
   Addresses call[2];
 };
 
+static_assert(sizeof(Slot) == 192);  // docs/same-host.md
 static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free);
 
 size_t segment_bytes(int n) {

@@ -21,16 +21,21 @@
 
 namespace smartcoll::cma {
 
-// What a rank calls, and where its buffers are (a non-root's `out` in reduce: its reduced chunk).
+// What a rank calls, and where its buffers are (a non-root's `out` in reduce: its reduced chunk). A list call's
+// side with several pieces publishes instead the address of its piece table (`in_pieces` or `out_pieces` Extents,
+// transport/cma.h), which peers read once per call: the descriptor keeps its size whatever the list.
 struct Addresses {
   uint32_t magic;
   uint8_t coll, dtype, op, pad;
   int64_t root;
   uint64_t count;
   uint64_t in, out;
+  uint32_t in_pieces, out_pieces;  // 0: `in` (`out`) is the buffer itself
+  uint32_t layout;                 // a list call's digest of its counts where calls are compared; else 0
+  uint32_t pad2;
 };
-static_assert(sizeof(Addresses) == 40);
-inline constexpr uint32_t kAddrMagic = 0x434d4142;  // "CMAB"
+static_assert(sizeof(Addresses) == 56);
+inline constexpr uint32_t kAddrMagic = 0x434d4143;  // "CMAC"
 
 // "allreduce(count=..., float32, op=sum, root=-1)", robust to values out of range.
 std::string describe(const Addresses& a);

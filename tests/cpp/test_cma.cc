@@ -239,6 +239,39 @@ TEST(CmaThreads, BackToBackBroadcastsGetEachCallsValues) {
   for (int r = 0; r < n; ++r) EXPECT_EQ(problems[r], "") << "rank " << r;
 }
 
+// Lists are read through their piece tables whatever their cut: here every rank cuts its input and output
+// differently, into 2 to 2000 pieces (calls whose layouts are not compared, as with check=0), and every rank gets the reference of the
+// same elements in one buffer, bit for bit, in place and out of place.
+TEST(CmaThreads, ListsCutDifferentlyOnEveryRankReadAsOneVector) {
+  const int n = 3;
+  const size_t count = 100003;
+  std::vector<std::string> problems(n);
+  run_threads(n, [&](Transport& t, cma::Local& local) {
+    // Pieces of `bytes` at `p`: `cuts` of them, the last one ragged, each a whole number of elements.
+    auto cut = [](char* p, size_t bytes, size_t esize, size_t cuts) {
+      std::vector<cma::Extent> list;
+      const size_t step = bytes / esize / cuts * esize;
+      for (size_t off = 0; off < bytes; off += step)
+        list.push_back({reinterpret_cast<uintptr_t>(p + off), std::min(step, bytes - off)});
+      return list;
+    };
+    const size_t r = static_cast<size_t>(t.rank());
+    for (const Case& c : kCases)
+      for (bool in_place : {false, true}) {
+        std::vector<char> in = input(c, t.rank(), count), out(in.size(), static_cast<char>(0xAB));
+        const size_t esize = dtype_size(c.dt);
+        // More pieces than one process_vm_readv takes (IOV_MAX) on some ranks, on one side of a read or both.
+        const size_t in_cuts[] = {2, 1500, 7}, out_cuts[] = {1200, 3, 2000};
+        const auto ins = cut(in.data(), in.size(), esize, in_cuts[r]);
+        const auto outs = in_place ? ins : cut(out.data(), out.size(), esize, out_cuts[r]);
+        local.run(t, {Collective::allreduce, c.dt, c.op, -1, count, nullptr, nullptr, ins, outs});
+        if ((in_place ? in : out) != reference(c, n, count))
+          problems[r] += std::string(c.name) + (in_place ? " in place; " : " out of place; ");
+      }
+  });
+  for (int r = 0; r < n; ++r) EXPECT_EQ(problems[r], "") << "rank " << r;
+}
+
 TEST(CmaThreadsSingle, WorldOfOneIsUsableAndCopies) {
   run_threads(1, [](Transport& t, cma::Local& local) {
     EXPECT_EQ(local.why_not(), "");
@@ -548,53 +581,65 @@ TEST(CmaProcessesSetup, OneRankFailingItsProbeDisablesItEverywhere) {
 
 // Rank 2 exits abruptly while ranks 0 and 1 run allreduce after allreduce: each survivor gets a CommError (never a
 // crash or a hang) within the 3 s no-progress timeout, and the error names rank 2 on at least one of them (the
-// other may first see the survivor that failed and aborted its connections, as the Communicator does).
-TEST(CmaProcessesErrors, PeerDyingMidCallIsCommErrorNamingIt) {
+// other may first see the survivor that failed and aborted its connections, as the Communicator does). With
+// `list`, the buffer goes as a list of three pieces, which peers find through its piece table.
+void peer_dies_mid_call(int delay_ms, bool list) {
   const int n = 3;
   const size_t count = 8u << 20;  // 32 MiB of float32 per rank
-  for (int delay_ms : {0, 15, 60}) {
-    TempDir dir;
-    ASSERT_FALSE(dir.path.empty());
-    auto outcomes = run_processes(n, [&](const ChildIo& io) {
-      ChildRank rank(dir.path, io.rank, n, cma_options("3"));
-      auto& [store, t, local] = rank;
-      t.context = "allreduce on rank " + std::to_string(io.rank);
-      if (!rank.over_shm(io)) return 3;
-      std::vector<float> buf(count, 1.0f);
-      char* p = reinterpret_cast<char*>(buf.data());
-      local.allreduce(t, p, p, count, DataType::f32, ReduceOp::sum);  // all alive
-      if (io.rank == 2) {
-        std::thread([delay_ms] {
-          std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
-          _exit(42);
-        }).detach();
-        for (;;) local.allreduce(t, p, p, count, DataType::f32, ReduceOp::sum);
-      }
-      for (int i = 0; i < 100000; ++i) {
-        auto start = std::chrono::steady_clock::now();
-        try {
-          local.allreduce(t, p, p, count, DataType::f32, ReduceOp::sum);
-        } catch (const CommError& e) {
-          double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-          t.abort(e.what());  // as the Communicator does, so that the other survivor fails at once
-          io.write("COMMERROR after " + std::to_string(s) + " s: " + e.what());
-          io.finish();
-          return s < 5.0 ? 0 : 5;
-        }
-      }
-      io.write("all calls succeeded");
-      io.finish();
-      return 6;
-    });
-    EXPECT_TRUE(exited_with(outcomes[2], 42)) << "rank 2: " << outcomes[2].output;
-    bool named = false;
-    for (int r = 0; r < 2; ++r) {
-      EXPECT_TRUE(exited_with(outcomes[r], 0)) << "delay " << delay_ms << " rank " << r << ": " << outcomes[r].output;
-      EXPECT_EQ(outcomes[r].output.rfind("COMMERROR", 0), 0u) << outcomes[r].output;
-      named |= outcomes[r].output.find("rank 2") != std::string::npos;
+  TempDir dir;
+  ASSERT_FALSE(dir.path.empty());
+  auto outcomes = run_processes(n, [&](const ChildIo& io) {
+    ChildRank rank(dir.path, io.rank, n, cma_options("3"));
+    auto& [store, t, local] = rank;
+    t.context = "allreduce on rank " + std::to_string(io.rank);
+    if (!rank.over_shm(io)) return 3;
+    std::vector<float> buf(count, 1.0f);
+    char* p = reinterpret_cast<char*>(buf.data());
+    const uint64_t at = reinterpret_cast<uintptr_t>(p), third = count / 3 * 4;
+    const std::vector<cma::Extent> pieces = {{at, third}, {at + third, third}, {at + 2 * third, count * 4 - 2 * third}};
+    cma::Local::Call call{Collective::allreduce, DataType::f32, ReduceOp::sum, -1, count, p, p};
+    if (list) call = {Collective::allreduce, DataType::f32, ReduceOp::sum, -1, count, nullptr, nullptr, pieces, pieces};
+    local.run(t, call);  // all alive
+    if (io.rank == 2) {
+      std::thread([delay_ms] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+        _exit(42);
+      }).detach();
+      for (;;) local.run(t, call);
     }
-    EXPECT_TRUE(named) << outcomes[0].output << "\n" << outcomes[1].output;
+    for (int i = 0; i < 100000; ++i) {
+      auto start = std::chrono::steady_clock::now();
+      try {
+        local.run(t, call);
+      } catch (const CommError& e) {
+        double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        t.abort(e.what());  // as the Communicator does, so that the other survivor fails at once
+        io.write("COMMERROR after " + std::to_string(s) + " s: " + e.what());
+        io.finish();
+        return s < 5.0 ? 0 : 5;
+      }
+    }
+    io.write("all calls succeeded");
+    io.finish();
+    return 6;
+  });
+  EXPECT_TRUE(exited_with(outcomes[2], 42)) << "rank 2: " << outcomes[2].output;
+  bool named = false;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(exited_with(outcomes[r], 0)) << "delay " << delay_ms << " list " << list << " rank " << r << ": "
+                                             << outcomes[r].output;
+    EXPECT_EQ(outcomes[r].output.rfind("COMMERROR", 0), 0u) << outcomes[r].output;
+    named |= outcomes[r].output.find("rank 2") != std::string::npos;
   }
+  EXPECT_TRUE(named) << outcomes[0].output << "\n" << outcomes[1].output;
+}
+
+TEST(CmaProcessesErrors, PeerDyingMidCallIsCommErrorNamingIt) {
+  for (int delay_ms : {0, 15, 60}) peer_dies_mid_call(delay_ms, false);
+}
+
+TEST(CmaProcessesErrors, PeerDyingMidListCallIsCommErrorNamingIt) {
+  for (int delay_ms : {0, 15}) peer_dies_mid_call(delay_ms, true);
 }
 
 // Rank 2 stops (SIGSTOP) between two calls, as a rank stuck in a debugger or swapped out would: ranks 0 and 1

@@ -2,7 +2,11 @@
 // and run as one call with the same algorithm; alltoallv against a reference; mismatches fail by name.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -10,6 +14,7 @@
 #include "core/frame.h"
 #include "ranks.h"
 #include "smartcoll/comm.h"
+#include "smartcoll/reduce.h"
 
 namespace smartcoll {
 namespace {
@@ -295,12 +300,290 @@ TEST(ListCollectives, BadArgumentsAreRefusedLocally) {
     }
     bufs[1] = a.data();
     try {
-      comm.allreduce(bufs, counts, DataType::f32, ReduceOp::sum, Algorithm::cma);
-      ADD_FAILURE() << "algo cma was accepted for a list";
+      comm.allreduce(bufs, counts, DataType::f32, ReduceOp::sum, Algorithm::switch_);
+      ADD_FAILURE() << "algo switch was accepted for a list";
     } catch (const InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find("list calls run over TCP"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("list calls do not take the aggregation switch"), std::string::npos)
+          << e.what();
     }
   });
+}
+
+// ---- lists on the same-host path (algo cma): every piece read and written where it is ----
+
+// auto picks the same-host path at every size; the calls' counters tell which path each took.
+Options same_host() { return test_options({{"rhd_max_bytes", "0"}}); }
+
+struct ListCase {
+  DataType dt;
+  ReduceOp op;
+};
+constexpr ListCase kSameHostCases[] = {{DataType::f32, ReduceOp::sum},
+                                       {DataType::f32, ReduceOp::avg},
+                                       {DataType::f64, ReduceOp::max},
+                                       {DataType::i32, ReduceOp::sum},
+                                       {DataType::bf16, ReduceOp::sum}};
+
+using Bytes = std::vector<char>;
+
+// Entries of `counts[i] * times` random elements of `dt` (inexact floats: the order of the sums shows).
+std::vector<Bytes> random_entries(DataType dt, const std::vector<size_t>& counts, size_t times, unsigned seed) {
+  std::vector<Bytes> list;
+  for (const auto& entry : random_list<double>(counts, times, seed)) {
+    Bytes b(entry.size() * dtype_size(dt));
+    for (size_t k = 0; k < entry.size(); ++k) {
+      const double x = entry[k] * 1.37;
+      const float f = static_cast<float>(x);
+      const int32_t i = static_cast<int32_t>(x * 1e8);
+      const uint16_t h = float_to_bf16(f);
+      const void* from = dt == DataType::f64 ? static_cast<const void*>(&x)
+                         : dt == DataType::f32 ? static_cast<const void*>(&f)
+                         : dt == DataType::i32 ? static_cast<const void*>(&i)
+                                               : static_cast<const void*>(&h);
+      std::memcpy(&b[k * dtype_size(dt)], from, dtype_size(dt));
+    }
+    list.push_back(std::move(b));
+  }
+  return list;
+}
+
+Bytes joined(const std::vector<Bytes>& list) {
+  Bytes all;
+  for (const Bytes& b : list) all.insert(all.end(), b.begin(), b.end());
+  return all;
+}
+
+// Entries of n blocks each, as the fused call takes them: block j of every entry, in list order, then block j + 1.
+Bytes by_rank(const std::vector<Bytes>& list, int n) {
+  Bytes all;
+  for (int j = 0; j < n; ++j)
+    for (const Bytes& b : list) {
+      const size_t block = b.size() / static_cast<size_t>(n);
+      all.insert(all.end(), b.begin() + static_cast<ptrdiff_t>(j * block),
+                 b.begin() + static_cast<ptrdiff_t>((j + 1) * block));
+    }
+  return all;
+}
+
+std::vector<void*> addresses(std::vector<Bytes>& list) {
+  std::vector<void*> p;
+  for (Bytes& b : list) p.push_back(b.data());
+  return p;
+}
+
+// Every list collective of every case, in place and out of place, against the fused call on the same path: the
+// same bits on every rank, and every call (the fused ones too) counted on the same-host path.
+void same_host_lists_match_fused(int n, const std::vector<size_t>& counts, Algorithm algo) {
+  size_t total = 0;
+  for (size_t c : counts) total += c;
+  run_ranks(n, [&](Communicator& comm) {
+    const int r = comm.rank();
+    const uint64_t before = comm.engine_stats().same_host_calls;
+    uint64_t calls = 0;
+    for (const ListCase& c : kSameHostCases) {
+      const std::string what = std::string(dtype_name(c.dt)) + " " + std::string(op_name(c.op)) + " n=" +
+                               std::to_string(n) + " algo " + std::string(algorithm_name(algo));
+      const size_t esize = dtype_size(c.dt);
+      // allreduce (in place)
+      auto list = random_entries(c.dt, counts, 1, 10 + r);
+      Bytes fused = joined(list);
+      comm.allreduce(fused.data(), fused.data(), total, c.dt, c.op, Algorithm::cma)->wait();
+      comm.allreduce(addresses(list), counts, c.dt, c.op, algo)->wait();
+      expect_bitwise(joined(list), fused, "allreduce " + what);
+      calls += 2;
+      if (n == 2) {  // two operands in either order give the same bits: the TCP list call agrees too
+        auto tcp = random_entries(c.dt, counts, 1, 10 + r);
+        comm.allreduce(addresses(tcp), counts, c.dt, c.op, Algorithm::ring)->wait();
+        expect_bitwise(joined(tcp), fused, "allreduce over TCP (ring) " + what);
+      }
+
+      // reduce_scatter: out of place, then in place (out[i] is this rank's block of x[i])
+      auto ins = random_entries(c.dt, counts, static_cast<size_t>(n), 20 + r);
+      const Bytes fused_in = by_rank(ins, n);
+      Bytes want(total * esize);
+      comm.reduce_scatter(fused_in.data(), want.data(), total, c.dt, c.op, std::nullopt, Algorithm::cma)->wait();
+      std::vector<const void*> in_ptrs;
+      for (const Bytes& b : ins) in_ptrs.push_back(b.data());
+      auto outs = random_entries(c.dt, counts, 1, 0);
+      comm.reduce_scatter(in_ptrs, addresses(outs), counts, c.dt, c.op, algo)->wait();
+      expect_bitwise(joined(outs), want, "reduce_scatter " + what);
+      std::vector<void*> in_place;
+      for (size_t i = 0; i < counts.size(); ++i) in_place.push_back(ins[i].data() + r * counts[i] * esize);
+      comm.reduce_scatter(in_ptrs, in_place, counts, c.dt, c.op, algo)->wait();
+      Bytes got;
+      for (size_t i = 0; i < counts.size(); ++i)
+        got.insert(got.end(), ins[i].begin() + static_cast<ptrdiff_t>(r * counts[i] * esize),
+                   ins[i].begin() + static_cast<ptrdiff_t>((r + 1) * counts[i] * esize));
+      expect_bitwise(got, want, "reduce_scatter in place " + what);
+      calls += 3;
+
+      // allgather: out of place, then in place (x[i] is this rank's block of out[i])
+      auto mine = random_entries(c.dt, counts, 1, 30 + r);
+      const Bytes mine_fused = joined(mine);
+      Bytes gathered(total * esize * static_cast<size_t>(n));
+      comm.allgather(mine_fused.data(), gathered.data(), total, c.dt, std::nullopt, Algorithm::cma)->wait();
+      std::vector<const void*> mine_ptrs;
+      for (const Bytes& b : mine) mine_ptrs.push_back(b.data());
+      auto all = random_entries(c.dt, counts, static_cast<size_t>(n), 0);
+      comm.allgather(mine_ptrs, addresses(all), counts, c.dt, algo)->wait();
+      expect_bitwise(by_rank(all, n), gathered, "allgather " + what);
+      std::vector<const void*> own_block;
+      for (size_t i = 0; i < counts.size(); ++i) {
+        const size_t block = counts[i] * esize;
+        for (int j = 0; j < n; ++j)  // the other blocks are overwritten
+          std::fill_n(all[i].begin() + static_cast<ptrdiff_t>(j * block), block, static_cast<char>(0x5a));
+        std::copy(mine[i].begin(), mine[i].end(), all[i].begin() + static_cast<ptrdiff_t>(r * block));
+        own_block.push_back(all[i].data() + r * block);
+      }
+      comm.allgather(own_block, addresses(all), counts, c.dt, algo)->wait();
+      expect_bitwise(by_rank(all, n), gathered, "allgather in place " + what);
+      calls += 3;
+
+      // broadcast from the last rank
+      auto buf = random_entries(c.dt, counts, 1, 40 + r);
+      comm.broadcast(addresses(buf), counts, c.dt, n - 1, algo)->wait();
+      expect_bitwise(joined(buf), joined(random_entries(c.dt, counts, 1, 40 + n - 1)), "broadcast " + what);
+      calls += 1;
+    }
+    EXPECT_EQ(comm.engine_stats().same_host_calls - before, calls) << "calls that did not take the same-host path";
+  }, same_host());
+}
+
+// Mixed sizes with empty entries and odd counts; one entry larger than the reduce phase's staging piece, so that
+// pieces of the list straddle its pieces.
+const std::vector<size_t> kSameHostCounts = {7, 0, 1, 300, 33, 0, 1029, 5, 100003, 64, 2, 0};
+
+TEST(SameHostLists, EveryCollectiveMatchesTheFusedCall) {
+  for (int n : {2, 3, 4}) same_host_lists_match_fused(n, kSameHostCounts, Algorithm::automatic);
+  same_host_lists_match_fused(3, kSameHostCounts, Algorithm::cma);
+}
+
+// 3000 entries of 0 to 2 elements: more pieces than one process_vm_readv takes (IOV_MAX), on both sides of a read,
+// and piece tables of 48 KB.
+TEST(SameHostLists, ListsLongerThanIovMax) {
+  std::vector<size_t> counts(3000);
+  for (size_t i = 0; i < counts.size(); ++i) counts[i] = (i * 7) % 3;
+  same_host_lists_match_fused(2, counts, Algorithm::cma);
+}
+
+// Lists cut differently (the same total) fail on every rank before any read, naming both calls with their
+// layouts; so does a list against one buffer.
+TEST(SameHostLists, MismatchedLayoutsNameBothCalls) {
+  std::vector<std::string> errors(2), against_buffer(2);
+  run_ranks(2, [&](Communicator& comm) {
+    const int r = comm.rank();
+    std::vector<size_t> counts = r == 0 ? std::vector<size_t>{3, 5} : std::vector<size_t>{5, 3};
+    std::vector<float> a(5, 1.0f), b(5, 1.0f);
+    std::vector<void*> bufs = {a.data(), b.data()};
+    try {
+      comm.allreduce(bufs, counts, DataType::f32, ReduceOp::sum, Algorithm::cma)->wait(std::chrono::seconds(30));
+    } catch (const CommError& e) {
+      errors[r] = e.what();
+    }
+  });
+  run_ranks(2, [&](Communicator& comm) {
+    std::vector<float> a(8, 1.0f);
+    const std::vector<size_t> counts = {8};
+    std::vector<void*> bufs = {a.data()};
+    try {
+      if (comm.rank() == 0)
+        comm.allreduce(bufs, counts, DataType::f32, ReduceOp::sum, Algorithm::cma)->wait(std::chrono::seconds(30));
+      else
+        comm.allreduce(a.data(), a.data(), 8, DataType::f32, ReduceOp::sum, Algorithm::cma)
+            ->wait(std::chrono::seconds(30));
+    } catch (const CommError& e) {
+      against_buffer[comm.rank()] = e.what();
+    }
+  });
+  for (const std::string& e : errors) {
+    EXPECT_NE(e.find("ranks disagree"), std::string::npos) << e;
+    const size_t first = e.find("a list of counts digest ");
+    ASSERT_NE(first, std::string::npos) << e;
+    const size_t second = e.find("a list of counts digest ", first + 1);
+    ASSERT_NE(second, std::string::npos) << e;
+    EXPECT_NE(e.substr(first, 32), e.substr(second, 32)) << e;
+  }
+  for (const std::string& e : against_buffer) {
+    EXPECT_NE(e.find("ranks disagree"), std::string::npos) << e;
+    EXPECT_NE(e.find("allreduce(count=8, float32, op=sum, root=-1)"), std::string::npos) << e;
+    EXPECT_NE(e.find("allreduce(count=8, float32, op=sum, root=-1, a list of counts digest"), std::string::npos)
+        << e;
+  }
+}
+
+// auto takes the same-host path for a list exactly where it takes it for one buffer of the same bytes: below and
+// above rhd_max_bytes (the default, 256 KiB), for every collective. A list of views of one buffer (pieces that
+// follow each other in memory, which the path reads as one) gives the same bits as the buffer itself.
+TEST(SameHostLists, AutoPicksThePathAsForOneBufferOfTheSameBytes) {
+  run_ranks(3, [&](Communicator& comm) {
+    const int n = comm.size();
+    for (const std::vector<size_t>& counts : {kCounts, kSameHostCounts}) {
+      size_t total = 0;
+      for (size_t c : counts) total += c;
+      auto path_of = [&comm](const std::function<void()>& call) {
+        const uint64_t before = comm.engine_stats().same_host_calls;
+        call();
+        return comm.engine_stats().same_host_calls - before;
+      };
+      std::vector<float> one = harness::noise(comm.rank(), total * n), whole(total * n);
+      std::vector<void*> views;
+      std::vector<const void*> ins;
+      for (size_t i = 0, off = 0; i < counts.size(); off += counts[i++]) views.push_back(one.data() + off);
+      const std::string what = std::to_string(total) + " elements";
+      std::vector<float> fused(one.begin(), one.begin() + static_cast<ptrdiff_t>(total));
+      EXPECT_EQ(path_of([&] {
+                  comm.allreduce(fused.data(), fused.data(), total, DataType::f32, ReduceOp::sum)->wait();
+                }),
+                path_of([&] { comm.allreduce(views, counts, DataType::f32, ReduceOp::sum)->wait(); }))
+          << "allreduce " << what;
+      expect_bitwise(std::vector<float>(one.begin(), one.begin() + static_cast<ptrdiff_t>(total)), fused,
+                     "allreduce of views " + what);
+      EXPECT_EQ(path_of([&] { comm.broadcast(whole.data(), total, DataType::f32, 0)->wait(); }),
+                path_of([&] { comm.broadcast(views, counts, DataType::f32, 0)->wait(); }))
+          << "broadcast " << what;
+      for (void* v : views) ins.push_back(v);
+      std::vector<Bytes> outs;
+      for (size_t c : counts) outs.emplace_back(c * 4 * n);
+      EXPECT_EQ(path_of([&] { comm.allgather(one.data(), whole.data(), total, DataType::f32)->wait(); }),
+                path_of([&] { comm.allgather(ins, addresses(outs), counts, DataType::f32)->wait(); }))
+          << "allgather " << what;
+      // One buffer of n blocks as a list of its n blocks, one entry each: the fused call's bits too.
+      std::vector<float> block(total), from_list(total);
+      std::vector<const void*> rank_blocks;
+      for (int j = 0; j < n; ++j) rank_blocks.push_back(one.data() + static_cast<size_t>(j) * total);
+      const std::vector<size_t> one_entry = {total};
+      std::vector<void*> out_entry = {from_list.data()};
+      EXPECT_EQ(path_of([&] {
+                  comm.reduce_scatter(one.data(), block.data(), total, DataType::f32, ReduceOp::sum)->wait();
+                }),
+                path_of([&] {
+                  std::vector<const void*> whole_in = {one.data()};
+                  comm.reduce_scatter(whole_in, out_entry, one_entry, DataType::f32, ReduceOp::sum)->wait();
+                }))
+          << "reduce_scatter " << what;
+      expect_bitwise(from_list, block, "reduce_scatter of one entry " + what);
+    }
+    EXPECT_GT(comm.engine_stats().same_host_calls, 0u);
+  });
+}
+
+// A list with a codec keeps the TCP path (the same-host path has no codecs): auto goes around it, algo cma is
+// refused by name.
+TEST(SameHostLists, CodecsKeepTheTcpPath) {
+  run_ranks(2, [&](Communicator& comm) {
+    auto list = random_list<float>(kSameHostCounts, 1, 5 + comm.rank());
+    const uint64_t before = comm.engine_stats().same_host_calls;
+    comm.allreduce(pointers(list), kSameHostCounts, DataType::f32, ReduceOp::sum, Algorithm::automatic,
+                   Codec::parse("bfp16"))->wait();
+    EXPECT_EQ(comm.engine_stats().same_host_calls, before);
+    try {
+      comm.allreduce(pointers(list), kSameHostCounts, DataType::f32, ReduceOp::sum, Algorithm::cma,
+                     Codec::parse("bfp16"));
+      ADD_FAILURE() << "a codec was accepted on the same-host path";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("does not support codecs"), std::string::npos) << e.what();
+    }
+  }, same_host());
 }
 
 TEST(Alltoallv, MatchesReference) {

@@ -67,16 +67,19 @@ def test_list_reduce_scatter_allgather_broadcast_equal_fused_calls():
     run_pair(body)
 
 
-def test_list_of_torch_tensors_in_place():
+@pytest.mark.parametrize("algo", [None, "cma"])
+def test_list_of_torch_tensors_in_place(algo):
     torch = pytest.importorskip("torch")
 
     def body(comm):
         g = torch.Generator().manual_seed(comm.rank)
         ts = [torch.randn(k, generator=g).to(torch.bfloat16) for k in SIZES]
         fused = torch.cat(ts)
-        comm.allreduce(fused)
-        comm.allreduce(ts)
+        comm.allreduce(fused, algo=algo)
+        before = comm.engine_stats()["same_host_calls"]
+        comm.allreduce(ts, algo=algo)
         assert torch.equal(torch.cat(ts), fused)
+        assert comm.engine_stats()["same_host_calls"] - before == (algo == "cma")
 
     run_pair(body)
 
@@ -98,13 +101,69 @@ def test_list_arguments_are_refused_naming_the_entry():
             comm.broadcast([np.zeros(6, np.float32)[::2]])
 
 
-def test_mismatched_lists_fail_naming_the_layout():
+# On the same-host path the ranks compare their calls in the control segment: the error names both.
+@pytest.mark.parametrize("algo, error", [
+    (None, "list of counts digest"),
+    ("cma", r"cma: ranks disagree: rank \d called allreduce\(count=8, float32, op=sum, root=-1, a list of counts "
+            r"digest [0-9a-f]{8}\), this rank \(\d\) allreduce\(count=8, float32, op=sum, root=-1, a list of counts "
+            r"digest [0-9a-f]{8}\)")], ids=["tcp", "cma"])
+def test_mismatched_lists_fail_naming_the_layout(algo, error):
     def body(comm):
         xs = [np.ones(3, np.float32), np.ones(5, np.float32)]
-        with pytest.raises(smartcoll.CommError, match="list of counts digest"):
-            comm.allreduce(xs if comm.rank == 0 else xs[::-1])
+        with pytest.raises(smartcoll.CommError, match=error):
+            comm.allreduce(xs if comm.rank == 0 else xs[::-1], algo=algo)
 
     run_pair(body)
+
+
+def test_list_calls_take_the_same_host_path():
+    """rhd_max_bytes=0: auto picks the same-host path (cma) at every size. Every list collective takes it, in place
+    and out of place, with the bits of the fused call on the same path; the counter says which path ran."""
+
+    def body(comm):
+        r, n, total = comm.rank, comm.size, sum(SIZES)
+        before, calls = comm.engine_stats()["same_host_calls"], 0
+        for dtype, op in (("float32", "sum"), ("float64", "max"), ("int32", "sum")):
+            rng = np.random.default_rng(30 + r)
+            xs = entries(rng, dtype)
+            fused = np.concatenate(xs)
+            comm.allreduce(fused, op=op, algo="cma")
+            comm.allreduce(xs, op=op)
+            assert np.concatenate(xs).tobytes() == fused.tobytes(), ("allreduce", dtype)
+
+            xs = entries(rng, dtype, times=n)
+            by_rank = np.concatenate([x[j * k:(j + 1) * k] for j in range(n) for x, k in zip(xs, SIZES)])
+            want = np.empty(total, dtype)
+            comm.reduce_scatter(by_rank, want, op=op, algo="cma")
+            outs = [np.empty(k, dtype) for k in SIZES]
+            comm.reduce_scatter(xs, outs, op=op)
+            assert np.concatenate(outs).tobytes() == want.tobytes(), ("reduce_scatter", dtype)
+            own = [x[r * k:(r + 1) * k] for x, k in zip(xs, SIZES)]  # in place: out[i] is this rank's block
+            comm.reduce_scatter(xs, own, op=op)
+            assert np.concatenate(own).tobytes() == want.tobytes(), ("reduce_scatter in place", dtype)
+
+            mine = entries(rng, dtype)
+            whole = np.empty(total * n, dtype)
+            comm.allgather(np.concatenate(mine), whole, algo="cma")
+            gathered = [np.zeros(k * n, dtype) for k in SIZES]
+            comm.allgather(mine, gathered)
+            offsets = np.cumsum([0] + SIZES)
+            want = [np.concatenate([whole[j * total + o:j * total + o + k] for j in range(n)])
+                    for o, k in zip(offsets, SIZES)]
+            assert all(g.tobytes() == w.tobytes() for g, w in zip(gathered, want)), ("allgather", dtype)
+            for g, m, k in zip(gathered, mine, SIZES):  # in place: x[i] is this rank's block of out[i]
+                g[:] = -1
+                g[r * k:(r + 1) * k] = m
+            comm.allgather([g[r * k:(r + 1) * k] for g, k in zip(gathered, SIZES)], gathered)
+            assert all(g.tobytes() == w.tobytes() for g, w in zip(gathered, want)), ("allgather in place", dtype)
+
+            bufs = entries(np.random.default_rng(77 if r == 1 else r), dtype)
+            comm.broadcast(bufs, root=1)
+            assert all(b.tobytes() == w.tobytes() for b, w in zip(bufs, entries(np.random.default_rng(77), dtype)))
+            calls += 9
+        assert comm.engine_stats()["same_host_calls"] - before == calls
+
+    run_pair(body, rhd_max_bytes=0)
 
 
 def test_alltoallv_matches_reference_and_checks_counts():

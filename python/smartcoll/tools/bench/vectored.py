@@ -1,12 +1,17 @@
 """Vectored collectives and the engine's gather/scatter (docs/vectored.md).
 
-    smartcoll bench list [-n 2] [--tensors 200] [--total 64M] [--iters 5] [--algo ring] [--cluster NAME] [--json F]
+    smartcoll bench list [-n 2] [--tensors 200] [--total 64M] [--iters 5] [--algo ring] [--small-pages]
+                         [--cluster NAME] [--json F]
 
 A DDP-like list of float32 tensors of mixed sizes (log-uniform, --total bytes in all), allreduced four ways in
 each iteration, side by side: one list call (comm.allreduce(list)); fuse-copy-allreduce-copy-back (concatenate
 into one buffer, allreduce it, copy every part back); one call per tensor (all posted, then all waited for);
 and one allreduce of a contiguous buffer of the same bytes (the floor). Rank 0's times after a barrier; the
-table shows the median and best of --iters and the algbw (bytes / median time).
+table shows the median and best of --iters, the algbw (bytes / median time) and how many of each round's calls
+took the same-host path (cma). NumPy asks the kernel for transparent huge pages for arrays of 4 MiB and more,
+which the contiguous and fused buffers get and the list's smaller tensors do not; on one host, where every byte is
+read through process_vm_readv page by page, that alone makes the contiguous buffer faster. --small-pages
+allocates every buffer with base pages, for a comparison of the calls on the same kind of memory.
 
     smartcoll bench gather|scatter [--total 64M] [--sizes 32,64,...,4096] [--repeat 5] [--json FILE]
 
@@ -46,9 +51,11 @@ def tensor_sizes(tensors: int, total_bytes: int, seed: int = 0) -> list[int]:
     return [int(c) for c in counts]
 
 
-def worker(outdir: str, tensors: int, total: int, iters: int) -> int:
+def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool = False) -> int:
     import smartcoll
 
+    if small_pages:
+        (getattr(np, "_core", None) or np.core).multiarray._set_madvise_hugepage(False)  # NumPy 2 renamed core
     comm = smartcoll.init()
     xs = [np.ones(k, np.float32) for k in tensor_sizes(tensors, total)]
     fused = np.empty(sum(x.size for x in xs), np.float32)
@@ -68,13 +75,16 @@ def worker(outdir: str, tensors: int, total: int, iters: int) -> int:
     run = {"list": lambda: comm.allreduce(xs), "fuse-copy": fuse_copy, "separate": separate,
            "contiguous": lambda: comm.allreduce(contiguous)}
     times: dict[str, list[float]] = {m: [] for m in METHODS}
+    same_host: dict[str, int] = {}  # calls of one round that took the same-host path
     for it in range(iters + 1):  # the first round warms up connections and buffers
         for m in METHODS:
             comm.barrier()
+            before = comm.engine_stats()["same_host_calls"]
             t0 = time.perf_counter()
             run[m]()
             if it:
                 times[m].append(time.perf_counter() - t0)
+            same_host[m] = comm.engine_stats()["same_host_calls"] - before
     # Values stay exact (powers of the world size): each of the three list methods multiplies every element by
     # the world size, as every call does the contiguous buffer's.
     rounds = iters + 1
@@ -83,7 +93,8 @@ def worker(outdir: str, tensors: int, total: int, iters: int) -> int:
     if not ok:
         print(f"rank {comm.rank}: wrong results", file=sys.stderr)
     if comm.rank == 0:
-        Path(outdir, "rank0.json").write_text(json.dumps({"times": times, "results_ok": ok, "world": comm.size}))
+        Path(outdir, "rank0.json").write_text(json.dumps({"times": times, "same_host_calls": same_host,
+                                                          "results_ok": ok, "world": comm.size}))
     comm.close()
     return 0 if ok else 1
 
@@ -96,31 +107,38 @@ def list_main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--total", default="64M", help="bytes in all (default 64M)")
     ap.add_argument("--iters", type=int, default=5, help="timed rounds (default 5)")
     ap.add_argument("--algo", default="auto",
-                    help="allreduce algorithm of every call (the algo knob; default auto). List calls never take "
-                    "the same-host path (cma), which auto picks for large single buffers on one host: --algo ring "
-                    "compares the same algorithm throughout")
+                    help="allreduce algorithm of every call (the algo knob; default auto: on one host the same-host "
+                    "path, cma, for lists as for single buffers above rhd_max_bytes)")
+    ap.add_argument("--small-pages", action="store_true",
+                    help="no transparent huge pages for any buffer (NumPy asks for them from 4 MiB on, which only "
+                    "the contiguous and fused buffers reach)")
     add_launch_options(ap)
     args = ap.parse_args(argv)
     total = parse_size(args.total)
     report, status = run_workers("list", "smartcoll.tools.bench.vectored", [str(args.tensors), str(total),
-                                 str(args.iters)], args.n, args.cluster, args.timeout, {"SMARTCOLL_ALGO": args.algo})
+                                 str(args.iters), str(int(args.small_pages))], args.n, args.cluster, args.timeout,
+                                 {"SMARTCOLL_ALGO": args.algo})
     if report is None:
         return status
     sizes = tensor_sizes(args.tensors, total)
     print(f"{args.n} ranks{' on cluster ' + args.cluster if args.cluster else ' on loopback'}, algo {args.algo}: "
           f"{args.tensors} float32 tensors, {total / 2**20:.0f} MiB in all ({min(sizes) * 4} B to "
-          f"{max(sizes) * 4 / 2**20:.1f} MiB each), {args.iters} rounds")
-    print(f"{'method':<12} {'median ms':>10} {'best ms':>9} {'algbw GB/s':>11} {'vs list':>8}")
+          f"{max(sizes) * 4 / 2**20:.1f} MiB each), {args.iters} rounds"
+          f"{', base pages only' if args.small_pages else ''}")
+    print(f"{'method':<12} {'median ms':>10} {'best ms':>9} {'algbw GB/s':>11} {'vs list':>8} {'cma calls':>10}")
     rows = {}
     list_median = statistics.median(report["times"]["list"])
     for m in METHODS:
         med, best = statistics.median(report["times"][m]), min(report["times"][m])
-        rows[m] = {"median_s": med, "best_s": best, "algbw_GBps": total / med / 1e9, "time_vs_list": med / list_median}
-        print(f"{m:<12} {med * 1e3:>10.1f} {best * 1e3:>9.1f} {total / med / 1e9:>11.3f} {med / list_median:>7.2f}x")
+        cma = report["same_host_calls"][m]
+        rows[m] = {"median_s": med, "best_s": best, "algbw_GBps": total / med / 1e9, "time_vs_list": med / list_median,
+                   "same_host_calls": cma}
+        print(f"{m:<12} {med * 1e3:>10.1f} {best * 1e3:>9.1f} {total / med / 1e9:>11.3f} {med / list_median:>7.2f}x "
+              f"{cma:>10}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ranks": args.n, "cluster": args.cluster, "algo": args.algo, "tensors": args.tensors,
-                       "bytes": total,
+                       "bytes": total, "small_pages": args.small_pages,
                        "iters": args.iters, "methods": rows, "times_s": report["times"]}, f, indent=2)
     return 0
 
@@ -187,4 +205,4 @@ def scatter_main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    raise SystemExit(worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])))
+    raise SystemExit(worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6:7] == ["1"]))
