@@ -299,7 +299,7 @@ Algorithm cheapest(Collective c, const Query& q, const Profile& p) {
     // The switch only for allreduce, once measured: its reduce_scatter and allgather measured slower than the ring
     // (BENCHMARKS.md), as their datagrams carry every block (reduce_scatter) or wait for every rank (allgather).
     const bool switch_ok = c == Collective::allreduce && p.switch_Bps > 0;
-    if (!info.unsupported(q).empty() || (info.algo == Algorithm::switch_ && !switch_ok)) continue;
+    if (!info.automatic || !info.unsupported(q).empty() || (info.algo == Algorithm::switch_ && !switch_ok)) continue;
     const double t = predict(c, info.algo, q, p).total;
     if (best_time < 0 || t < best_time) best = info.algo, best_time = t;
   }

@@ -35,6 +35,9 @@ struct AlgorithmInfo {
   double (*steps)(int n);
   double (*wire)(int n);
   double (*reduced)(int n);
+  // Whether auto may pick it from a profile's predictions; false where the cost entry leaves out what decides
+  // between it and the others (it runs when asked for by name).
+  bool automatic = true;
 };
 
 std::span<const AlgorithmInfo> algorithms(Collective c);

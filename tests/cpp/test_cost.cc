@@ -71,6 +71,13 @@ TEST(CostModel, BruckAlltoallTradesBytesForSteps) {
   EXPECT_DOUBLE_EQ(direct.wire_bytes, 7 * 1024);
   EXPECT_DOUBLE_EQ(predict(Collective::alltoall, Algorithm::bruck, call(5, 1024), p).steps, 3);
   EXPECT_DOUBLE_EQ(predict(Collective::alltoall, Algorithm::bruck, call(5, 1024), p).wire_bytes, 5 * 1024);
+  // auto never picks them from a profile, even where their entries come out cheaper (steps dear, one-byte blocks;
+  // a profile that makes Bruck's steps nearly free).
+  Profile cheap_bruck = link_only(1, 1e30);
+  cheap_bruck.alpha_algo["bruck"] = 1e-9;
+  EXPECT_LT(predict(Collective::alltoall, Algorithm::bruck, call(8, 1), cheap_bruck).total,
+            predict(Collective::alltoall, Algorithm::direct, call(8, 1), cheap_bruck).total);
+  EXPECT_EQ(choose(Collective::alltoall, call(8, 1), Algorithm::automatic, 0, &cheap_bruck), Algorithm::direct);
 }
 
 TEST(CostModel, PerAlgorithmLatencyAndEfficiency) {
