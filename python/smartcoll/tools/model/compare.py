@@ -129,7 +129,7 @@ def draw(rows: list[dict], path: Path):
     plt = pyplot()
     if plt is None:
         return NO_MATPLOTLIB
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     fig, ax = plt.subplots(figsize=(6.4, 5.6))
     lo = min(min(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 / 1.5
@@ -146,7 +146,7 @@ def draw(rows: list[dict], path: Path):
     plain = FuncFormatter(lambda v, _: f"{v:g}")  # 20, not 2 x 10^1
     for axis in (ax.xaxis, ax.yaxis):
         axis.set_major_formatter(plain)
-        axis.set_minor_formatter(plain)
+        axis.set_minor_formatter(plain if hi / lo < 30 else NullFormatter())  # labels between decades if few
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
     ax.set_xlabel("measured ms")
