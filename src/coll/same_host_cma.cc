@@ -9,7 +9,13 @@ void same_host_cma(Builder& b, const Args& a) {
   cma::Local* local = b.cx.cma;
   Transport* t = b.cx.transport;
   const cma::Local::Call call{b.collective(), b.spec.dtype, b.spec.op, a.root, a.count, a.in, a.out};
-  b.exclusive([local, t, call] { local->run(*t, call); });
+  const Task* task = &b.task();
+  b.exclusive([local, t, call, task] {
+    cma::Local::Call numbered = call;  // numbered when submitted, after it was built
+    numbered.call = task->seq + 1;
+    numbered.desc = &task->desc;
+    local->run(*t, numbered);
+  });
 }
 
 }  // namespace smartcoll::coll

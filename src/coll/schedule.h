@@ -87,6 +87,8 @@ class Builder {
   // run instead where that says so when the call starts.
   void exclusive(std::function<void()> body, std::function<bool()> lanes_instead = {});
   Collective collective() const;
+  // The call being built: its number and descriptor are final when it runs.
+  const Task& task() const { return task_; }
 
  private:
   Lane& lane(int stream);

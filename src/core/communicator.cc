@@ -447,6 +447,11 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
     std::lock_guard lock(submit_mu_);
     check_one_poster();
     if (in && out && in != out && bytes) std::memmove(out, in, bytes);
+    if (cma_usable_) {  // a same-host peer whose count is not 0 must not wait for this rank there
+      const Descriptor d =
+          make_descriptor(call.coll, call.dt, call.op, call.algo, call.root, call.count, call.codec, false);
+      cma_->elsewhere(seq_, &d);
+    }
     ++seq_;
     last_posted_ = req;
     req->finish("");
@@ -488,6 +493,7 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
   last_posted_ = req;
   task->seq = seq_++;
   history_->add(task->seq, task->desc);
+  if (cma_usable_ && call.algo != Algorithm::cma) cma_->elsewhere(task->seq, &task->desc);
   engine_->submit(std::move(task));
   return req;
 }

@@ -14,10 +14,13 @@
 #include <fstream>
 #include <random>
 
+#include "core/agreement.h"
 #include "core/log.h"
 #include "smartcoll/reduce.h"
 
 namespace smartcoll::cma {
+
+static_assert(sizeof(Descriptor) == kCallBytes);
 
 namespace {
 
@@ -351,7 +354,17 @@ void Local::run_call(Transport& t, const Call& c) {
                        static_cast<uint8_t>(reduces ? c.op : ReduceOp::sum), 0, c.root, c.count,
                        reinterpret_cast<uintptr_t>(c.in), reinterpret_cast<uintptr_t>(out)};
   std::vector<Addresses> addrs(n);
-  control_->exchange(mine, addrs.data());
+  try {
+    control_->exchange(mine, addrs.data(), c.call);
+  } catch (const OtherPath& e) {
+    // `auto` chose by each rank's own arguments: the peer's call took a TCP algorithm (or moved nothing).
+    Descriptor theirs, own;
+    std::memcpy(&theirs, e.desc.data(), sizeof theirs);
+    if (c.desc) std::memcpy(&own, c.desc, sizeof own);
+    throw CommError(prefix(t) + ": ranks disagree: rank " + std::to_string(e.peer) + " called " +
+                    smartcoll::describe(theirs) + ", this rank (" + std::to_string(r) + ") " +
+                    (c.desc ? smartcoll::describe(own) : describe(mine)) + " on the same-host path");
+  }
   for (int p = 0; p < n; ++p) {
     const Addresses& a = addrs[p];
     if (a.magic != kAddrMagic || a.coll != mine.coll || a.dtype != mine.dtype || a.op != mine.op ||

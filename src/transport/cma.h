@@ -49,6 +49,8 @@ class Local {
 
   // A collective among ranks that all share this host, as the communicator's call passes it (count per rank for
   // reduce_scatter, allgather and alltoall; broadcast's buffer is `out`; reduce's out is read on the root only).
+  // `call` and `desc` (a core/task.h Descriptor) number and describe the communicator's call, so that a peer
+  // that made that call on another path is named with it (0 and null: not numbered).
   struct Call {
     Collective coll;
     DataType dt;
@@ -57,6 +59,8 @@ class Local {
     size_t count;
     const char* in;
     char* out;
+    uint64_t call = 0;
+    const void* desc = nullptr;
   };
   // Runs `c` with single-copy reads of the peers' buffers: each byte crosses memory once (allgather, alltoall,
   // broadcast) or is read once by the rank that reduces it (chunk q of a reduction by rank q, in rank order: every
@@ -67,6 +71,12 @@ class Local {
   void run(Transport& t, const Call& c);
   void allreduce(Transport& t, const char* in, char* out, size_t count, DataType dt, ReduceOp op) {
     run(t, {Collective::allreduce, dt, op, -1, count, in, out});
+  }
+
+  // This rank makes the communicator's call number `seq` (from 0) on another path; `desc` is its descriptor
+  // (kCallBytes). Peers that wait for that call here fail at once, naming it (Control::elsewhere).
+  void elsewhere(uint64_t seq, const void* desc) {
+    if (control_) control_->elsewhere(seq + 1, desc);
   }
 
   // Bytes per piece of the reduce phase (read from a peer into an L2-resident staging buffer, then reduced).
