@@ -97,9 +97,10 @@ int32_t Builder::join(int stream, const std::vector<int32_t>& ops) {
 
 Collective Builder::collective() const { return static_cast<Collective>(task_.desc.coll); }
 
-void Builder::exclusive(std::function<void()> body, std::function<bool()> lanes_instead) {
+void Builder::exclusive(std::function<void()> body, std::function<bool()> lanes_instead, Algorithm lanes_algo) {
   task_.exclusive = std::move(body);
   task_.lanes_instead = std::move(lanes_instead);
+  task_.lanes_algo = lanes_algo;
 }
 
 char* Builder::scratch(size_t bytes) {

@@ -440,6 +440,7 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
   check_usable();
   check_buffers(call, in, out);
   auto req = std::make_shared<Request>();
+  req->algo_ = call.algo;
   if (size_ == 1 || (call.count == 0 && call.coll != Collective::barrier)) {
     // Nothing to exchange: the result is the input. A call of no elements still takes its number, so that the
     // calls after it keep the same numbers on every rank.
@@ -465,6 +466,7 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
                                       static_cast<uint8_t>(call.op), call.root, call.count,
                                       reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out),
                                       call.codec.name()});
+    req->algo_ = call.algo;
     return req;
   }
   auto task = std::make_unique<Task>();

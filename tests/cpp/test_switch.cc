@@ -1154,6 +1154,57 @@ TEST(SwitchRetry, AfterAFallbackEveryRankProbesTheSwitchAtTheSameCall) {
   second->stop();
 }
 
+// auto picks the switch where the cost model says so (3 ranks, above rhd_max_bytes); after a fallback it runs the
+// ring, without waiting for the calls in flight, until a probe gets every rank in again (switch_retry). Every rank
+// makes the same choice for every call.
+TEST(SwitchRetry, AutoRunsTheRingWhileTheSwitchIsGoneAndTheSwitchAgainAfterAProbe) {
+  auto sw = std::make_unique<e2e::Running>();
+  const uint16_t port = sw->sw->port();
+  const std::string address = sw->address();
+  std::unique_ptr<Switch> second;
+  const size_t count = size_t{1} << 17;  // 512 KiB of int32
+  std::vector<int32_t> expect(count, 0);
+  for (int r = 0; r < 3; ++r) {
+    const auto v = e2e::values<int32_t>(r, count);
+    for (size_t i = 0; i < count; ++i) expect[i] += v[i];
+  }
+  std::vector<std::vector<Algorithm>> ran(3);
+  harness::run_ranks(3, [&](Communicator& comm) {
+    // `k` calls posted at once (each may start while the others run), then waited for.
+    auto calls = [&](int k) {
+      std::vector<std::vector<int32_t>> xs(static_cast<size_t>(k), e2e::values<int32_t>(comm.rank(), count));
+      std::vector<std::shared_ptr<Request>> reqs;
+      for (auto& x : xs) reqs.push_back(comm.allreduce(x.data(), x.data(), count, DataType::i32, ReduceOp::sum));
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        reqs[i]->wait();
+        ran[comm.rank()].push_back(reqs[i]->algorithm());
+        ASSERT_EQ(xs[i], expect) << "call " << ran[comm.rank()].size();
+      }
+    };
+    calls(1);  // 1: through the switch
+    comm.barrier()->wait();
+    if (comm.rank() == 0) sw.reset();
+    comm.barrier()->wait();
+    calls(1);  // 2: through the switch, which falls back; the next probe is at call 2 + 2
+    calls(1);  // 3: the ring
+    calls(1);  // 4: probes (the switch is still down), then the ring inside it; the next probe is at call 4 + 4
+    comm.barrier()->wait();
+    if (comm.rank() == 0) second = e2e::started_on(port);
+    comm.barrier()->wait();
+    calls(3);  // 5-7: the ring, all three in flight at once
+    calls(2);  // 8: probes, every rank gets in, through the switch; 9: through the switch
+    comm.barrier()->wait();
+  }, e2e::switch_options(address, {{"switch_retry", "2"}}));
+  second->stop();
+  const auto S = Algorithm::switch_, R = Algorithm::ring;
+  const std::vector<Algorithm> want = {S, S, R, S, R, R, R, S, S};
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_EQ(ran[r].size(), want.size()) << "rank " << r;
+    for (size_t i = 0; i < want.size(); ++i)
+      EXPECT_EQ(algorithm_name(ran[r][i]), algorithm_name(want[i])) << "rank " << r << ", call " << i + 1;
+  }
+}
+
 TEST(SwitchRetry, NeverProbesWithRetryZero) {
   auto sw = std::make_unique<e2e::Running>();
   const uint16_t port = sw->sw->port();
