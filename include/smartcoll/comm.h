@@ -236,6 +236,7 @@ class Communicator {
   Options options_;
   std::unique_ptr<Config> config_;
   std::shared_ptr<Store> store_;
+  std::shared_ptr<Store> drawn_in_;  // rank 0, where it drew the job id: it deletes that key at close
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<cma::Local> cma_;
   std::unique_ptr<sw::Path> switch_;  // the aggregation switches (switch knob), joined at start-up

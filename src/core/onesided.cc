@@ -15,6 +15,7 @@
 #include "core/frame.h"
 #include "core/log.h"
 #include "core/mac.h"
+#include "store/cleanup.h"
 
 namespace smartcoll::rma {
 
@@ -249,6 +250,7 @@ Service::~Service() {
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t n = ::write(wakefd_.get(), &one, sizeof one);
   if (thread_.joinable()) thread_.join();
+  forget(*store_, key(s_.rank));  // nobody can reach this server any more: its address and token go
 }
 
 void Service::abort(const std::string& why) {

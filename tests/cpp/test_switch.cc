@@ -19,7 +19,9 @@
 #include "ranks.h"
 #include "smartcoll/codec.h"
 #include "smartcoll/comm.h"
+#include "smartcoll/onesided.h"
 #include "smartcoll/reduce.h"
+#include "smartcoll/store.h"
 #include "switch/aggregator.h"
 #include "switch/protocol.h"
 #include "switch/query.h"
@@ -1203,6 +1205,48 @@ TEST(SwitchRetry, AutoRunsTheRingWhileTheSwitchIsGoneAndTheSwitchAgainAfterAProb
     for (size_t i = 0; i < want.size(); ++i)
       EXPECT_EQ(algorithm_name(ran[r][i]), algorithm_name(want[i])) << "rank " << r << ", call " << i + 1;
   }
+}
+
+// A job that used one-sided calls and fell back from its switch leaves no key in its rendezvous store: each rank
+// deletes its one-sided address when its server closes, a rank that said it lost the switch deletes that word at
+// the next probe, rank 0 deletes the job id it drew once every rank read it, and the last rank to close deletes
+// the rest.
+TEST(StoreCleanup, AJobWithOneSidedCallsAndAFallbackLeavesNoKeys) {
+  e2e::Running sw;
+  TcpStore server("127.0.0.1", 0, true, std::chrono::seconds(10));
+  const int n = 3;
+  std::vector<uint64_t> keys;  // rank 0 reads the server's count at each step
+  auto count_keys = [&](Communicator& comm) {
+    comm.barrier()->wait();
+    if (comm.rank() == 0) keys.push_back(server.server_stats().keys);
+    comm.barrier()->wait();
+  };
+  harness::run_threads(n, [&](int r, std::shared_ptr<Store>) {
+    auto store = std::make_shared<TcpStore>("127.0.0.1", server.port(), false, std::chrono::seconds(10));
+    Communicator comm(r, n, store, e2e::switch_options(sw.address(), {{"switch_retry", "1"}}));
+    std::vector<uint8_t> mine(64, static_cast<uint8_t>(r)), got(16);
+    comm.register_region(mine.data(), mine.size(), DataType::u8);
+    comm.barrier()->wait();
+    const RemotePiece piece{8, 16};
+    const LocalPiece into{got.data(), got.size()};
+    comm.getv({(r + 1) % n, 1, 64, DataType::u8}, {&piece, 1}, {&into, 1})->wait();
+    EXPECT_EQ(got, std::vector<uint8_t>(16, static_cast<uint8_t>((r + 1) % n)));
+    auto x = e2e::values<int32_t>(r, 5000);
+    comm.allreduce(x.data(), x.data(), x.size(), DataType::i32, ReduceOp::sum, Algorithm::switch_)->wait();
+    count_keys(comm);  // [0]: the job's keys, one-sided addresses included
+    if (r == 0) sw.sw->stop();
+    comm.barrier()->wait();
+    comm.allreduce(x.data(), x.data(), x.size(), DataType::i32, ReduceOp::sum, Algorithm::switch_)->wait();
+    count_keys(comm);  // [1]: and the word that the switch was lost (every rank found it silent)
+    comm.allreduce(x.data(), x.data(), x.size(), DataType::i32, ReduceOp::sum, Algorithm::switch_)->wait();
+    count_keys(comm);  // [2]: this call probed: the word is gone
+    comm.close();
+  });
+  ASSERT_EQ(keys.size(), 3u);
+  EXPECT_GE(keys[0], static_cast<uint64_t>(3 * n));  // at least the settings, addresses and one-sided addresses
+  EXPECT_EQ(keys[1], keys[0] + 1);
+  EXPECT_EQ(keys[2], keys[0]);
+  EXPECT_EQ(server.server_stats().keys, 0u);
 }
 
 TEST(SwitchRetry, NeverProbesWithRetryZero) {
