@@ -71,10 +71,6 @@ struct alignas(64) Header {
   std::atomic<uint32_t> waiters;  // ranks asleep (or about to sleep) on the bell
 };
 
-// Written by its rank only. Call k goes to call[k % 2]: a rank reaches call k + 2 only after every peer has
-// published call k + 1, which each does after reading call k, so a slot is never overwritten while a peer may
-// read it (a rank that does not wait at the end of a call may publish the next one before its peers have read
-// this one).
 // A call this rank made on another path (Control::elsewhere), a seqlock: `call` is 0 while the words change.
 struct OtherCall {
   std::atomic<uint64_t> call;  // the communicator's call number (from 1)
@@ -84,6 +80,10 @@ struct OtherCall {
 // peer waits for before its word is overwritten (then that peer times out, as without it).
 constexpr uint64_t kOtherCalls = 8;
 
+// Written by its rank only. Call k goes to call[k % 2]: a rank reaches call k + 2 only after every peer has
+// published call k + 1, which each does after reading call k, so a slot is never overwritten while a peer may
+// read it (a rank that does not wait at the end of a call may publish the next one before its peers have read
+// this one).
 struct alignas(64) Slot {
   std::atomic<uint64_t> published;  // number of this rank's latest call whose `call` is final (from 1)
   std::atomic<uint64_t> arrived;    // number of barriers this rank has reached (from 1)
