@@ -245,6 +245,22 @@ TEST(TcpStore, CheckAnswersAtOnceOnTheSameConnection) {
   EXPECT_EQ(memory.check("k"), std::optional<std::string>("v"));
 }
 
+// A stand-in for a store's server on a free port, for one connection: greets it (no secret), then runs `serve`
+// on it, then closes it.
+struct FakeServer {
+  net::Fd listener = net::listen_on("127.0.0.1", 0, 4);
+  const uint16_t port = net::bound_port(listener.get());
+  std::thread thread;
+  explicit FakeServer(std::function<void(int)> serve)
+      : thread([this, serve = std::move(serve)] {
+          net::Fd c = net::accept_from(listener.get(), Clock::now() + kConnect);
+          const char open = static_cast<char>(store::kGreetingOpen);
+          net::send_all(c.get(), &open, 1, Clock::now() + 1s, "greeting");
+          serve(c.get());
+        }) {}
+  ~FakeServer() { thread.join(); }
+};
+
 // Deleting: every key that begins with the prefix, and no other; the answer counts them; the server's count of
 // keys follows; a get waiting for a key is not disturbed. Each kind of store the same way.
 TEST(StoreErase, DeletesExactlyTheKeysUnderAPrefix) {
@@ -276,16 +292,12 @@ TEST(StoreErase, DeletesExactlyTheKeysUnderAPrefix) {
 
 // A server of release 0.1.0 knows no delete: it drops the client at the op byte, and the client says so.
 TEST(StoreErase, AServerWithoutDeleteIsNamed) {
-  net::Fd listener = net::listen_on("127.0.0.1", 0, 4);
-  const uint16_t port = net::bound_port(listener.get());
-  std::thread old([&] {
-    net::Fd c = net::accept_from(listener.get(), Clock::now() + kConnect);
-    const char open = static_cast<char>(store::kGreetingOpen);
-    net::send_all(c.get(), &open, 1, Clock::now() + 1s, "greeting");
+  FakeServer old([](int fd) {
     char op = 0;
-    net::recv_all(c.get(), &op, 1, Clock::now() + kConnect, "op");
+    net::recv_all(fd, &op, 1, Clock::now() + kConnect, "op");
     EXPECT_EQ(op, 4);
   });  // and closes, as its parser refuses op 4
+  const uint16_t port = old.port;
   TcpStore client("127.0.0.1", port, false, kConnect);
   const auto start = Clock::now();
   try {
@@ -297,7 +309,6 @@ TEST(StoreErase, AServerWithoutDeleteIsNamed) {
     EXPECT_NE(what.find("127.0.0.1:" + std::to_string(port)), std::string::npos) << what;
   }
   EXPECT_LT(Clock::now() - start, 2s);
-  old.join();
 }
 
 TEST(TcpStoreServer, UnknownOpDropsTheClientAtOnce) {
@@ -423,18 +434,14 @@ TEST(TcpStoreServer, BufferLimitDropsTheClientThatFillsIt) {
 
 // The client must not allocate whatever length a server announces.
 TEST(TcpStore, AbsurdValueLengthFromTheServerIsRefused) {
-  net::Fd listener = net::listen_on("127.0.0.1", 0, 4);
-  const uint16_t port = net::bound_port(listener.get());
-  std::thread fake([&] {
-    net::Fd c = net::accept_from(listener.get(), Clock::now() + kConnect);
-    const char open = static_cast<char>(store::kGreetingOpen);
-    net::send_all(c.get(), &open, 1, Clock::now() + 1s, "greeting");
+  FakeServer fake([](int fd) {
     char request[5 + 4];
-    net::recv_all(c.get(), request, sizeof request, Clock::now() + kConnect, "get");
+    net::recv_all(fd, request, sizeof request, Clock::now() + kConnect, "get");
     const std::string len = u32(0xfffffff0);
-    net::send_all(c.get(), len.data(), len.size(), Clock::now() + 1s, "reply");
+    net::send_all(fd, len.data(), len.size(), Clock::now() + 1s, "reply");
     std::this_thread::sleep_for(200ms);
   });
+  const uint16_t port = fake.port;
   TcpStore client("127.0.0.1", port, false, kConnect);
   try {
     client.get("addr", 5s);
@@ -444,7 +451,6 @@ TEST(TcpStore, AbsurdValueLengthFromTheServerIsRefused) {
     EXPECT_NE(what.find("4294967280 bytes"), std::string::npos) << what;
     EXPECT_NE(what.find("127.0.0.1:" + std::to_string(port)), std::string::npos) << what;
   }
-  fake.join();
 }
 
 // Closing the serving store waits (up to Server::kLinger) while others are connected, serving them, and ends
