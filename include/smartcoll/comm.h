@@ -75,6 +75,9 @@ class Request {
   // if the collective failed. A caller that waits on a small call while the engine is idle drives the engine
   // itself, so that no thread hand-off sits on the critical path.
   bool wait(std::optional<std::chrono::duration<double>> timeout = std::nullopt);
+  // The algorithm that runs the call: the one asked for or auto's choice, or the ring where a call through the
+  // aggregation switch runs the ring instead (the switch is gone, docs/switch.md); final once the call started.
+  Algorithm algorithm() const { return algo_.load(); }
 
  private:
   friend class Engine;
@@ -86,6 +89,7 @@ class Request {
   std::condition_variable cv_;
   std::atomic<bool> done_{false};
   std::string error_;
+  std::atomic<Algorithm> algo_{Algorithm::automatic};
   std::weak_ptr<Engine> engine_;
   int driver_ = -1;  // the engine worker a waiting caller may drive (-1: the call spans several workers)
 };
@@ -235,6 +239,7 @@ class Communicator {
   Options options_;
   std::unique_ptr<Config> config_;
   std::shared_ptr<Store> store_;
+  std::shared_ptr<Store> drawn_in_;  // rank 0, where it drew the job id: it deletes that key at close
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<cma::Local> cma_;
   std::unique_ptr<sw::Path> switch_;  // the aggregation switches (switch knob), joined at start-up

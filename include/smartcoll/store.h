@@ -23,6 +23,9 @@ class Store {
   // The value if the key exists now, without waiting (nullopt otherwise); never drops a connection. Throws
   // CommError only when the store cannot be reached.
   virtual std::optional<std::string> check(const std::string& key);
+  // Deletes every key that begins with `prefix` (a whole key, where no other key extends it); returns how many.
+  // Throws CommError when the store cannot be reached, or (a TCP store's server of release 0.1.0) cannot delete.
+  virtual size_t erase_prefix(const std::string& prefix) = 0;
   // How another process can reach this store ("tcp IP PORT SECRET", "file DIR"; open_store() reads it), for the
   // offload daemon (engine=nicd); empty for stores only this process can reach.
   virtual std::string locator() const { return ""; }
@@ -41,6 +44,7 @@ class PrefixStore : public Store {
     return inner_->get(prefix_ + key, timeout);
   }
   std::optional<std::string> check(const std::string& key) override { return inner_->check(prefix_ + key); }
+  size_t erase_prefix(const std::string& prefix) override { return inner_->erase_prefix(prefix_ + prefix); }
 
  private:
   std::shared_ptr<Store> inner_;
@@ -52,6 +56,8 @@ class MemoryStore : public Store {
  public:
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key, std::chrono::milliseconds timeout) override;
+  size_t erase_prefix(const std::string& prefix) override;
+  size_t size();  // keys held now (tests)
 
  private:
   std::mutex mu_;
@@ -66,6 +72,7 @@ class FileStore : public Store {
   explicit FileStore(std::string dir);
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key, std::chrono::milliseconds timeout) override;
+  size_t erase_prefix(const std::string& prefix) override;
   std::string locator() const override { return "file " + dir_; }
 
  private:
@@ -97,6 +104,7 @@ struct StoreServerStats {
   uint64_t timed_out = 0;        // clients dropped for idling or for not finishing the handshake in time
   uint64_t over_buffer = 0;      // clients dropped because the server's buffers were full (max_buffered)
   uint64_t accept_backoffs = 0;  // pauses of accept() because the process or system ran out of descriptors
+  uint64_t keys = 0;             // keys held now
 };
 
 namespace store {
@@ -116,6 +124,7 @@ class TcpStore : public Store {
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key, std::chrono::milliseconds timeout) override;
   std::optional<std::string> check(const std::string& key) override;
+  size_t erase_prefix(const std::string& prefix) override;
   std::string locator() const override { return "tcp " + ip_ + " " + std::to_string(port_) + " " + secret_; }
   // The port served (when serving with port 0, the one the kernel chose) or connected to.
   uint16_t port() const { return port_; }

@@ -17,10 +17,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "coll/algorithms.h"
 #include "core/log.h"
 #include "smartcoll/reduce.h"
+#include "store/cleanup.h"
 #include "switch/client.h"
 #include "transport/transport.h"
 
@@ -159,6 +161,8 @@ void probe(sw::Path& path, Transport& t, const char* what) {
   const uint8_t mine = why.empty() ? 1 : 0;
   std::vector<uint8_t> joined(static_cast<size_t>(t.size()));
   exchange(t, &mine, joined.data(), 1);
+  // Every rank is past every call of the job this rank said it lost: nobody reads that word any more.
+  if (!path.lost_key.empty()) forget(*path.store, std::exchange(path.lost_key, ""));
   if (std::all_of(joined.begin(), joined.end(), [](uint8_t j) { return j == 1; })) {
     path.client = std::move(fresh);  // the old client leaves the old job
     path.gone = false;
@@ -206,6 +210,7 @@ void run(sw::Path& path, Transport& t, const sw::Call& a, const char* what) {
       try {  // best effort: a store that is gone (its rank failed first) must not hide this failure
         path.store->set(lost, std::to_string(call) + " rank " + std::to_string(t.rank()) + " lost the switch: " +
                                   failure);
+        path.lost_key = lost;
       } catch (const CommError&) {
       }
     }

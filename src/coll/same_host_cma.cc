@@ -20,11 +20,14 @@ void same_host_cma(Builder& b, const Args& a) {
     return list;
   };
   const cma::Local::Call call{b.collective(), b.spec.dtype, b.spec.op, a.root, a.count, a.in, a.out};
-  b.exclusive([local, t, call, ins = pieces(a.in), outs = pieces(a.out), layout = b.compared_layout()] {
+  const Task* task = &b.task();
+  b.exclusive([local, t, call, task, ins = pieces(a.in), outs = pieces(a.out), layout = b.compared_layout()] {
     cma::Local::Call c = call;
     c.in_list = ins;
     c.out_list = outs;
     c.layout = layout;
+    c.call = task->seq + 1;  // numbered when submitted, after it was built
+    c.desc = &task->desc;
     local->run(*t, c);
   });
 }

@@ -100,9 +100,10 @@ Collective Builder::collective() const { return static_cast<Collective>(task_.de
 
 uint32_t Builder::compared_layout() const { return task_.check ? list_layout(task_.desc) : 0; }
 
-void Builder::exclusive(std::function<void()> body, std::function<bool()> lanes_instead) {
+void Builder::exclusive(std::function<void()> body, std::function<bool()> lanes_instead, Algorithm lanes_algo) {
   task_.exclusive = std::move(body);
   task_.lanes_instead = std::move(lanes_instead);
+  task_.lanes_algo = lanes_algo;
 }
 
 char* Builder::scratch(size_t bytes) {

@@ -84,11 +84,14 @@ class Builder {
   // Memory that lives as long as the task, from the engine's pool.
   char* scratch(size_t bytes);
   // The call runs `body` alone instead of lanes (core/task.h); with `lanes_instead`, the lanes built next to it
-  // run instead where that says so when the call starts.
-  void exclusive(std::function<void()> body, std::function<bool()> lanes_instead = {});
+  // (of algorithm `lanes_algo`) run instead where that says so, once every earlier call that runs alone is done.
+  void exclusive(std::function<void()> body, std::function<bool()> lanes_instead = {},
+                 Algorithm lanes_algo = Algorithm::ring);
   Collective collective() const;
   // A list call's digest of its counts where ranks compare their calls (the check knob); else 0.
   uint32_t compared_layout() const;
+  // The call being built: its number and descriptor are final when it runs.
+  const Task& task() const { return task_; }
 
  private:
   Lane& lane(int stream);

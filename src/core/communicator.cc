@@ -16,6 +16,7 @@
 #include "core/log.h"
 #include "core/onesided.h"
 #include "nicd/client.h"
+#include "store/cleanup.h"
 #include "smartcoll/comm.h"
 #include "switch/client.h"
 #include "transport/cma.h"
@@ -96,8 +97,10 @@ std::string random_token() {
   return text;
 }
 
-// The job this rank belongs to (see the job_id knob): set by the launcher, or the scheduler's, or drawn by rank 0.
-std::string resolve_job_id(const std::string& set, Store& store, int rank, std::chrono::milliseconds limit) {
+// The job this rank belongs to (see the job_id knob): set by the launcher, or the scheduler's, or drawn by rank 0
+// (then `drawn` is set: rank 0 deletes the key at close; every rank read it before it published its settings).
+std::string resolve_job_id(const std::string& set, Store& store, int rank, std::chrono::milliseconds limit,
+                           bool& drawn) {
   if (!set.empty()) return set;
   const char* run = std::getenv("TORCHELASTIC_RUN_ID");  // torchrun's --rdzv-id; "none" when not given
   if (run && *run && std::string_view(run) != "none") return std::string("torchelastic-") + run;
@@ -106,9 +109,10 @@ std::string resolve_job_id(const std::string& set, Store& store, int rank, std::
     return std::string("slurm-") + job + "." + (step ? step : "0");
   }
   if (rank == 0) {
-    std::string drawn = random_token();
-    store.set("smartcoll/job", drawn);
-    return drawn;
+    std::string id = random_token();
+    store.set("smartcoll/job", id);
+    drawn = true;
+    return id;
   }
   try {
     return store.get("smartcoll/job", limit);
@@ -133,8 +137,10 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
   const auto limit = std::chrono::milliseconds(static_cast<int64_t>(config_->connect_timeout * 1000));
   // Every key this communicator writes lives under its job's id, and every hello carries it: ranks of another
   // job that reach the same store or ports are never joined.
-  config_->job_id = resolve_job_id(config_->job_id, *store_, rank, limit);
+  bool drawn = false;
+  config_->job_id = resolve_job_id(config_->job_id, *store_, rank, limit, drawn);
   const std::string store_locator = store_->locator();  // engine=nicd: where the daemons meet
+  if (drawn) drawn_in_ = store_;
   store_ = std::make_shared<PrefixStore>(std::move(store_), "job/" + config_->job_id + "/");
   // Each process claims its rank with a fresh nonce; rank 0's start-up verdict names the claim it accepted for
   // every rank, and addresses are published per claim. A second process claiming the same rank (two jobs on one
@@ -357,7 +363,10 @@ void Communicator::close() {
   switch_.reset();  // leaves the switches, which free the job's slots
   cma_.reset();
   transport_.reset();
+  forget_communicator(*store_, rank_, size_);
+  if (drawn_in_) forget(*drawn_in_, "smartcoll/job");
   store_.reset();
+  drawn_in_.reset();
 }
 
 EngineStats Communicator::engine_stats() const {
@@ -441,6 +450,7 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
   check_usable();
   check_buffers(call, in, out);
   auto req = std::make_shared<Request>();
+  req->algo_ = call.algo;
   if (size_ == 1 || (call.count == 0 && call.coll != Collective::barrier)) {
     // Nothing to exchange: the result is the input. A call of no elements still takes its number, so that the
     // calls after it keep the same numbers on every rank.
@@ -448,6 +458,11 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
     std::lock_guard lock(submit_mu_);
     check_one_poster();
     if (in && out && in != out && bytes) std::memmove(out, in, bytes);
+    if (cma_usable_) {  // a same-host peer whose count is not 0 must not wait for this rank there
+      const Descriptor d =
+          make_descriptor(call.coll, call.dt, call.op, call.algo, call.root, call.count, call.codec, false);
+      cma_->elsewhere(seq_, &d);
+    }
     ++seq_;
     last_posted_ = req;
     req->finish("");
@@ -461,6 +476,7 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
                                       static_cast<uint8_t>(call.op), call.root, call.count,
                                       reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out),
                                       call.codec.name()});
+    req->algo_ = call.algo;
     return req;
   }
   auto task = std::make_unique<Task>();
@@ -489,6 +505,7 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
   last_posted_ = req;
   task->seq = seq_++;
   history_->add(task->seq, task->desc);
+  if (cma_usable_ && call.algo != Algorithm::cma) cma_->elsewhere(task->seq, &task->desc);
   engine_->submit(std::move(task));
   return req;
 }

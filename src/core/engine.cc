@@ -211,11 +211,22 @@ void Engine::submit(std::unique_ptr<Task> task) {
     std::unique_ptr<Task> owned(t);
     throw InvalidArgument("the communicator is closed");
   }
-  const bool wait_turn = exclusive_running_ || !held_.empty() || (t->exclusive && inflight_ > 0);
+  const bool wait_turn = exclusive_running_ || !held_.empty() || (runs_alone(t) && inflight_ > 0);
   if (wait_turn)
     held_.push_back(t);
   else
     dispatch(t);
+}
+
+bool Engine::runs_alone(Task* t) {
+  // Every call before this one that runs alone has finished (the switch path's calls change what
+  // `lanes_instead` answers only there), so the answer is the same on every rank; the calls in flight run lanes.
+  if (t->exclusive && t->lanes_instead && t->lanes_instead()) {
+    t->exclusive = nullptr;
+    t->req->algo_ = t->lanes_algo;
+  }
+  t->lanes_instead = nullptr;
+  return t->exclusive != nullptr;
 }
 
 void Engine::dispatch(Task* t) {
@@ -229,9 +240,7 @@ void Engine::dispatch(Task* t) {
     delete t;
     return;
   }
-  if (t->exclusive && t->lanes_instead && t->lanes_instead()) {
-    t->exclusive = nullptr;  // the lanes built next to it run, as any call's
-  } else if (t->exclusive) {
+  if (runs_alone(t)) {
     exclusive_running_ = true;
     // The body runs as the single compute op of a lane on worker 0.
     t->lanes.clear();
@@ -277,7 +286,7 @@ void Engine::complete(Task* t) {
   if (inflight_ == 0) exclusive_running_ = false;
   while (!held_.empty()) {
     Task* next = held_.front();
-    if (exclusive_running_ || (next->exclusive && inflight_ > 0)) break;
+    if (exclusive_running_ || (runs_alone(next) && inflight_ > 0)) break;
     held_.pop_front();
     dispatch(next);
   }

@@ -73,6 +73,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
  private:
   struct Worker;
   void dispatch(Task* task);  // mu_ held
+  // Whether `task` must wait until no other call is in flight (mu_ held). Asked once no call that runs alone is
+  // in flight or held before it: a call whose `lanes_instead` says so then becomes a call like any other.
+  static bool runs_alone(Task* task);
   void complete(Task* task);
   void fail(const std::string& error);
   void drive(Worker& w, const std::function<bool()>& enough, std::optional<Clock::time_point> deadline);

@@ -16,6 +16,7 @@
 #include "core/log.h"
 #include "core/mac.h"
 #include "kernels/copy.h"
+#include "store/cleanup.h"
 
 namespace smartcoll::rma {
 
@@ -252,6 +253,7 @@ Service::~Service() {
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t n = ::write(wakefd_.get(), &one, sizeof one);
   if (thread_.joinable()) thread_.join();
+  forget(*store_, key(s_.rank));  // nobody can reach this server any more: its address and token go
 }
 
 void Service::abort(const std::string& why) {

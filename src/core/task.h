@@ -21,6 +21,7 @@
 namespace smartcoll {
 
 class Request;
+enum class Algorithm : uint8_t;
 class BufferPool;
 
 // What a call is, as ranks compare it: carried in front of the call's first message on every channel (when the
@@ -101,11 +102,13 @@ struct Task {
   std::deque<std::vector<iovec>> piece_lists;  // Op::pieces
   std::shared_ptr<const void> state;  // what lanes and computes point into (reduction spec, codec)
   // Runs alone, with no other call in flight and nothing else using the channels (the same-host path, which
-  // drives its own control messages); when set, lanes is empty, unless `lanes_instead` is set too: asked when the
-  // call starts (every earlier call has finished then, so its answer follows from them alone), true runs the
-  // lanes as any call's instead (the switch path's ring while the switches are unusable).
+  // drives its own control messages); when set, lanes is empty, unless `lanes_instead` is set too: asked once
+  // every earlier call that runs alone has finished (so its answer follows from them alone, alike on every rank),
+  // true runs the lanes (of algorithm `lanes_algo`) as any call's instead, without waiting for the calls in
+  // flight (the switch path's ring while the switches are unusable).
   std::function<void()> exclusive;
   std::function<bool()> lanes_instead;
+  Algorithm lanes_algo{};
   std::shared_ptr<Request> req;
   std::atomic<int> lanes_left{0};
 };

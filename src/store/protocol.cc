@@ -36,6 +36,12 @@ std::string encode_request(const Request& r) {
   return out;
 }
 
+std::string encode_count(uint32_t n) {
+  std::string out;
+  append_u32(out, n);
+  return out;
+}
+
 std::string encode_reply(std::optional<std::string_view> value) {
   std::string out;
   if (!value) {
@@ -69,7 +75,7 @@ std::optional<Request> RequestParser::next() {
   const std::string_view in = std::string_view(buf_).substr(pos_);
   if (in.empty()) return std::nullopt;
   const auto op = static_cast<uint8_t>(in[0]);
-  if (op < static_cast<uint8_t>(Op::set) || op > static_cast<uint8_t>(Op::check))
+  if (op < static_cast<uint8_t>(Op::set) || op > kLastOp)
     return fail("unknown op " + std::to_string(op));
   if (in.size() < 5) return std::nullopt;
   const uint32_t key_len = load_u32(in.data() + 1);

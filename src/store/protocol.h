@@ -29,8 +29,11 @@ Digest handshake_proof(std::string_view secret, std::span<const uint8_t> nonce);
 
 // Requests: op (u8), key length (u32 LE), key, and for a set: value length (u32 LE), value.
 // A get is answered, once the key exists, with value length (u32 LE) and value; a check (a get that does not
-// wait) at once, the same way or with length kAbsent when the key does not exist; a set is not answered.
-enum class Op : uint8_t { set = 1, get = 2, check = 3 };
+// wait) at once, the same way or with length kAbsent when the key does not exist; a set is not answered. An
+// erase (op 4, new after release 0.1.0) deletes every key that begins with its key and is answered with how many it
+// deleted (u32 LE); a server of an earlier release drops the client at its op byte.
+enum class Op : uint8_t { set = 1, get = 2, check = 3, erase = 4 };
+inline constexpr uint8_t kLastOp = static_cast<uint8_t>(Op::erase);
 inline constexpr uint32_t kAbsent = 0xffffffff;
 
 struct Request {
@@ -41,6 +44,7 @@ struct Request {
 
 std::string encode_request(const Request& r);
 std::string encode_reply(std::optional<std::string_view> value);  // nullopt: a check of a key that does not exist
+std::string encode_count(uint32_t n);  // the reply to an erase
 uint32_t load_u32(const void* p);
 
 // Splits a client's byte stream into requests. Each header field is checked as soon as its bytes are in, so a

@@ -89,7 +89,7 @@ Server::~Server() {
 
 StoreServerStats Server::stats() const {
   return {stats_.loop_iterations, stats_.accepted,  stats_.clients,     stats_.bad_requests,
-          stats_.refused,         stats_.timed_out, stats_.over_buffer, stats_.accept_backoffs};
+          stats_.refused,         stats_.timed_out, stats_.over_buffer, stats_.accept_backoffs, stats_.keys};
 }
 
 void Server::run() {
@@ -268,6 +268,14 @@ void Server::serve(Client& c) {
 }
 
 void Server::execute(Client& c, Request& r) {
+  if (r.op == Op::erase) {  // every key that begins with r.key
+    uint32_t erased = 0;
+    for (auto it = values_.lower_bound(r.key); it != values_.end() && it->first.starts_with(r.key); ++erased)
+      it = values_.erase(it);
+    stats_.keys = values_.size();
+    send_bytes(c, encode_count(erased));
+    return;
+  }
   if (r.op == Op::get || r.op == Op::check) {
     if (auto it = values_.find(r.key); it != values_.end()) {
       reply(c, it->second);
@@ -281,6 +289,7 @@ void Server::execute(Client& c, Request& r) {
     return;
   }
   const std::string& value = values_.insert_or_assign(r.key, std::move(r.value)).first->second;
+  stats_.keys = values_.size();
   auto [lo, hi] = waiting_.equal_range(r.key);
   for (auto it = lo; it != hi; ++it) {
     auto found = clients_.find(it->second);
@@ -293,12 +302,14 @@ void Server::execute(Client& c, Request& r) {
   waiting_.erase(lo, hi);
 }
 
-void Server::reply(Client& c, std::optional<std::string_view> value) {
+void Server::reply(Client& c, std::optional<std::string_view> value) { send_bytes(c, encode_reply(value)); }
+
+void Server::send_bytes(Client& c, const std::string& bytes) {
   if (c.out_sent == c.out.size()) {
     c.out.clear();
     c.out_sent = 0;
   }
-  c.out += encode_reply(value);
+  c.out += bytes;
 }
 
 void Server::flush(Client& c, Time now) {

@@ -44,6 +44,7 @@ class Server {
   void serve(Client& c);
   void execute(Client& c, Request& r);
   void reply(Client& c, std::optional<std::string_view> value);  // nullopt: a check of a key not there
+  void send_bytes(Client& c, const std::string& bytes);
   void flush(Client& c, Time now);
   void update_events(Client& c);
   void account(Client& c);
@@ -73,7 +74,7 @@ class Server {
 
   struct Counters {
     std::atomic<uint64_t> loop_iterations{0}, accepted{0}, clients{0}, bad_requests{0}, refused{0}, timed_out{0},
-        over_buffer{0}, accept_backoffs{0};
+        over_buffer{0}, accept_backoffs{0}, keys{0};
   } stats_;
 
   std::thread thread_;

@@ -48,6 +48,19 @@ std::string MemoryStore::get(const std::string& key, std::chrono::milliseconds t
   return values_[key];
 }
 
+size_t MemoryStore::erase_prefix(const std::string& prefix) {
+  std::lock_guard lock(mu_);
+  size_t erased = 0;
+  for (auto it = values_.lower_bound(prefix); it != values_.end() && it->first.starts_with(prefix); ++erased)
+    it = values_.erase(it);
+  return erased;
+}
+
+size_t MemoryStore::size() {
+  std::lock_guard lock(mu_);
+  return values_.size();
+}
+
 FileStore::FileStore(std::string dir) : dir_(std::move(dir)) { std::filesystem::create_directories(dir_); }
 
 std::string FileStore::path_of(const std::string& key) const {
@@ -80,6 +93,20 @@ std::string FileStore::get(const std::string& key, std::chrono::milliseconds tim
     if (net::Clock::now() > deadline) throw CommError(timeout_message(key, timeout) + " (file store " + dir_ + ")");
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
+}
+
+size_t FileStore::erase_prefix(const std::string& prefix) {
+  // Names are keys with other characters than [A-Za-z0-9.-] as '_' (path_of): the prefix's name begins every
+  // name of a key that begins with the prefix. A value still being written (its temporary file) is left alone.
+  const std::string name = std::filesystem::path(path_of(prefix)).filename().string();
+  size_t erased = 0;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir_, ec)) {
+    const std::string file = entry.path().filename().string();
+    if (file.starts_with(name) && file.find(".tmp.") == std::string::npos && std::filesystem::remove(entry.path(), ec))
+      ++erased;
+  }
+  return erased;
 }
 
 namespace {
@@ -213,6 +240,27 @@ std::string TcpStore::get(const std::string& key, std::chrono::milliseconds time
 std::optional<std::string> TcpStore::check(const std::string& key) {
   // Answered at once: the time limit only bounds a server that has stopped answering.
   return ask(false, key, std::chrono::seconds(5));
+}
+
+size_t TcpStore::erase_prefix(const std::string& prefix) {
+  if (prefix.size() > limits_.max_key)
+    throw InvalidArgument("store key prefix '" + prefix.substr(0, 64) + "...' has " + std::to_string(prefix.size()) +
+                          " bytes, over the limit of " + std::to_string(limits_.max_key));
+  std::lock_guard lock(mu_);
+  // Answered at once: the time limit only bounds a server that has stopped answering.
+  const auto deadline = net::Clock::now() + std::chrono::seconds(5);
+  const std::string msg = store::encode_request({store::Op::erase, prefix, {}});
+  uint8_t count[4];
+  try {
+    const int fd = connection(deadline);
+    net::send_all(fd, msg.data(), msg.size(), deadline, "store delete");
+    net::recv_all(fd, count, 4, deadline, "the store's answer to a delete");
+  } catch (const CommError& e) {
+    disconnect();
+    throw CommError("the store at " + where() + " did not delete the keys under '" + prefix + "': " + e.what() +
+                    " (a server of smartcoll 0.1.0 cannot delete: it closes the connection at the request)");
+  }
+  return store::load_u32(count);
 }
 
 std::optional<std::string> TcpStore::ask(bool wait, const std::string& key, std::chrono::milliseconds timeout) {

@@ -131,6 +131,8 @@ struct Path {
   // Where a rank that lost its switch says so (key switch/lost/<job id>, value "<call> <why>"), so that the others
   // stop waiting for it in that call and every later one.
   std::shared_ptr<Store> store;
+  // The key this rank wrote there, if any: the next probe deletes it (every rank has finished the job's calls).
+  std::string lost_key;
   // Every rank agreed to stop using the switches: calls go to the ring until the next probe, and this rank leaves
   // the job at once, so that the switches free its slots as soon as every rank that joined has left.
   void fall_back() {

@@ -16,10 +16,13 @@
 #include <optional>
 #include <random>
 
+#include "core/agreement.h"
 #include "core/log.h"
 #include "smartcoll/reduce.h"
 
 namespace smartcoll::cma {
+
+static_assert(sizeof(Descriptor) == kCallBytes);
 
 namespace {
 
@@ -488,7 +491,17 @@ void Local::run_call(Transport& t, const Call& c) {
                        in_at, out_at, in_pieces, out_pieces, c.layout, 0};
   Sides s{*this, t, std::vector<Addresses>(un), {}, {}, {}, {}, std::vector<std::optional<Vector>>(un),
           std::vector<std::optional<Vector>>(un)};
-  control_->exchange(mine, s.addrs.data());
+  try {
+    control_->exchange(mine, s.addrs.data(), c.call);
+  } catch (const OtherPath& e) {
+    // `auto` chose by each rank's own arguments: the peer's call took a TCP algorithm (or moved nothing).
+    Descriptor theirs, own;
+    std::memcpy(&theirs, e.desc.data(), sizeof theirs);
+    if (c.desc) std::memcpy(&own, c.desc, sizeof own);
+    throw CommError(prefix(t) + ": ranks disagree: rank " + std::to_string(e.peer) + " called " +
+                    smartcoll::describe(theirs) + ", this rank (" + std::to_string(r) + ") " +
+                    (c.desc ? smartcoll::describe(own) : describe(mine)) + " on the same-host path");
+  }
   for (int p = 0; p < n; ++p) {
     const Addresses& a = s.addrs[static_cast<size_t>(p)];
     if (a.magic != kAddrMagic || a.coll != mine.coll || a.dtype != mine.dtype || a.op != mine.op ||

@@ -61,6 +61,8 @@ class Local {
   // A list call (docs/vectored.md) gives a side as its pieces instead, in vector order, each a whole number (not
   // 0) of elements (in_list for in, out_list for out; an empty list: the pointer is the buffer), and the digest
   // of its counts (`layout`, 0 where calls are not compared): the call reads and writes the pieces where they are.
+  // `call` and `desc` (a core/task.h Descriptor) number and describe the communicator's call, so that a peer
+  // that made that call on another path is named with it (0 and null: not numbered).
   struct Call {
     Collective coll;
     DataType dt;
@@ -71,6 +73,8 @@ class Local {
     char* out;
     std::span<const Extent> in_list = {}, out_list = {};
     uint32_t layout = 0;
+    uint64_t call = 0;
+    const void* desc = nullptr;
   };
   // Runs `c` with single-copy reads of the peers' buffers: each byte crosses memory once (allgather, alltoall,
   // broadcast) or is read once by the rank that reduces it (chunk q of a reduction by rank q, in rank order: every
@@ -86,6 +90,12 @@ class Local {
 
   // Calls run on this path so far (the tests check which path a call took).
   uint64_t calls() const { return calls_.load(std::memory_order_relaxed); }
+
+  // This rank makes the communicator's call number `seq` (from 0) on another path; `desc` is its descriptor
+  // (kCallBytes). Peers that wait for that call here fail at once, naming it (Control::elsewhere).
+  void elsewhere(uint64_t seq, const void* desc) {
+    if (control_) control_->elsewhere(seq + 1, desc);
+  }
 
   // Bytes per piece of the reduce phase (read from a peer into an L2-resident staging buffer, then reduced).
   // Exposed for benchmarks; a multiple of every element size.

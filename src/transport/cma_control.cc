@@ -47,7 +47,7 @@ namespace {
 class TcpControl final : public Control {
  public:
   explicit TcpControl(Transport& t) : t_(t) {}
-  void exchange(const Addresses& mine, Addresses* all) override {
+  void exchange(const Addresses& mine, Addresses* all, uint64_t /*call*/) override {
     smartcoll::exchange(t_, &mine, all, sizeof(Addresses));
   }
   void barrier(uint8_t phase, bool /*wait: every rank exchanges its phase*/) override {
@@ -67,7 +67,7 @@ class TcpControl final : public Control {
 
 // ---- over shared memory ----
 
-constexpr uint64_t kSegmentMagic = 0x534d43434d415331;  // "SMCCMAS1"
+constexpr uint64_t kSegmentMagic = 0x534d43434d415333;  // "SMCCMAS3": list descriptors, calls on other paths
 
 struct alignas(64) Header {
   uint64_t magic;
@@ -76,6 +76,15 @@ struct alignas(64) Header {
   std::atomic<uint32_t> bell;     // bumped by every publication; futex word of the waiters
   std::atomic<uint32_t> waiters;  // ranks asleep (or about to sleep) on the bell
 };
+
+// A call this rank made on another path (Control::elsewhere), a seqlock: `call` is 0 while the words change.
+struct OtherCall {
+  std::atomic<uint64_t> call;  // the communicator's call number (from 1)
+  std::atomic<uint64_t> words[kCallBytes / 8];
+};
+// Places for the latest calls on other paths, by call number: a rank may post this many calls beyond the one a
+// peer waits for before its word is overwritten (then that peer times out, as without it).
+constexpr uint64_t kOtherCalls = 8;
 
 // Written by its rank only. Call k goes to call[k % 2]: a rank reaches call k + 2 only after every peer has
 // published call k + 1, which each does after reading call k, so a slot is never overwritten while a peer may
@@ -86,10 +95,11 @@ struct alignas(64) Slot {
   std::atomic<uint64_t> arrived;    // number of barriers this rank has reached (from 1)
   std::atomic<uint32_t> gone;       // 1: this rank failed or closed its communicator
   Addresses call[2];
+  OtherCall other[kOtherCalls];
 };
 
-static_assert(sizeof(Slot) == 192);  // docs/same-host.md
 static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free);
+static_assert(sizeof(Slot) == 512, "docs/same-host.md gives the slot's size");
 
 size_t segment_bytes(int n) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
@@ -124,12 +134,22 @@ class ShmControl final : public Control {
 
   ~ShmControl() override { leave(); }
 
-  void exchange(const Addresses& mine, Addresses* all) override {
+  void exchange(const Addresses& mine, Addresses* all, uint64_t call) override {
     const uint64_t k = ++calls_;
     slots_[rank_].call[k % 2] = mine;
     arrive(&Slot::published, k);
-    wait(&Slot::published, k, "its call #", " on this path");
+    wait(&Slot::published, k, "its call #", " on this path", call);
     for (int p = 0; p < n_; ++p) all[p] = slots_[p].call[k % 2];
+  }
+
+  void elsewhere(uint64_t call, const void* desc) override {
+    OtherCall& o = slots_[rank_].other[call % kOtherCalls];
+    uint64_t words[kCallBytes / 8];
+    std::memcpy(words, desc, kCallBytes);
+    o.call.store(0, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_release);
+    for (size_t i = 0; i < std::size(words); ++i) o.words[i].store(words[i], std::memory_order_relaxed);
+    o.call.store(call, std::memory_order_release);
   }
 
   void barrier(uint8_t /*phase: the calls were compared, so every rank passes the same barriers*/,
@@ -169,8 +189,22 @@ class ShmControl final : public Control {
     if (all_reached(counter, k)) ring();
   }
 
-  // Returns once every rank's `counter` is at least k (acquire: their stores before it are visible).
-  void wait(Counter counter, uint64_t k, const char* what, const char* suffix) {
+  // Throws OtherPath if rank p left word that it made call number `call` on another path.
+  void check_elsewhere(int p, uint64_t call) const {
+    const OtherCall& o = slots_[p].other[call % kOtherCalls];
+    if (call == 0 || o.call.load(std::memory_order_acquire) != call) return;
+    uint64_t words[kCallBytes / 8];
+    for (size_t i = 0; i < std::size(words); ++i) words[i] = o.words[i].load(std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (o.call.load(std::memory_order_relaxed) != call) return;  // overwritten meanwhile: a later call's
+    std::array<unsigned char, kCallBytes> desc;
+    std::memcpy(desc.data(), words, kCallBytes);
+    throw OtherPath(p, desc);
+  }
+
+  // Returns once every rank's `counter` is at least k (acquire: their stores before it are visible). `call`: the
+  // communicator's number of the call being published (0: none), whose peers may have made it elsewhere.
+  void wait(Counter counter, uint64_t k, const char* what, const char* suffix, uint64_t call = 0) {
     auto missing = [&] {
       std::vector<int> m;
       for (int p = 0; p < n_; ++p)
@@ -188,10 +222,12 @@ class ShmControl final : public Control {
     for (;;) {
       const uint32_t bell = header_->bell.load();
       if (all_there()) return;
-      for (int p : missing())
+      for (int p : missing()) {
+        check_elsewhere(p, call);  // first: a peer that went elsewhere may have closed since
         if (slots_[p].gone.load())
           throw CommError("cma: rank " + std::to_string(p) + " failed or closed its communicator before getting to " +
                           waited_for() + " (this rank: " + std::to_string(rank_) + ")");
+      }
       check_alive_();
       if (Clock::now() - start > timeout_) {
         std::string who;

@@ -10,6 +10,7 @@
 // ranks crash.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -17,6 +18,7 @@
 #include <memory>
 #include <string>
 
+#include "smartcoll/types.h"
 #include "transport/transport.h"
 
 namespace smartcoll::cma {
@@ -40,12 +42,30 @@ inline constexpr uint32_t kAddrMagic = 0x434d4143;  // "CMAC"
 // "allreduce(count=..., float32, op=sum, root=-1)", robust to values out of range.
 std::string describe(const Addresses& a);
 
+// A call that a rank makes on another path (a TCP algorithm, or a call of no elements) while its peers may take
+// this one: `auto` decides from each rank's own arguments, so ranks that pass different ones can part ways. The
+// rank leaves the call's descriptor (kCallBytes: core/task.h's Descriptor) where a peer that waits for that call
+// here finds it, and that peer fails at once naming both calls instead of waiting for the timeout.
+inline constexpr size_t kCallBytes = 32;
+struct OtherPath : CommError {
+  OtherPath(int peer, const std::array<unsigned char, kCallBytes>& desc)
+      : CommError("rank " + std::to_string(peer) + " made this call on another path"), peer(peer), desc(desc) {}
+  int peer;
+  std::array<unsigned char, kCallBytes> desc;
+};
+
 class Control {
  public:
   virtual ~Control() = default;
   // Publishes this rank's call and fills all[p] with rank p's (all[rank] = mine). Returns once every rank has
-  // published; throws CommError naming a rank that died, failed or did not publish within the timeout.
-  virtual void exchange(const Addresses& mine, Addresses* all) = 0;
+  // published; throws CommError naming a rank that died, failed or did not publish within the timeout, and
+  // OtherPath where a peer left word (elsewhere()) that it made the communicator's call number `call` on another
+  // path (0: not numbered, no such check).
+  virtual void exchange(const Addresses& mine, Addresses* all, uint64_t call = 0) = 0;
+  // This rank makes the communicator's call number `call` (from 1) on another path; `desc` is its descriptor
+  // (kCallBytes). Never waits and makes no system call: the TCP channel keeps nothing (its peers meet the
+  // other path's messages instead).
+  virtual void elsewhere(uint64_t /*call*/, const void* /*desc*/) {}
   // Returns once every rank has reached this barrier (every rank passes the same barriers in the same order;
   // `phase` tells them apart where the channel can check it). Throws as exchange() does. Without `wait` the
   // channel may return as soon as this rank is counted in (the shared segment does; TCP waits anyway): for a

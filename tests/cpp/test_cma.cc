@@ -338,6 +338,91 @@ TEST(CmaThreadsErrors, IntegerAvgIsInvalidArgument) {
   });
 }
 
+// ---- ranks whose own arguments send `auto` down different paths ----
+
+// Rank 0's call takes the same-host path, rank 1's a TCP algorithm (auto decides from each rank's own
+// arguments). Both must fail well before the timeout (20 s here) with the disagreement, each naming both calls.
+struct SplitCase {
+  const char* name;
+  std::function<void(Communicator&)> call;  // throws CommError on the disagreement
+  std::vector<std::string> named;           // what every failing rank's message must contain
+  std::vector<int> failing = {0, 1};
+};
+void PrintTo(const SplitCase& c, std::ostream* os) { *os << c.name; }
+
+class CmaPathSplit : public ::testing::TestWithParam<SplitCase> {};
+
+TEST_P(CmaPathSplit, EveryRankFailsAtOnceNamingBothCalls) {
+  const SplitCase& c = GetParam();
+  std::vector<std::string> errors(2), control(2);
+  std::vector<double> seconds(2, 0.0);
+  harness::run_ranks(2, [&](Communicator& comm) {
+    control[comm.rank()] = comm.cma_control();
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      c.call(comm);
+    } catch (const CommError& e) {
+      errors[comm.rank()] = e.what();
+    }
+    seconds[comm.rank()] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  });
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(control[r], "shm") << "rank " << r << ": the test needs the segment";
+  for (int r : c.failing) {
+    EXPECT_NE(errors[r].find("ranks disagree"), std::string::npos) << "rank " << r << ": " << errors[r];
+    for (const std::string& what : c.named)
+      EXPECT_NE(errors[r].find(what), std::string::npos) << "rank " << r << " does not name " << what << ": "
+                                                         << errors[r];
+    EXPECT_LT(seconds[r], 2.0) << "rank " << r << ": " << errors[r];
+  }
+}
+
+constexpr size_t kLarge = size_t{1} << 17;  // 512 KiB of float32: above rhd_max_bytes, so auto takes cma
+
+INSTANTIATE_TEST_SUITE_P(
+    Auto, CmaPathSplit,
+    ::testing::Values(
+        SplitCase{"count",
+                  [](Communicator& comm) {
+                    std::vector<float> x(kLarge, 1.0f);
+                    const size_t count = comm.rank() == 0 ? kLarge : 16;  // 16: recursive doubling over TCP
+                    comm.allreduce(x.data(), x.data(), count, DataType::f32, ReduceOp::sum)->wait();
+                  },
+                  {"allreduce(count=131072, float32, op=sum, algo=cma)",
+                   "allreduce(count=16, float32, op=sum, algo=rd)"}},
+        SplitCase{"collective",
+                  [](Communicator& comm) {
+                    std::vector<float> in(kLarge, 1.0f), out(2 * kLarge);
+                    if (comm.rank() == 0)
+                      comm.allgather(in.data(), out.data(), kLarge, DataType::f32)->wait();
+                    else
+                      comm.broadcast(in.data(), 8, DataType::f32, 0)->wait();  // small: the tree, over TCP
+                  },
+                  {"allgather(count=131072, float32, algo=cma)", "broadcast(count=8, float32, algo=tree, root=0)"}},
+        SplitCase{"list",
+                  [](Communicator& comm) {
+                    // The same elements as one buffer and as a list: both take the same-host path, where the
+                    // list's layout digest tells the calls apart.
+                    std::vector<float> x(kLarge, 1.0f);
+                    if (comm.rank() == 0) {
+                      comm.allreduce(x.data(), x.data(), kLarge, DataType::f32, ReduceOp::sum)->wait();
+                    } else {
+                      std::vector<void*> bufs = {x.data(), x.data() + kLarge / 2};
+                      std::vector<size_t> counts = {kLarge / 2, kLarge / 2};
+                      comm.allreduce(bufs, counts, DataType::f32, ReduceOp::sum)->wait();
+                    }
+                  },
+                  {"allreduce(count=131072, float32, op=sum, root=-1)", "a list of counts digest"}},
+        SplitCase{"nothing",
+                  [](Communicator& comm) {
+                    // A call of no elements returns at once; the peer must not wait for it on the segment.
+                    std::vector<float> x(kLarge, 1.0f);
+                    const size_t count = comm.rank() == 0 ? kLarge : 0;
+                    comm.allreduce(x.data(), x.data(), count, DataType::f32, ReduceOp::sum)->wait();
+                  },
+                  {"allreduce(count=131072, float32, op=sum, algo=cma)", "allreduce(count=0, float32, op=sum"},
+                  {0}}),
+    [](const auto& info) { return std::string(info.param.name); });
+
 // ---- ranks as forked processes ----
 
 struct TempDir {

@@ -14,7 +14,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <thread>
@@ -75,6 +77,15 @@ TEST(StoreParser, RequestsSplitAnywhereParseTheSame) {
 }
 
 TEST(StoreParser, UnknownOpIsRefusedAtItsFirstByte) {
+  RequestParser e(4096, 1 << 20);  // the last op: a delete, a key and nothing after it
+  e.feed(store::encode_request({Op::erase, "rma/", "ignored"}) + "\x05");
+  const auto erase = e.next();
+  ASSERT_TRUE(erase);
+  EXPECT_EQ(erase->op, Op::erase);
+  EXPECT_EQ(erase->key, "rma/");
+  EXPECT_EQ(erase->value, "");
+  EXPECT_FALSE(e.next());
+  EXPECT_EQ(e.error(), "unknown op 5");
   RequestParser p(4096, 1 << 20);
   p.feed("\x07");
   EXPECT_FALSE(p.next());
@@ -234,6 +245,72 @@ TEST(TcpStore, CheckAnswersAtOnceOnTheSameConnection) {
   EXPECT_EQ(memory.check("k"), std::optional<std::string>("v"));
 }
 
+// A stand-in for a store's server on a free port, for one connection: greets it (no secret), then runs `serve`
+// on it, then closes it.
+struct FakeServer {
+  net::Fd listener = net::listen_on("127.0.0.1", 0, 4);
+  const uint16_t port = net::bound_port(listener.get());
+  std::thread thread;
+  explicit FakeServer(std::function<void(int)> serve)
+      : thread([this, serve = std::move(serve)] {
+          net::Fd c = net::accept_from(listener.get(), Clock::now() + kConnect);
+          const char open = static_cast<char>(store::kGreetingOpen);
+          net::send_all(c.get(), &open, 1, Clock::now() + 1s, "greeting");
+          serve(c.get());
+        }) {}
+  ~FakeServer() { thread.join(); }
+};
+
+// Deleting: every key that begins with the prefix, and no other; the answer counts them; the server's count of
+// keys follows; a get waiting for a key is not disturbed. Each kind of store the same way.
+TEST(StoreErase, DeletesExactlyTheKeysUnderAPrefix) {
+  TcpStore server("127.0.0.1", 0, true, kConnect);
+  TcpStore client("127.0.0.1", server.port(), false, kConnect);
+  MemoryStore memory;
+  char dir[] = "/tmp/smartcoll-erase-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  FileStore file(dir);
+  for (Store* st : std::initializer_list<Store*>{&client, &memory, &file}) {
+    for (const char* key : {"rma/1/ab", "rma/10/cd", "rma/1/", "rma/", "other"}) st->set(key, "v");
+    EXPECT_EQ(st->erase_prefix("rma/1/"), 2u);  // not rma/10/
+    EXPECT_EQ(st->check("rma/1/ab"), std::nullopt);
+    EXPECT_EQ(st->check("rma/10/cd"), std::optional<std::string>("v"));
+    EXPECT_EQ(st->erase_prefix("rma/1/"), 0u);
+    EXPECT_EQ(st->erase_prefix("rma/"), 2u);
+    EXPECT_EQ(st->check("other"), std::optional<std::string>("v"));
+  }
+  EXPECT_EQ(server.server_stats().keys, 1u);
+  EXPECT_EQ(memory.size(), 1u);
+  std::thread waiter([&] { EXPECT_EQ(server.get("later", 5s), "here"); });
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(client.erase_prefix(""), 1u);  // everything: "other"
+  EXPECT_EQ(server.server_stats().keys, 0u);
+  client.set("later", "here");
+  waiter.join();
+  std::filesystem::remove_all(dir);
+}
+
+// A server of release 0.1.0 knows no delete: it drops the client at the op byte, and the client says so.
+TEST(StoreErase, AServerWithoutDeleteIsNamed) {
+  FakeServer old([](int fd) {
+    char op = 0;
+    net::recv_all(fd, &op, 1, Clock::now() + kConnect, "op");
+    EXPECT_EQ(op, 4);
+  });  // and closes, as its parser refuses op 4
+  const uint16_t port = old.port;
+  TcpStore client("127.0.0.1", port, false, kConnect);
+  const auto start = Clock::now();
+  try {
+    client.erase_prefix("rma/");
+    ADD_FAILURE() << "no error";
+  } catch (const CommError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("cannot delete"), std::string::npos) << what;
+    EXPECT_NE(what.find("127.0.0.1:" + std::to_string(port)), std::string::npos) << what;
+  }
+  EXPECT_LT(Clock::now() - start, 2s);
+}
+
 TEST(TcpStoreServer, UnknownOpDropsTheClientAtOnce) {
   TcpStore server("127.0.0.1", 0, true, kConnect);
   Raw bad(server.port());
@@ -357,18 +434,14 @@ TEST(TcpStoreServer, BufferLimitDropsTheClientThatFillsIt) {
 
 // The client must not allocate whatever length a server announces.
 TEST(TcpStore, AbsurdValueLengthFromTheServerIsRefused) {
-  net::Fd listener = net::listen_on("127.0.0.1", 0, 4);
-  const uint16_t port = net::bound_port(listener.get());
-  std::thread fake([&] {
-    net::Fd c = net::accept_from(listener.get(), Clock::now() + kConnect);
-    const char open = static_cast<char>(store::kGreetingOpen);
-    net::send_all(c.get(), &open, 1, Clock::now() + 1s, "greeting");
+  FakeServer fake([](int fd) {
     char request[5 + 4];
-    net::recv_all(c.get(), request, sizeof request, Clock::now() + kConnect, "get");
+    net::recv_all(fd, request, sizeof request, Clock::now() + kConnect, "get");
     const std::string len = u32(0xfffffff0);
-    net::send_all(c.get(), len.data(), len.size(), Clock::now() + 1s, "reply");
+    net::send_all(fd, len.data(), len.size(), Clock::now() + 1s, "reply");
     std::this_thread::sleep_for(200ms);
   });
+  const uint16_t port = fake.port;
   TcpStore client("127.0.0.1", port, false, kConnect);
   try {
     client.get("addr", 5s);
@@ -378,7 +451,6 @@ TEST(TcpStore, AbsurdValueLengthFromTheServerIsRefused) {
     EXPECT_NE(what.find("4294967280 bytes"), std::string::npos) << what;
     EXPECT_NE(what.find("127.0.0.1:" + std::to_string(port)), std::string::npos) << what;
   }
-  fake.join();
 }
 
 // Closing the serving store waits (up to Server::kLinger) while others are connected, serving them, and ends

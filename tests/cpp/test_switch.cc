@@ -19,7 +19,9 @@
 #include "ranks.h"
 #include "smartcoll/codec.h"
 #include "smartcoll/comm.h"
+#include "smartcoll/onesided.h"
 #include "smartcoll/reduce.h"
+#include "smartcoll/store.h"
 #include "switch/aggregator.h"
 #include "switch/protocol.h"
 #include "switch/query.h"
@@ -1152,6 +1154,99 @@ TEST(SwitchRetry, AfterAFallbackEveryRankProbesTheSwitchAtTheSameCall) {
     comm.barrier()->wait();
   }, e2e::switch_options(address, {{"switch_retry", "2"}}));
   second->stop();
+}
+
+// auto picks the switch where the cost model says so (3 ranks, above rhd_max_bytes); after a fallback it runs the
+// ring, without waiting for the calls in flight, until a probe gets every rank in again (switch_retry). Every rank
+// makes the same choice for every call.
+TEST(SwitchRetry, AutoRunsTheRingWhileTheSwitchIsGoneAndTheSwitchAgainAfterAProbe) {
+  auto sw = std::make_unique<e2e::Running>();
+  const uint16_t port = sw->sw->port();
+  const std::string address = sw->address();
+  std::unique_ptr<Switch> second;
+  const size_t count = size_t{1} << 17;  // 512 KiB of int32
+  std::vector<int32_t> expect(count, 0);
+  for (int r = 0; r < 3; ++r) {
+    const auto v = e2e::values<int32_t>(r, count);
+    for (size_t i = 0; i < count; ++i) expect[i] += v[i];
+  }
+  std::vector<std::vector<Algorithm>> ran(3);
+  harness::run_ranks(3, [&](Communicator& comm) {
+    // `k` calls posted at once (each may start while the others run), then waited for.
+    auto calls = [&](int k) {
+      std::vector<std::vector<int32_t>> xs(static_cast<size_t>(k), e2e::values<int32_t>(comm.rank(), count));
+      std::vector<std::shared_ptr<Request>> reqs;
+      for (auto& x : xs) reqs.push_back(comm.allreduce(x.data(), x.data(), count, DataType::i32, ReduceOp::sum));
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        reqs[i]->wait();
+        ran[comm.rank()].push_back(reqs[i]->algorithm());
+        ASSERT_EQ(xs[i], expect) << "call " << ran[comm.rank()].size();
+      }
+    };
+    calls(1);  // 1: through the switch
+    comm.barrier()->wait();
+    if (comm.rank() == 0) sw.reset();
+    comm.barrier()->wait();
+    calls(1);  // 2: through the switch, which falls back; the next probe is at call 2 + 2
+    calls(1);  // 3: the ring
+    calls(1);  // 4: probes (the switch is still down), then the ring inside it; the next probe is at call 4 + 4
+    comm.barrier()->wait();
+    if (comm.rank() == 0) second = e2e::started_on(port);
+    comm.barrier()->wait();
+    calls(3);  // 5-7: the ring, all three in flight at once
+    calls(2);  // 8: probes, every rank gets in, through the switch; 9: through the switch
+    comm.barrier()->wait();
+  }, e2e::switch_options(address, {{"switch_retry", "2"}}));
+  second->stop();
+  const auto S = Algorithm::switch_, R = Algorithm::ring;
+  const std::vector<Algorithm> want = {S, S, R, S, R, R, R, S, S};
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_EQ(ran[r].size(), want.size()) << "rank " << r;
+    for (size_t i = 0; i < want.size(); ++i)
+      EXPECT_EQ(algorithm_name(ran[r][i]), algorithm_name(want[i])) << "rank " << r << ", call " << i + 1;
+  }
+}
+
+// A job that used one-sided calls and fell back from its switch leaves no key in its rendezvous store: each rank
+// deletes its one-sided address when its server closes, a rank that said it lost the switch deletes that word at
+// the next probe, rank 0 deletes the job id it drew once every rank read it, and the last rank to close deletes
+// the rest.
+TEST(StoreCleanup, AJobWithOneSidedCallsAndAFallbackLeavesNoKeys) {
+  e2e::Running sw;
+  TcpStore server("127.0.0.1", 0, true, std::chrono::seconds(10));
+  const int n = 3;
+  std::vector<uint64_t> keys;  // rank 0 reads the server's count at each step
+  auto count_keys = [&](Communicator& comm) {
+    comm.barrier()->wait();
+    if (comm.rank() == 0) keys.push_back(server.server_stats().keys);
+    comm.barrier()->wait();
+  };
+  harness::run_threads(n, [&](int r, std::shared_ptr<Store>) {
+    auto store = std::make_shared<TcpStore>("127.0.0.1", server.port(), false, std::chrono::seconds(10));
+    Communicator comm(r, n, store, e2e::switch_options(sw.address(), {{"switch_retry", "1"}}));
+    std::vector<uint8_t> mine(64, static_cast<uint8_t>(r)), got(16);
+    comm.register_region(mine.data(), mine.size(), DataType::u8);
+    comm.barrier()->wait();
+    const RemotePiece piece{8, 16};
+    const LocalPiece into{got.data(), got.size()};
+    comm.getv({(r + 1) % n, 1, 64, DataType::u8}, {&piece, 1}, {&into, 1})->wait();
+    EXPECT_EQ(got, std::vector<uint8_t>(16, static_cast<uint8_t>((r + 1) % n)));
+    auto x = e2e::values<int32_t>(r, 5000);
+    comm.allreduce(x.data(), x.data(), x.size(), DataType::i32, ReduceOp::sum, Algorithm::switch_)->wait();
+    count_keys(comm);  // [0]: the job's keys, one-sided addresses included
+    if (r == 0) sw.sw->stop();
+    comm.barrier()->wait();
+    comm.allreduce(x.data(), x.data(), x.size(), DataType::i32, ReduceOp::sum, Algorithm::switch_)->wait();
+    count_keys(comm);  // [1]: and the word that the switch was lost (every rank found it silent)
+    comm.allreduce(x.data(), x.data(), x.size(), DataType::i32, ReduceOp::sum, Algorithm::switch_)->wait();
+    count_keys(comm);  // [2]: this call probed: the word is gone
+    comm.close();
+  });
+  ASSERT_EQ(keys.size(), 3u);
+  EXPECT_GE(keys[0], static_cast<uint64_t>(3 * n));  // at least the settings, addresses and one-sided addresses
+  EXPECT_EQ(keys[1], keys[0] + 1);
+  EXPECT_EQ(keys[2], keys[0]);
+  EXPECT_EQ(server.server_stats().keys, 0u);
 }
 
 TEST(SwitchRetry, NeverProbesWithRetryZero) {

@@ -31,7 +31,7 @@ Expected read_directly(std::string_view in) {
   size_t pos = 0;
   while (pos < in.size()) {
     const auto op = static_cast<uint8_t>(in[pos]);
-    if (op < 1 || op > 3) {
+    if (op < 1 || op > 4) {  // set, get, check, erase
       e.bad = true;
       break;
     }
@@ -115,6 +115,7 @@ Seeds store_request_seeds() {
   const Request requests[] = {
       {Op::set, "addr/0", "10.0.0.1:29500,10.0.0.1:29501"},
       {Op::get, "addr/1", ""},
+      {Op::erase, "rma/1/", ""},
       {Op::set, "settings/verdict", "ok"},
       {Op::set, "", ""},
       {Op::get, "", ""},

@@ -320,7 +320,8 @@ def scenario_kill(outdir: Path, check: str, timeout: str) -> None:
 
 
 def scenario_mismatch(outdir: Path, what: str) -> None:
-    """Rank 1 makes a different call from the others: count 999, dtype float64 or op max."""
+    """Rank 1 makes a different call from the others: count 999, dtype float64, op max, or (path) a count above
+    rhd_max_bytes, so that on one host its call takes the same-host path and the others' recursive doubling."""
     import smartcoll
 
     rank = int(os.environ["RANK"])
@@ -333,6 +334,8 @@ def scenario_mismatch(outdir: Path, what: str) -> None:
             dtype = np.float64
         elif what == "op":
             op = "max"
+        elif what == "path":
+            count = 1 << 17
         else:
             raise AssertionError(what)
     res = _outcome(lambda: comm.allreduce(np.ones(count, dtype), op=op))

@@ -76,6 +76,21 @@ def test_ranks_disagree(ranks, tmp_path, what):
         assert_failed_earlier(r, o)
 
 
+def test_ranks_on_different_paths_fail_at_once(ranks, tmp_path):
+    """Rank 1's count takes the same-host path (cma), rank 0's recursive doubling over TCP: both fail well inside
+    the 5 s timeout, naming both calls, and stay failed."""
+    res = ranks(2, ["mismatch", tmp_path, "path"], timeout=60, logdir=tmp_path / "logs")
+    assert_all_ok(res)
+    for r, o in outcomes(tmp_path, range(2)).items():
+        msg = o["message"]
+        assert o["error_type"] == "CommError", f"rank {r}: {o}"
+        assert "ranks disagree" in msg, f"rank {r}: {msg}"
+        assert f"count={FAILURE_COUNT}, float32, op=sum, algo=rd" in msg, f"rank {r}: {msg}"
+        assert "count=131072, float32, op=sum, algo=cma" in msg, f"rank {r}: {msg}"
+        assert o["elapsed"] < 2.0, f"rank {r} took {o['elapsed']:.2f} s (the timeout is 5 s): {o}"
+        assert_failed_earlier(r, o)
+
+
 def test_stalled_peer_times_out(ranks, tmp_path):
     """Rank 1 sleeps instead of calling allreduce; with timeout=3 the others fail after about 3 s."""
     t0 = time.monotonic()
