@@ -80,7 +80,8 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
 
 // The algorithm with the least predicted time among those that support the call (the switch only when the
 // profile has its rate).
-Algorithm cheapest(Collective c, const Query& q, const Profile& p);
+// Algorithms that auto may pick for small calls only are candidates up to `small_bytes` in all (table.h).
+Algorithm cheapest(Collective c, const Query& q, const Profile& p, size_t small_bytes = 262144);
 
 // The paper's training iteration (Sec. IV-C): L square layers of `elems[l]` parameters, batch `batch` per worker;
 // T_F = 2 M^2 B / P, T_B = 4 M^2 B / P (times `compute_scale` for a worker that gives cores to communication),

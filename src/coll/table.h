@@ -35,9 +35,11 @@ struct AlgorithmInfo {
   double (*steps)(int n);
   double (*wire)(int n);
   double (*reduced)(int n);
-  // Whether auto may pick it from a profile's predictions; false where the cost entry leaves out what decides
-  // between it and the others (it runs when asked for by name).
-  bool automatic = true;
+  // When auto may pick it from a profile's predictions: always; for small calls only (up to rhd_max_bytes in all,
+  // where the model's latency term decides); or never, where the cost entry leaves out what decides between it
+  // and the others. It runs whenever asked for by name.
+  enum class Auto : uint8_t { always, small_only, never };
+  Auto automatic = Auto::always;
 };
 
 std::span<const AlgorithmInfo> algorithms(Collective c);

@@ -258,7 +258,9 @@ TEST(CostModel, AutoPicksTheCheaperAlgorithm) {
   EXPECT_EQ(choose(Collective::allreduce, q, Algorithm::automatic, 0, &both), Algorithm::rhd);
   EXPECT_EQ(choose(Collective::broadcast, q, Algorithm::automatic, 0, &slow_link), Algorithm::chain);
   EXPECT_EQ(choose(Collective::broadcast, q, Algorithm::automatic, 0, &slow_steps), Algorithm::tree);
-  EXPECT_EQ(choose(Collective::allgather, q, Algorithm::automatic, 0, &slow_steps), Algorithm::bruck);
+  // Bruck's allgather only for calls up to small_bytes in all (8 blocks of 1 MiB here): its steps are not pipelined.
+  EXPECT_EQ(choose(Collective::allgather, q, Algorithm::automatic, 8 * kMiB, &slow_steps), Algorithm::bruck);
+  EXPECT_EQ(choose(Collective::allgather, q, Algorithm::automatic, 8 * kMiB - 1, &slow_steps), Algorithm::ring);
   // Unsupported algorithms are never picked: rd and rhd do not take codecs.
   Query compressed = q;
   compressed.compressed = true;
