@@ -205,8 +205,20 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
       if (small_total) return q.compressed ? Algorithm::ring : Algorithm::bruck;
       return same_host ? Algorithm::cma : Algorithm::ring;
     case Collective::reduce_scatter:
-    case Collective::alltoall:
       return same_host && !small_total ? Algorithm::cma : algorithms(c).front().algo;
+    case Collective::alltoall: {
+      if (same_host && !small_total) return Algorithm::cma;
+      // Across many hosts direct's n-1 senders converge on every receiver at once and overflow a port with a short
+      // queue (incast): on 8 emulated 1 Gbit/s hosts 1 MiB per rank took 154-252 ms with direct, 8-10 ms with
+      // pairwise, which sends to one peer at a time; from 16 MiB both stalled and direct less (BENCHMARKS.md, "The
+      // cost model against every collective and algorithm").
+      constexpr int kIncastHosts = 8;
+      constexpr size_t kPairwiseMaxBytes = size_t{4} << 20;
+      const size_t total = q.bytes * static_cast<size_t>(q.n);
+      if (q.hosts >= kIncastHosts && !small_total && total <= kPairwiseMaxBytes && !q.compressed)
+        return Algorithm::pairwise;
+      return Algorithm::direct;
+    }
     case Collective::broadcast:
     case Collective::reduce:
       if (small) return Algorithm::tree;
