@@ -318,6 +318,7 @@ NB_MODULE(_core, m) {
 
   nb::class_<Request>(m, "Request")
       .def("test", &Request::test)
+      .def_prop_ro("algorithm", [](const Request& r) { return std::string(algorithm_name(r.algorithm())); })
       .def("wait", [](Request& r, std::optional<double> timeout) {
         nb::gil_scoped_release release;
         if (timeout) return r.wait(std::chrono::duration<double>(*timeout));

@@ -94,6 +94,13 @@ class Request:
     def test(self) -> bool:
         return self._req.test()
 
+    @property
+    def algorithm(self) -> str:
+        """The algorithm that runs the call ('ring', 'rd', 'cma', 'pairwise', ...): the one asked for or auto's
+        choice, final once the call has started; 'auto' before that and for calls that have none (one rank,
+        one-sided calls, engine=nicd)."""
+        return self._req.algorithm
+
     def __del__(self) -> None:
         # The engine may still be reading and writing the buffers (a dropped request, or Ctrl-C in wait()):
         # keep them alive until it is done. The engine's own timeout bounds this wait.

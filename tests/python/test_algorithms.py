@@ -28,3 +28,22 @@ def test_an_algorithm_of_another_collective_is_refused_by_name():
     assert r.returncode != 0
     assert "--algo ring is not an algorithm of broadcast" in r.stderr + r.stdout
     assert "tree, chain, cma" in r.stderr + r.stdout
+
+
+@needs_core
+def test_a_request_says_which_algorithm_ran():
+    import numpy as np
+    from conftest import run_thread_ranks
+
+    def body(comm):
+        small, big = np.ones(2, np.float32), np.ones(1 << 18, np.float32)  # 8 B and 1 MiB
+        picked = []
+        for req in (comm.iallreduce(small), comm.iallreduce(big, algo="rhd"),
+                    comm.ialltoall(big, np.empty_like(big), algo="pairwise"),
+                    comm.ibroadcast(big, root=1, algo="chain")):
+            req.wait()
+            picked.append(req.algorithm)
+        return picked
+
+    # 2 ranks on loopback with the same-host path off: auto takes recursive doubling for 8 bytes.
+    assert run_thread_ranks(2, body, cma="off") == [["rd", "rhd", "pairwise", "chain"]] * 2
