@@ -299,11 +299,8 @@ Algorithm cheapest(Collective c, const Query& q, const Profile& p, size_t small_
     // The switch only for allreduce, once measured: its reduce_scatter and allgather measured slower than the ring
     // (BENCHMARKS.md), as their datagrams carry every block (reduce_scatter) or wait for every rank (allgather).
     const bool switch_ok = c == Collective::allreduce && p.switch_Bps > 0;
-    // q.bytes is one rank's block for these: what the call moves in all is n of them.
-    const bool split = c == Collective::allgather || c == Collective::alltoall || c == Collective::reduce_scatter;
-    const size_t total = q.bytes * (split ? static_cast<size_t>(q.n) : 1);
     const bool allowed = info.automatic == AlgorithmInfo::Auto::always ||
-                         (info.automatic == AlgorithmInfo::Auto::small_only && total <= small_bytes);
+                         (info.automatic == AlgorithmInfo::Auto::small_only && call_bytes(c, q) <= small_bytes);
     if (!allowed || !info.unsupported(q).empty() || (info.algo == Algorithm::switch_ && !switch_ok)) continue;
     const double t = predict(c, info.algo, q, p).total;
     if (best_time < 0 || t < best_time) best = info.algo, best_time = t;

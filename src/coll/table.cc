@@ -155,6 +155,11 @@ std::span<const AlgorithmInfo> algorithms(Collective c) {
   return {};
 }
 
+size_t call_bytes(Collective c, const Query& q) {
+  const bool blocks = c == Collective::reduce_scatter || c == Collective::allgather || c == Collective::alltoall;
+  return q.bytes * (blocks ? static_cast<size_t>(q.n) : 1);
+}
+
 Collective parse_collective(std::string_view name) {
   std::string names;
   for (int i = 0; i < kCollectives; ++i) {
@@ -185,8 +190,7 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
   }
   if (profile) return cheapest(c, q, *profile, small_bytes);
   const bool small = q.bytes <= small_bytes;
-  // q.bytes is one rank's block for these; what the call moves is n of them.
-  const bool small_total = q.bytes * static_cast<size_t>(q.n) <= small_bytes;
+  const bool small_total = call_bytes(c, q) <= small_bytes;
   // On one host, single-copy reads beat copying every byte through TCP twice once the call is not tiny: with
   // the control messages in shared memory they won from 256 KiB in all for every collective, measured side by
   // side (BENCHMARKS.md, "Same-host collectives with a shared-memory control channel").
@@ -214,8 +218,7 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
       // cost model against every collective and algorithm").
       constexpr int kIncastHosts = 8;
       constexpr size_t kPairwiseMaxBytes = size_t{4} << 20;
-      const size_t total = q.bytes * static_cast<size_t>(q.n);
-      if (q.hosts >= kIncastHosts && !small_total && total <= kPairwiseMaxBytes && !q.compressed)
+      if (q.hosts >= kIncastHosts && !small_total && call_bytes(c, q) <= kPairwiseMaxBytes && !q.compressed)
         return Algorithm::pairwise;
       return Algorithm::direct;
     }

@@ -42,6 +42,10 @@ struct AlgorithmInfo {
   Auto automatic = Auto::always;
 };
 
+// The bytes a call moves in all: n blocks of Query::bytes where that is one rank's block (reduce_scatter,
+// allgather, alltoall), else the vector.
+size_t call_bytes(Collective c, const Query& q);
+
 std::span<const AlgorithmInfo> algorithms(Collective c);
 // Throws InvalidArgument naming the collectives.
 Collective parse_collective(std::string_view name);
