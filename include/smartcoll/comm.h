@@ -49,6 +49,7 @@ class Service;
 }
 namespace coll {
 struct Views;
+struct Query;
 struct Displacements;
 }  // namespace coll
 
@@ -57,10 +58,10 @@ enum class Collective : uint8_t {
 };
 inline constexpr int kCollectives = 8;
 enum class Algorithm : uint8_t {
-  automatic, ring, rhd, chain, direct, local, cma, tree, rd, bruck, dissemination, hier, switch_, pairwise
+  automatic, ring, rhd, chain, direct, local, cma, tree, rd, bruck, dissemination, hier, switch_, pairwise, shm
 };
 // The highest code: what range checks of algorithm codes read from the network compare against.
-inline constexpr Algorithm kLastAlgorithm = Algorithm::pairwise;
+inline constexpr Algorithm kLastAlgorithm = Algorithm::shm;
 
 std::string_view collective_name(Collective c);
 std::string_view algorithm_name(Algorithm a);
@@ -226,6 +227,8 @@ class Communicator {
                                        const std::vector<std::pair<const void*, size_t>>& out);
   void check_usable();                           // not closed, not a forked child's copy
   void check_buffers(const Call& call, const void* in, const void* out) const;
+  // A call of `bytes` (the vector, or one rank's block) as algorithm selection sees it.
+  coll::Query query(size_t bytes, bool compressed) const;
   void check_one_poster();  // submit_mu_ held
   // Started on first use; `lock` (shared) holds it open for the call: close() takes it exclusively.
   rma::Service& one_sided(std::shared_lock<std::shared_mutex>& lock);

@@ -22,10 +22,10 @@ struct Knob {
 inline constexpr double kNoLimit = 1e15;
 
 inline constexpr Knob kKnobs[] = {
-    {"algo", "auto", "choice:auto|ring|rhd|rd|cma|hier|switch", 0, 0, true,
+    {"algo", "auto", "choice:auto|ring|rhd|rd|cma|shm|hier|switch", 0, 0, true,
      "allreduce algorithm (smartcoll info lists them): ring (pipelined, segmented; bandwidth-optimal), rhd "
      "(recursive halving-doubling), rd (recursive doubling; fewest steps for tiny messages), cma (ranks on one "
-     "host read each other's buffers once), hier (several ranks per host: reduce-scatter per host, allreduce "
+     "host read each other's buffers once), shm (ranks on one host put small vectors through a shared segment), hier (several ranks per host: reduce-scatter per host, allreduce "
      "across hosts, allgather per host), switch (the aggregation switches of the switch option sum the vector) "
      "or auto (chosen per call from the size, world size and host layout; the switch where one is set and the "
      "built-in cost model predicts it beats the ring)"},
@@ -33,6 +33,11 @@ inline constexpr Knob kKnobs[] = {
      "same-host fast path: auto probes at start-up whether every rank shares this host and can read its peers' "
      "memory (process_vm_readv), and the ranks then signal each other through a shared-memory segment; tcp "
      "sends those control messages over TCP instead (as when the segment cannot be made); off never uses it"},
+    {"shm_bytes", "262144", "int", 0, 1 << 26, true,
+     "same-host path: bytes per rank that a call may put through the shared control segment (algo=shm: one round "
+     "of stores and loads, no system call while the ranks run); auto takes it for a call that fits, in any "
+     "collective but alltoallv, while each rank reads at most 1 MiB there (n vectors or blocks). The segment holds "
+     "2 x this per rank. 0: never"},
     {"rhd_max_bytes", "262144", "int", 0, kNoLimit, true,
      "auto uses latency-optimized algorithms (recursive doubling/halving, trees, Bruck) up to this many bytes"},
     {"model_profile", "", "str", 0, 0, false,

@@ -34,8 +34,10 @@ struct OwnerSteps {
 OwnerSteps owner_reduce(Builder& b, const Chunks& ch, const char* in, uint8_t* enc, float* mine, bool share);
 void allreduce_rhd(Builder& b, const Args& a);
 void allreduce_rd(Builder& b, const Args& a);
-// Every collective among ranks of one host, by single-copy reads (transport/cma.h).
+// Every collective among ranks of one host, by single-copy reads (transport/cma.h), or for small calls with the
+// data through the shared control segment (same_host_shm).
 void same_host_cma(Builder& b, const Args& a);
+void same_host_shm(Builder& b, const Args& a);
 void allreduce_switch(Builder& b, const Args& a);
 // Through the switches too: each rank gets its own block's sums; each rank's block is forwarded to the others.
 void reduce_scatter_switch(Builder& b, const Args& a);

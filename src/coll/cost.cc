@@ -110,7 +110,7 @@ Profile Profile::builtin() {
   // exchange; the same-host path pays all-to-all control rounds; exchanges that wait for their partner and Bruck's
   // final rotation reach about half the link.
   p.alpha_algo = {{"ring", 200e-6}, {"chain", 500e-6}, {"cma", 3e-3}, {"rhd", 50e-6}, {"rd", 20e-6},
-                  {"bruck", 20e-6}, {"tree", 20e-6}, {"direct", 50e-6}};
+                  {"bruck", 20e-6}, {"tree", 20e-6}, {"direct", 50e-6}, {"shm", 2e-6}};
   p.efficiency_algo = {{"rhd", 0.5}, {"rd", 0.5}, {"bruck", 0.5}};
   // The aggregation switch: a round trip through it per call, and 1408-byte payloads in 1456-byte datagrams
   // (0.91-0.98 of TCP's goodput where measured, BENCHMARKS.md). Its summing rate stays unmeasured (0), so a
@@ -255,6 +255,7 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
   bool copy_overlaps = true;
   switch (a) {
     case Algorithm::cma:
+    case Algorithm::shm:  // `wire` counts the bytes read from peers' buffers or from the segment
       k.copy = moved / p.copy_Bps;
       k.wire_bytes = 0;
       break;

@@ -101,9 +101,16 @@ Collective Builder::collective() const { return static_cast<Collective>(task_.de
 uint32_t Builder::compared_layout() const { return task_.check ? list_layout(task_.desc) : 0; }
 
 void Builder::exclusive(std::function<void()> body, std::function<bool()> lanes_instead, Algorithm lanes_algo) {
-  task_.exclusive = std::move(body);
+  task_.exclusive = [body = std::move(body)](std::chrono::steady_clock::time_point) {
+    body();
+    return true;
+  };
   task_.lanes_instead = std::move(lanes_instead);
   task_.lanes_algo = lanes_algo;
+}
+
+void Builder::exclusive_until(std::function<bool(std::chrono::steady_clock::time_point until)> body) {
+  task_.exclusive = std::move(body);
 }
 
 char* Builder::scratch(size_t bytes) {

@@ -87,6 +87,8 @@ class Builder {
   // (of algorithm `lanes_algo`) run instead where that says so, once every earlier call that runs alone is done.
   void exclusive(std::function<void()> body, std::function<bool()> lanes_instead = {},
                  Algorithm lanes_algo = Algorithm::ring);
+  // A body that may stop waiting for its peers at `until` and go on when run again (Task::exclusive).
+  void exclusive_until(std::function<bool(std::chrono::steady_clock::time_point until)> body);
   Collective collective() const;
   // A list call's digest of its counts where ranks compare their calls (the check knob); else 0.
   uint32_t compared_layout() const;

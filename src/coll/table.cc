@@ -20,6 +20,20 @@ std::string needs_cma(const Query& q) {
   if (q.compressed) return "it does not support codecs; use ring";
   return q.cma_usable ? "" : "the same-host path is not usable here (see Communicator.cma_unusable_reason)";
 }
+// algo=shm: what a rank puts in its place in the segment must fit there (its vector or block; all n blocks in
+// reduce_scatter and alltoall).
+std::string fits_segment(const Query& q, size_t need) {
+  if (q.compressed) return "it does not support codecs; use ring";
+  if (!q.cma_usable || q.shm_room == 0)
+    return "the same-host control segment is not in use here (see Communicator.same_host_control and the shm_bytes "
+           "knob)";
+  if (need > q.shm_room)
+    return "it puts " + std::to_string(need) + " bytes per rank through the segment, which has room for " +
+           std::to_string(q.shm_room) + " (the shm_bytes knob); use cma";
+  return "";
+}
+std::string needs_shm(const Query& q) { return fits_segment(q, q.bytes); }
+std::string needs_shm_blocks(const Query& q) { return fits_segment(q, q.bytes * static_cast<size_t>(q.n)); }
 std::string needs_switch(const Query& q) {
   // Codecs too: the switch decodes, sums in float32 and encodes the result once.
   return q.switch_set ? "" : "no aggregation switch is set: SMARTCOLL_SWITCH=host:port (start one with smartcoll switch)";
@@ -40,6 +54,15 @@ std::string needs_hosts(const Query& q) {
   return "";
 }
 
+// Same host, small calls: every rank copies its input into the segment and, once all have, computes its output
+// from every rank's place there (reading n vectors or blocks): one round, no system call while the ranks run.
+// `wire` counts the bytes read from the segment.
+double all_n(int n) { return static_cast<double>(n); }
+double one(int) { return 1.0; }
+constexpr AlgorithmInfo shm_entry(std::string (*unsupported)(const Query&), double (*read)(int), double (*reduced)(int)) {
+  return {Algorithm::shm, "same host, small calls: the data goes through the shared control segment, one round",
+          same_host_shm, unsupported, one, read, reduced};
+}
 constexpr AlgorithmInfo kAllreduceAlgos[] = {
     {Algorithm::ring, "pipelined segmented ring (reduce-scatter + allgather in one pipeline), any codec",
      allreduce_ring, any, [](int n) { return 2.0 * (n - 1); }, ring_wire, share},
@@ -51,6 +74,7 @@ constexpr AlgorithmInfo kAllreduceAlgos[] = {
      [](int n) { return log2p(n) + fold(n); }},
     {Algorithm::cma, "same host: every rank reads its peers' buffers once with process_vm_readv", same_host_cma,
      needs_cma, [](int) { return 4.0; }, share, share},
+    shm_entry(needs_shm, all_n, [](int n) { return n - 1.0; }),
     {Algorithm::hier,
      "hierarchical: reduce-scatter on each host, allreduce across hosts per local index, allgather on each host",
      allreduce_hier, needs_hosts, [](int n) { return 2.0 * (n - 1); }, ring_wire, share},
@@ -70,6 +94,7 @@ constexpr AlgorithmInfo kReduceScatterAlgos[] = {
     // `bytes` is one rank's block here: it reads and adds the n-1 other ranks' copies of its block.
     {Algorithm::cma, kCmaReduceText, same_host_cma, needs_cma, [](int) { return 4.0; }, [](int n) { return n - 1.0; },
      [](int n) { return n - 1.0; }},
+    shm_entry(needs_shm_blocks, all_n, [](int n) { return n - 1.0; }),
     // Each rank sends all n blocks and gets its own block's sums: more bytes out than the ring's n - 1.
     {Algorithm::switch_, "in-network aggregation: every rank sends every block, the switch sends each block's sums "
      "to its owner alone", reduce_scatter_switch, needs_switch_raw, [](int) { return 2.0; },
@@ -83,6 +108,7 @@ constexpr AlgorithmInfo kAllgatherAlgos[] = {
     {Algorithm::bruck, "Bruck: ceil(log2 n) steps, blocks rotated into place at the end", allgather_bruck, raw_only,
      [](int n) { return log2n(n); }, [](int n) { return n - 1.0; }, none, AlgorithmInfo::Auto::small_only},
     kCmaGather,
+    shm_entry(needs_shm, all_n, none),
     // Each rank sends its block once and receives the n - 1 others (and 48-byte headers of theirs).
     {Algorithm::switch_, "through the aggregation switches: each rank sends its block once, the switch forwards it "
      "to the others", allgather_switch, needs_switch_raw, [](int) { return 2.0; }, [](int n) { return n - 1.0; },
@@ -95,6 +121,7 @@ constexpr AlgorithmInfo kBroadcastAlgos[] = {
      [](int n) { return n - 1.0; }, [](int) { return 1.0; }, none},
     {Algorithm::cma, "same host: every rank reads the root's buffer once", same_host_cma, needs_cma,
      [](int) { return 3.0; }, [](int) { return 1.0; }, none},
+    shm_entry(needs_shm, one, none),
 };
 constexpr AlgorithmInfo kReduceAlgos[] = {
     {Algorithm::tree, "binomial tree: log2(n) steps", reduce_tree, raw_only, [](int n) { return log2n(n); },
@@ -102,6 +129,7 @@ constexpr AlgorithmInfo kReduceAlgos[] = {
     {Algorithm::chain, "pipelined chain: the link rate whatever n, n-1 steps to fill", reduce_chain, raw_only,
      [](int n) { return n - 1.0; }, [](int) { return 1.0; }, [](int) { return 1.0; }},
     kCmaReduce,
+    shm_entry(needs_shm, all_n, [](int n) { return n - 1.0; }),
 };
 // Blocks a Bruck alltoall sends per rank: one per set bit of every slot index below n.
 double bruck_blocks(int n) {
@@ -120,6 +148,7 @@ constexpr AlgorithmInfo kAlltoallAlgos[] = {
      alltoall_pairwise, raw_only, [](int n) { return n - 1.0; }, [](int n) { return n - 1.0; }, none,
      AlgorithmInfo::Auto::never},
     kCmaGather,
+    shm_entry(needs_shm_blocks, all_n, none),
 };
 constexpr AlgorithmInfo kAlltoallvAlgos[] = {
     {Algorithm::direct, "every pair at once, each block after its count (checked by the receiver)", alltoallv_direct,
@@ -128,6 +157,7 @@ constexpr AlgorithmInfo kAlltoallvAlgos[] = {
 constexpr AlgorithmInfo kBarrierAlgos[] = {
     {Algorithm::dissemination, "dissemination: ceil(log2 n) rounds of one signal each", barrier_dissemination,
      any, [](int n) { return log2n(n); }, none, none},
+    shm_entry(needs_shm, one, none),
 };
 
 // auto without a profile, where a switch is set: the switch when the built-in cost model predicts it faster than
@@ -187,6 +217,18 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
       throw InvalidArgument(std::string(collective_name(c)) + ": algo '" + std::string(algorithm_name(requested)) +
                             "' cannot run this call: " + why);
     return requested;
+  }
+  // On one host a call whose data fits the control segment goes through it, profile or not: one round of stores
+  // and loads where every other algorithm pays a system call per message or per read; measured 1.5-2.4x faster
+  // than the reads up to 256 KiB at 2 and 4 ranks (BENCHMARKS.md, "Small calls through the same-host
+  // segment"). But each rank reads n vectors there: only while that stays within a core's cache (many ranks,
+  // large calls: the reads, which move each byte once or twice). Calibration runs across hosts, where the path
+  // does not exist.
+  if (c != Collective::alltoallv) {
+    constexpr double kShmReadMax = 1 << 20;
+    const AlgorithmInfo& shm = find(c, Algorithm::shm);
+    if (shm.unsupported(q).empty() && shm.wire(q.n) * static_cast<double>(q.bytes) <= kShmReadMax)
+      return Algorithm::shm;
   }
   if (profile) return cheapest(c, q, *profile, small_bytes);
   const bool small = q.bytes <= small_bytes;

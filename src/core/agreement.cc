@@ -125,11 +125,13 @@ std::string describe(const Descriptor& d) {
   return s + ")";
 }
 
+std::string disagreement_text(uint64_t seq, int rank, const Descriptor& mine, int peer, const Descriptor& theirs) {
+  return std::string(kMarker) + std::to_string(seq) + ": rank(s) " + std::to_string(rank) + " called " +
+         describe(mine) + "; rank(s) " + std::to_string(peer) + " called " + describe(theirs) + ";" + std::string(kHow);
+}
+
 Disagreement::Disagreement(const Task& task, int from, const Descriptor& got)
-    : CommError(std::string(kMarker) + std::to_string(task.seq) + ": rank(s) " + std::to_string(task.rank) +
-                " called " + describe(task.desc) + "; rank(s) " + std::to_string(from) + " called " + describe(got) +
-                ";" + std::string(kHow)),
-      seq(task.seq), peer(from), theirs(got) {}
+    : CommError(disagreement_text(task.seq, task.rank, task.desc, from, got)), seq(task.seq), peer(from), theirs(got) {}
 
 void publish_call(Store& store, uint64_t seq, int rank, const Descriptor* d) {
   try {

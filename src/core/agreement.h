@@ -35,6 +35,10 @@ void set_list_layout(Descriptor& d, uint32_t digest);
 uint32_t list_layout(const Descriptor& d);  // 0: not a list call
 // "allreduce(count=10, float32, op=sum, algo=ring)"; a descriptor with a bad magic or codes is named as such.
 std::string describe(const Descriptor& d);
+// "ranks disagree on call #seq: rank(s) R called ...; rank(s) P called ...; <what to check>": the text of a
+// disagreement found by `rank` in call `seq` (the communicator's number, from 0), which explain_disagreement
+// turns into the report naming every rank's call.
+std::string disagreement_text(uint64_t seq, int rank, const Descriptor& mine, int peer, const Descriptor& theirs);
 // What the rank that received `theirs` from `peer` in call `seq` throws. Its handler publishes both descriptors
 // (publish_call) before the communicator fails, so every rank's report names at least the two calls that differ.
 struct Disagreement : CommError {

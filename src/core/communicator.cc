@@ -37,7 +37,7 @@ std::string call_name(uint8_t coll, uint64_t seq, int rank) {
 
 std::string_view algorithm_name(Algorithm a) {
   constexpr std::string_view names[] = {"auto", "ring", "rhd",  "chain", "direct",       "local",
-                                        "cma",  "tree", "rd",   "bruck", "dissemination", "hier", "switch", "pairwise"};
+                                        "cma",  "tree", "rd",   "bruck", "dissemination", "hier", "switch", "pairwise", "shm"};
   return names[static_cast<int>(a)];
 }
 
@@ -169,7 +169,7 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
         config_->connect_timeout, config_->job_id, store_locator, route_hint, Config::must_match(options_),
         std::vector<int32_t>(hosts_.begin(), hosts_.end())});
   if (size > 1 && config_->cma && !spans_hosts && !nicd_)
-    cma_ = std::make_unique<cma::Local>(*transport_, config_->cma_shm, config_->spin_us);
+    cma_ = std::make_unique<cma::Local>(*transport_, config_->cma_shm, config_->spin_us, config_->shm_bytes);
   cma_usable_ = cma_ && cma_->usable();
   if (size == 1)
     cma_reason_ = "";
@@ -399,11 +399,15 @@ Algorithm Communicator::choose(Collective coll, size_t count, DataType dt, Algor
   if (size_ == 1) return Algorithm::local;
   if (requested == Algorithm::automatic && coll == Collective::allreduce)
     requested = parse_algorithm(config_->algo, coll);
+  return coll::choose(coll, query(count * dtype_size(dt), compressed), requested, config_->rhd_max_bytes,
+                      config_->profile.get());
+}
+
+coll::Query Communicator::query(size_t bytes, bool compressed) const {
   const auto [hosts, per_host] = coll::host_layout_shape(hosts_);
   const int switches = 1 + static_cast<int>(std::count(config_->switches.begin(), config_->switches.end(), ','));
-  const coll::Query q{size_,    count * dtype_size(dt), compressed, cma_usable_, switch_ != nullptr, hosts,
-                      per_host, switches};
-  return coll::choose(coll, q, requested, config_->rhd_max_bytes, config_->profile.get());
+  return {size_,    bytes,    compressed, cma_usable_, switch_ != nullptr, hosts,
+          per_host, switches, cma_usable_ ? cma_->segment_room() : 0};
 }
 
 void Communicator::check_usable() {
@@ -505,7 +509,8 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
   last_posted_ = req;
   task->seq = seq_++;
   history_->add(task->seq, task->desc);
-  if (cma_usable_ && call.algo != Algorithm::cma) cma_->elsewhere(task->seq, &task->desc);
+  if (cma_usable_ && call.algo != Algorithm::cma && call.algo != Algorithm::shm)
+    cma_->elsewhere(task->seq, &task->desc);
   engine_->submit(std::move(task));
   return req;
 }

@@ -119,6 +119,7 @@ Config Config::from(const Options& o) {
   c.cma = o.str("cma") != "off";
   c.cma_shm = o.str("cma") == "auto";
   c.rhd_max_bytes = static_cast<size_t>(o.integer("rhd_max_bytes"));
+  c.shm_bytes = static_cast<size_t>(o.integer("shm_bytes"));
   if (const std::string& path = o.str("model_profile"); !path.empty())
     c.profile = std::make_shared<const coll::Profile>(coll::Profile::load(path));
   c.segment_size = static_cast<size_t>(o.integer("segment_size"));

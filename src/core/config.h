@@ -20,6 +20,7 @@ struct Config {
   bool cma = true;
   bool cma_shm = true;  // the same-host path's control messages go through a shared segment (cma=auto)
   size_t rhd_max_bytes = 0;
+  size_t shm_bytes = 0;  // room per rank for small calls' data in the same-host control segment
   std::shared_ptr<const coll::Profile> profile;  // model_profile, loaded; null: the size rules
   size_t segment_size = 0;
   int streams = 1;

@@ -148,6 +148,7 @@ struct Engine::Worker {
   std::vector<std::pair<Clock::time_point, std::function<void()>>> timers;
   Clock::time_point last_progress = Clock::now();
   const Task* doing = nullptr;  // the task whose op is moving, to name it when that fails
+  Clock::time_point until;      // an op that runs alone waits for its peers until then (the driver's deadline)
   Spinner spin{SpinMode::off, 0, false};
 };
 
@@ -242,13 +243,12 @@ void Engine::dispatch(Task* t) {
   }
   if (runs_alone(t)) {
     exclusive_running_ = true;
-    // The body runs as the single compute op of a lane on worker 0.
+    // The body runs as the single op of a lane on worker 0.
     t->lanes.clear();
     t->computes.clear();
-    t->computes.push_back(std::move(t->exclusive));
     Lane lane;
     Op op;
-    op.kind = Op::Kind::compute;
+    op.kind = Op::Kind::alone;
     lane.ops.push_back(op);
     t->lanes.push_back(std::move(lane));
   }
@@ -325,7 +325,7 @@ bool Engine::progress(Worker& w) {
     lane->left = lane->ops.size();
     for (uint32_t i = 0; i < lane->ops.size(); ++i) {
       const Op& op = lane->ops[i];
-      if (op.kind == Op::Kind::compute || op.kind == Op::Kind::copy) {
+      if (op.kind == Op::Kind::compute || op.kind == Op::Kind::copy || op.kind == Op::Kind::alone) {
         lane->computes.push_back(i);
         continue;
       }
@@ -432,6 +432,10 @@ bool Engine::progress(Worker& w) {
       w.doing = task;
       if (op.kind == Op::Kind::copy) {
         if (op.len) std::memmove(op.dst, op.local, op.len);
+      } else if (op.kind == Op::Kind::alone) {
+        // Its waits keep their own no-progress timeout, which names the rank that is late.
+        w.last_progress = Clock::now();
+        if (!task->exclusive(w.until)) break;  // stopped at the driver's deadline: runs again, goes on
       } else {
         task->computes[op.compute]();
       }
@@ -471,6 +475,7 @@ void Engine::drive(Worker& w, const std::function<bool()>& enough, std::optional
   auto spin_since = Clock::now();
   while (!enough()) {
     bool moved = false;
+    w.until = deadline ? *deadline : Clock::now() + std::chrono::seconds(1);
     try {
       moved = progress(w);
     } catch (const Disagreement& d) {

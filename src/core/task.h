@@ -9,6 +9,7 @@
 #include <sys/uio.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -38,8 +39,9 @@ struct Descriptor {
 static_assert(sizeof(Descriptor) == 32, "the descriptor is a wire format: no padding");
 
 struct Op {
-  // copy: len bytes from `local` to `dst` (memmove), a compute whose addresses a schedule can still rewrite
-  enum class Kind : uint8_t { send, recv, compute, copy };
+  // copy: len bytes from `local` to `dst` (memmove), a compute whose addresses a schedule can still rewrite;
+  // alone: Task::exclusive, done once it returns true
+  enum class Kind : uint8_t { send, recv, compute, copy, alone };
   Kind kind = Kind::send;
   bool header = false;  // send: the call's descriptor goes first; recv: it comes first and is checked
   bool divide = false;  // recv: avg divides by the world size after this reduction (read by Lane::after)
@@ -105,8 +107,9 @@ struct Task {
   // drives its own control messages); when set, lanes is empty, unless `lanes_instead` is set too: asked once
   // every earlier call that runs alone has finished (so its answer follows from them alone, alike on every rank),
   // true runs the lanes (of algorithm `lanes_algo`) as any call's instead, without waiting for the calls in
-  // flight (the switch path's ring while the switches are unusable).
-  std::function<void()> exclusive;
+  // flight (the switch path's ring while the switches are unusable). It returns false where it stopped waiting
+  // for its peers at `until` (the deadline of the caller that runs it): it runs again later and goes on.
+  std::function<bool(std::chrono::steady_clock::time_point until)> exclusive;
   std::function<bool()> lanes_instead;
   Algorithm lanes_algo{};
   std::shared_ptr<Request> req;

@@ -94,9 +94,8 @@ std::shared_ptr<Request> Communicator::submit_list(Call call, const Pieces& in, 
   }
   // The same-host path reads a list's pieces where they are (transport/cma.h): auto picks it as for one buffer
   // of the same bytes.
-  const auto [hosts, per_host] = coll::host_layout_shape(hosts_);
-  const bool compressed = call.codec.kind() != CodecKind::identity;
-  const coll::Query q{size_, call.count * dtype_size(call.dt), compressed, cma_usable_, false, hosts, per_host};
+  coll::Query q = query(call.count * dtype_size(call.dt), call.codec.kind() != CodecKind::identity);
+  q.switch_set = false;
   call.algo = size_ == 1 ? Algorithm::local
                          : coll::choose(call.coll, q, requested, config_->rhd_max_bytes, config_->profile.get());
   auto views = std::make_shared<coll::Views>();

@@ -204,7 +204,8 @@ std::string host_identity(std::string& error) {
 }
 
 
-Local::Local(Transport& t, bool shm, double spin_us) : pids_(t.size(), 0), pidfds_(t.size(), -1) {
+Local::Local(Transport& t, bool shm, double spin_us, size_t data_bytes)
+    : pids_(t.size(), 0), pidfds_(t.size(), -1) {
   const int n = t.size(), r = t.rank();
   pids_[r] = static_cast<int>(getpid());
   if (n == 1) {
@@ -231,7 +232,7 @@ Local::Local(Transport& t, bool shm, double spin_us) : pids_(t.size(), 0), pidfd
   Segment segment;
   std::string no_segment = shm ? "" : "cma=tcp";
   const uint64_t segment_token = random_token();
-  if (shm && r == 0) segment = Segment::create(n, segment_token, no_segment);
+  if (shm && r == 0) segment = Segment::create(n, data_bytes, segment_token, no_segment);
   mine.segment_fd = segment.fd();
   mine.segment_token = segment_token;
   std::vector<Hello> hellos(n);
@@ -272,7 +273,7 @@ Local::Local(Transport& t, bool shm, double spin_us) : pids_(t.size(), 0), pidfd
 
   if (shm && r != 0 && reason.empty()) {
     if (hellos[0].segment_fd >= 0)
-      segment = Segment::open(pids_[0], hellos[0].segment_fd, n, hellos[0].segment_token, no_segment);
+      segment = Segment::open(pids_[0], hellos[0].segment_fd, n, data_bytes, hellos[0].segment_token, no_segment);
     else if (no_segment.empty())
       no_segment = "rank 0 has no control segment";
   }
@@ -353,7 +354,7 @@ struct Local::Sides {
         wrong = std::to_string(v->bytes()) + " bytes in " + std::to_string(pieces) + " pieces";
     }
     if (!wrong.empty())
-      throw CommError(prefix(t) + ": rank " + std::to_string(p) + "'s list for " + describe(a) + " holds " + wrong +
+      throw CommError(prefix(t) + ": rank " + std::to_string(p) + "'s list for " + describe(as_descriptor(a)) + " holds " + wrong +
                       " where the call takes " + std::to_string(want) + " bytes (a corrupted piece table?)");
     return *v;
   }
@@ -448,51 +449,56 @@ void Local::reduce_from_all(Transport& t, Sides& s, const Call& c, size_t from, 
   }
 }
 
-void Local::run(Transport& t, const Call& c) {
+namespace {
+bool reduces(Collective c) {
+  return c == Collective::allreduce || c == Collective::reduce_scatter || c == Collective::reduce;
+}
+// Checks what the reads cannot: true where the call is a copy (or nothing) because this is the only rank.
+bool only_rank(const Local::Call& c, int n) {
+  if (reduces(c.coll) && c.op == ReduceOp::avg && !is_floating(c.dt))
+    throw InvalidArgument("op 'avg' needs a floating-point dtype, got " + std::string(dtype_name(c.dt)));
+  if (n > 1) return false;
+  const size_t block = c.count * dtype_size(c.dt);
+  if (c.in && c.out && c.out != c.in && block) std::memcpy(c.out, c.in, block);
+  return true;
+}
+// Chunk q of a whole vector of `count` (the same split as the ring) is reduced by rank q of n.
+size_t chunk_begin(size_t count, int n, int q) {
+  const size_t un = static_cast<size_t>(n), base = count / un, extra = count % un, uq = static_cast<size_t>(q);
+  return uq * base + std::min(uq, extra);
+}
+size_t chunk_len(size_t count, int n, int q) { return chunk_begin(count, n, q + 1) - chunk_begin(count, n, q); }
+}  // namespace
+
+bool Local::run(Transport& t, const Call& c, std::chrono::steady_clock::time_point until) {
   if (!usable_) throw InvalidArgument("cma: cross-memory attach is not usable here: " + why_not_);
-  calls_.fetch_add(1, std::memory_order_relaxed);
   try {
-    run_call(t, c);
+    if (!published_) {
+      calls_.fetch_add(1, std::memory_order_relaxed);
+      if (only_rank(c, t.size())) return true;
+      control_->publish(c.through_segment ? into_segment(t, c) : addresses(t, c));
+      published_ = true;
+    }
+    if (!agree(t, c, until)) return false;
+    published_ = false;
+    if (c.through_segment)
+      from_segment(t, c);
+    else
+      run_reads(t, c);
+    return true;
   } catch (...) {
+    published_ = false;
     leave();  // peers waiting on this rank fail now, not after the timeout
     throw;
   }
 }
 
-void Local::run_call(Transport& t, const Call& c) {
+bool Local::agree(Transport& t, const Call& c, std::chrono::steady_clock::time_point until) {
   const int n = t.size(), r = t.rank();
-  const size_t esize = dtype_size(c.dt), block = c.count * esize, un = static_cast<size_t>(n),
-               ur = static_cast<size_t>(r);
-  const bool reduces = c.coll == Collective::allreduce || c.coll == Collective::reduce_scatter ||
-                       c.coll == Collective::reduce;
-  if (reduces && c.op == ReduceOp::avg && !is_floating(c.dt))
-    throw InvalidArgument("op 'avg' needs a floating-point dtype, got " + std::string(dtype_name(c.dt)));
-  if (n == 1) {  // every collective of one rank is a copy (or nothing, in place and for broadcast)
-    if (c.in && c.out && c.out != c.in && block) std::memcpy(c.out, c.in, block);
-    return;
-  }
-  // Chunk q of a whole vector (the same split as the ring) is reduced by rank q.
-  auto chunk_begin = [&](int q) {
-    const size_t base = c.count / un, extra = c.count % un, uq = static_cast<size_t>(q);
-    return uq * base + std::min(uq, extra);
-  };
-  auto chunk_len = [&](int q) { return chunk_begin(q + 1) - chunk_begin(q); };
-  // reduce: a non-root reduces its chunk here, where the root reads it.
-  const bool reduce_chunk = c.coll == Collective::reduce && r != c.root;
-  std::vector<char> chunk(reduce_chunk ? chunk_len(r) * esize : 0);
-  char* out = reduce_chunk ? chunk.data() : c.out;
-  const std::span<const Extent> out_list = reduce_chunk ? std::span<const Extent>() : c.out_list;
-
-  // Addresses, and the call, so that a mismatch fails cleanly instead of reading past a peer's buffer.
-  const auto [in_at, in_pieces] = published(c.in_list, c.in);
-  const auto [out_at, out_pieces] = published(out_list, out);
-  const Addresses mine{kAddrMagic, static_cast<uint8_t>(c.coll), static_cast<uint8_t>(c.dt),
-                       static_cast<uint8_t>(reduces ? c.op : ReduceOp::sum), 0, c.root, c.count,
-                       in_at, out_at, in_pieces, out_pieces, c.layout, 0};
-  Sides s{*this, t, std::vector<Addresses>(un), {}, {}, {}, {}, std::vector<std::optional<Vector>>(un),
-          std::vector<std::optional<Vector>>(un)};
+  all_.resize(static_cast<size_t>(n));
+  const Addresses& mine = published_call_;
   try {
-    control_->exchange(mine, s.addrs.data(), c.call);
+    if (!control_->collect(all_.data(), c.call, until)) return false;
   } catch (const OtherPath& e) {
     // `auto` chose by each rank's own arguments: the peer's call took a TCP algorithm (or moved nothing).
     Descriptor theirs, own;
@@ -500,16 +506,127 @@ void Local::run_call(Transport& t, const Call& c) {
     if (c.desc) std::memcpy(&own, c.desc, sizeof own);
     throw CommError(prefix(t) + ": ranks disagree: rank " + std::to_string(e.peer) + " called " +
                     smartcoll::describe(theirs) + ", this rank (" + std::to_string(r) + ") " +
-                    (c.desc ? smartcoll::describe(own) : describe(mine)) + " on the same-host path");
+                    smartcoll::describe(c.desc ? own : as_descriptor(mine)) + " on the same-host path");
   }
   for (int p = 0; p < n; ++p) {
-    const Addresses& a = s.addrs[static_cast<size_t>(p)];
-    if (a.magic != kAddrMagic || a.coll != mine.coll || a.dtype != mine.dtype || a.op != mine.op ||
-        a.root != mine.root || a.count != mine.count || a.layout != mine.layout)
-      throw CommError(prefix(t) + ": ranks disagree: rank " + std::to_string(p) + " called " +
-                      (a.magic == kAddrMagic ? describe(a) : "something else (a corrupted message)") +
-                      ", this rank (" + std::to_string(r) + ") " + describe(mine));
+    const Addresses& a = all_[static_cast<size_t>(p)];
+    if (a.magic == kAddrMagic && a.coll == mine.coll && a.dtype == mine.dtype && a.op == mine.op &&
+        a.root == mine.root && a.count == mine.count && a.layout == mine.layout &&
+        a.through_segment == mine.through_segment)
+      continue;
+    // Numbered calls say so in the communicator's words, which it turns into the report of every rank's call.
+    const Descriptor theirs = as_descriptor(a), own = as_descriptor(mine);
+    if (c.call) throw CommError(prefix(t) + ": " + disagreement_text(c.call - 1, r, own, p, theirs));
+    throw CommError(prefix(t) + ": ranks disagree: rank " + std::to_string(p) + " called " +
+                    smartcoll::describe(theirs) + ", this rank (" + std::to_string(r) + ") " +
+                    smartcoll::describe(own));
   }
+  return true;
+}
+
+size_t Local::segment_need(const Call& c, int rank, int n) {
+  const size_t block = c.count * dtype_size(c.dt);
+  switch (c.coll) {
+    case Collective::reduce_scatter:
+    case Collective::alltoall: return static_cast<size_t>(n) * block;
+    case Collective::broadcast: return rank == c.root ? block : 0;
+    case Collective::barrier:
+    case Collective::alltoallv: return 0;
+    default: return block;
+  }
+}
+
+namespace {
+// Through the segment, a side is the call's buffer or its list of pieces: `bytes` in all.
+Vector side(std::span<const Extent> list, const void* buffer, size_t bytes) {
+  return list.empty() ? Vector(address(buffer), bytes) : Vector(list);
+}
+size_t out_bytes(const Local::Call& c, int n) {
+  const size_t block = c.count * dtype_size(c.dt);
+  return c.coll == Collective::allgather || c.coll == Collective::alltoall ? static_cast<size_t>(n) * block : block;
+}
+}  // namespace
+
+const Addresses& Local::into_segment(Transport& t, const Call& c) {
+  const int n = t.size(), r = t.rank();
+  const size_t need = segment_need(c, r, n);
+  if (need > control_->data_bytes())
+    throw InvalidArgument(prefix(t) + ": " + std::string(collective_name(c.coll)) + " puts " + std::to_string(need) +
+                          " bytes per rank through the control segment, which has room for " +
+                          std::to_string(control_->data_bytes()) + " (the shm_bytes knob); use algo=cma");
+  // Broadcast's buffer is `out` (the root's input); the others' inputs are the whole `in`.
+  const Vector source = c.coll == Collective::broadcast ? side(c.out_list, c.out, need) : side(c.in_list, c.in, need);
+  char* place = control_->next_data();
+  source.runs(0, need, [place](const char* from, uint64_t pos, uint64_t m) { std::memcpy(place + pos, from, m); });
+  published_call_ = {kAddrMagic, static_cast<uint8_t>(c.coll), static_cast<uint8_t>(c.dt),
+                     static_cast<uint8_t>(reduces(c.coll) ? c.op : ReduceOp::sum), 0, c.root, c.count,
+                     0, 0, 0, 0, c.layout, 1};
+  return published_call_;
+}
+
+void Local::from_segment(Transport& t, const Call& c) {
+  const int n = t.size(), r = t.rank();
+  const size_t esize = dtype_size(c.dt), block = c.count * esize;
+  const Vector out = side(c.out_list, c.out, out_bytes(c, n));
+  auto data = [this](int p, size_t at) { return control_->data(p) + at; };
+  // out[to, to + len) = data(0)[from...] op data(1)[from...] op ... in rank order, as the reads reduce.
+  auto reduce_into = [&](size_t from, size_t to, size_t len) {
+    out.runs(to, len, [&](char* dst, uint64_t pos, uint64_t m) {
+      const size_t k = m / esize;
+      reduce(c.dt, c.op, dst, data(0, from + pos), data(1, from + pos), k);
+      for (int p = 2; p < n; ++p) reduce(c.dt, c.op, dst, dst, data(p, from + pos), k);
+      if (c.op == ReduceOp::avg) scale_divide(c.dt, dst, k, n);
+    });
+  };
+  auto copy_into = [&](int p, size_t from, size_t to, size_t len) {
+    out.runs(to, len, [&](char* dst, uint64_t pos, uint64_t m) { std::memcpy(dst, data(p, from + pos), m); });
+  };
+  switch (c.count == 0 ? Collective::barrier : c.coll) {
+    case Collective::allreduce: reduce_into(0, 0, block); break;
+    case Collective::reduce:
+      if (r == c.root) reduce_into(0, 0, block);
+      break;
+    case Collective::reduce_scatter: reduce_into(static_cast<size_t>(r) * block, 0, block); break;
+    case Collective::allgather:
+    case Collective::alltoall: {
+      const size_t at = c.coll == Collective::alltoall ? static_cast<size_t>(r) * block : 0;
+      for (int p = 0; p < n; ++p) copy_into(p, at, static_cast<size_t>(p) * block, block);
+      break;
+    }
+    case Collective::broadcast:
+      if (r != c.root) copy_into(c.root, 0, 0, block);
+      break;
+    case Collective::barrier:
+    case Collective::alltoallv: break;
+  }
+}
+
+const Addresses& Local::addresses(Transport& t, const Call& c) {
+  const int n = t.size(), r = t.rank();
+  // reduce: a non-root reduces its chunk into reduce_chunk_, where the root reads it.
+  const bool reduce_chunk = c.coll == Collective::reduce && r != c.root;
+  if (reduce_chunk) reduce_chunk_.resize(chunk_len(c.count, n, r) * dtype_size(c.dt));
+  const auto [in_at, in_pieces] = published(c.in_list, c.in);
+  const auto [out_at, out_pieces] = reduce_chunk ? std::pair{address(reduce_chunk_.data()), uint32_t{0}}
+                                                 : published(c.out_list, c.out);
+  published_call_ = {kAddrMagic, static_cast<uint8_t>(c.coll), static_cast<uint8_t>(c.dt),
+                     static_cast<uint8_t>(reduces(c.coll) ? c.op : ReduceOp::sum), 0, c.root, c.count,
+                     in_at, out_at, in_pieces, out_pieces, c.layout, 0};
+  return published_call_;
+}
+
+void Local::run_reads(Transport& t, const Call& c) {
+  const int n = t.size(), r = t.rank();
+  const size_t esize = dtype_size(c.dt), block = c.count * esize, un = static_cast<size_t>(n),
+               ur = static_cast<size_t>(r);
+  auto chunk_begin = [&](int q) { return cma::chunk_begin(c.count, n, q); };
+  auto chunk_len = [&](int q) { return cma::chunk_len(c.count, n, q); };
+  const bool reduce_chunk = c.coll == Collective::reduce && r != c.root;
+  char* out = reduce_chunk ? reduce_chunk_.data() : c.out;
+  const std::span<const Extent> out_list = reduce_chunk ? std::span<const Extent>() : c.out_list;
+  const Addresses& mine = published_call_;
+  Sides s{*this, t, all_, {}, {}, {}, {}, std::vector<std::optional<Vector>>(un),
+          std::vector<std::optional<Vector>>(un)};
   // Every rank's sides: a whole vector, rank j's block of n, or (reduce) a non-root's chunk.
   const bool n_in = c.coll == Collective::reduce_scatter || c.coll == Collective::alltoall;
   const bool n_out = c.coll == Collective::allgather || c.coll == Collective::alltoall;
@@ -526,7 +643,7 @@ void Local::run_call(Transport& t, const Call& c) {
        {std::tuple{c.in_list, &s.in, s.in_bytes[ur]}, {out_list, &s.out, s.out_bytes[ur]}})
     if (!list.empty() && v->bytes() != want)
       throw InvalidArgument(prefix(t) + ": a list of " + std::to_string(v->bytes()) + " bytes where " +
-                            describe(mine) + " takes " + std::to_string(want));
+                            describe(as_descriptor(mine)) + " takes " + std::to_string(want));
   // Reads of rank p's side range [from, from + len) into this rank's side range [to, to + len).
   auto read = [&](int p, bool their_out, uint64_t from, uint64_t to, uint64_t len) {
     if (len) read_peer(t, p, s.out.iov(to, len), s.of(p, their_out).iov(from, len));

@@ -40,9 +40,10 @@ class Local {
   // that sibling processes may read this one, and undoes that when the path is unusable and at destruction.
   // With `shm`, rank 0 also creates the control segment and every rank maps it during the probe; the ranks use it
   // only if all of them could, else the Transport carries the control messages. `spin_us`: how long a wait for
-  // the peers spins before it sleeps. Throws CommError only when the Transport fails (a peer died).
-  // A world of size 1 is usable (allreduce is a copy).
-  explicit Local(Transport& t, bool shm = true, double spin_us = 200);
+  // the peers spins before it sleeps. `data_bytes`: room per rank in the segment for the data of small calls
+  // (Call::through_segment; every rank must pass the same). Throws CommError only when the Transport fails (a
+  // peer died). A world of size 1 is usable (allreduce is a copy).
+  explicit Local(Transport& t, bool shm = true, double spin_us = 200, size_t data_bytes = 0);
   ~Local();
   Local(const Local&) = delete;
   Local& operator=(const Local&) = delete;
@@ -75,6 +76,12 @@ class Local {
     uint32_t layout = 0;
     uint64_t call = 0;
     const void* desc = nullptr;
+    // The data goes through the control segment instead of single-copy reads: each rank copies its input into
+    // its place there, publishes, and once every rank has published computes its output from the places (the
+    // same rank-order reduction as the reads; no closing barrier, as nobody reads a rank's buffers). One round
+    // of the segment per call: for small calls, where a read's system call and page pinning cost more than the
+    // copies. What a rank puts there must fit segment_room().
+    bool through_segment = false;
   };
   // Runs `c` with single-copy reads of the peers' buffers: each byte crosses memory once (allgather, alltoall,
   // broadcast) or is read once by the rank that reduces it (chunk q of a reduction by rank q, in rank order: every
@@ -83,10 +90,21 @@ class Local {
   // pieces, for lists) is in place, other overlap is not allowed. Throws CommError naming the peer when a read
   // fails (the peer died: ESRCH) or a barrier fails, and when ranks call different collectives, counts, dtypes,
   // ops, roots or list layouts. Requires usable().
-  void run(Transport& t, const Call& c);
+  // Returns false where it stopped waiting for its peers to publish the call at `until` (a caller's wait
+  // deadline): the next run() with the same call goes on where this one stopped (the no-progress timeout counts
+  // from the first); nothing else may run on this Local in between.
+  bool run(Transport& t, const Call& c, std::chrono::steady_clock::time_point until);
+  void run(Transport& t, const Call& c) { run(t, c, std::chrono::steady_clock::time_point::max()); }
   void allreduce(Transport& t, const char* in, char* out, size_t count, DataType dt, ReduceOp op) {
     run(t, {Collective::allreduce, dt, op, -1, count, in, out});
   }
+
+  // Bytes per rank that a call may put through the segment (Call::through_segment); 0 where it cannot (no
+  // segment, control messages over TCP, or no room asked for).
+  size_t segment_room() const { return usable_ && control_ ? control_->data_bytes() : 0; }
+  // What rank `rank` of `n` puts through the segment in call `c` (its input: its vector, all n blocks, or
+  // nothing for a broadcast's non-roots and a barrier).
+  static size_t segment_need(const Call& c, int rank, int n);
 
   // Calls run on this path so far (the tests check which path a call took).
   uint64_t calls() const { return calls_.load(std::memory_order_relaxed); }
@@ -103,7 +121,16 @@ class Local {
 
  private:
   struct Sides;
-  void run_call(Transport& t, const Call& c);
+  // What this rank publishes for `c`: where its sides are (for the reads), or its call after it has copied its
+  // data into its place in the segment.
+  const Addresses& addresses(Transport& t, const Call& c);
+  const Addresses& into_segment(Transport& t, const Call& c);
+  // Waits (until `until`: false) for every rank's call and checks it against this rank's: a peer that made the
+  // call on another path or called something else fails the call naming both calls. Fills all_.
+  bool agree(Transport& t, const Call& c, std::chrono::steady_clock::time_point until);
+  // The rest of the call once every rank has published it.
+  void run_reads(Transport& t, const Call& c);
+  void from_segment(Transport& t, const Call& c);
   // Elements [from, from + len) of every rank's input, reduced in rank order piece by piece, into bytes
   // [dst_off, ...) of this rank's output.
   void reduce_from_all(Transport& t, Sides& s, const Call& c, size_t from, size_t len, uint64_t dst_off);
@@ -123,6 +150,11 @@ class Local {
   uint64_t token_ = 0;  // read by every peer's probe during setup
   std::atomic<uint64_t> calls_{0};
   std::unique_ptr<Control> control_;
+  // The call published and waited for, across run()s that stopped at their `until`.
+  bool published_ = false;
+  Addresses published_call_{};
+  std::vector<Addresses> all_;      // [rank]: its call as published
+  std::vector<char> reduce_chunk_;  // reduce: a non-root's reduced chunk, which the root reads
 };
 
 }  // namespace smartcoll::cma

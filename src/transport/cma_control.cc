@@ -8,6 +8,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -18,26 +19,20 @@
 #include <utility>
 #include <vector>
 
+#include "core/agreement.h"
 #include "smartcoll/comm.h"
 #include "smartcoll/types.h"
 
 namespace smartcoll::cma {
 
-std::string describe(const Addresses& a) {
-  std::string coll = a.coll < kCollectives ? std::string(collective_name(static_cast<Collective>(a.coll)))
-                                           : "collective " + std::to_string(a.coll);
-  std::string dt = a.dtype < std::size(kAllDataTypes) ? std::string(dtype_name(static_cast<DataType>(a.dtype)))
-                                                      : "dtype " + std::to_string(a.dtype);
-  std::string op = a.op < std::size(kAllReduceOps) ? std::string(op_name(static_cast<ReduceOp>(a.op)))
-                                                   : "op " + std::to_string(a.op);
-  std::string list;
-  if (a.layout) {
-    char digest[16];
-    std::snprintf(digest, sizeof digest, "%08x", a.layout);
-    list = std::string(", a list of counts digest ") + digest;
-  }
-  return coll + "(count=" + std::to_string(a.count) + ", " + dt + ", op=" + op +
-         ", root=" + std::to_string(a.root) + list + ")";
+Descriptor as_descriptor(const Addresses& a) {
+  // Codes out of range stay so: describe() names such a descriptor as corrupted.
+  Descriptor d = make_descriptor(static_cast<Collective>(a.coll), static_cast<DataType>(a.dtype),
+                                 static_cast<ReduceOp>(a.op), a.through_segment ? Algorithm::shm : Algorithm::cma,
+                                 static_cast<int>(a.root), a.count, Codec::parse("identity"), false);
+  if (a.layout) set_list_layout(d, a.layout);
+  if (a.magic != kAddrMagic) d.magic = 0;
+  return d;
 }
 
 namespace {
@@ -47,8 +42,10 @@ namespace {
 class TcpControl final : public Control {
  public:
   explicit TcpControl(Transport& t) : t_(t) {}
-  void exchange(const Addresses& mine, Addresses* all, uint64_t /*call*/) override {
-    smartcoll::exchange(t_, &mine, all, sizeof(Addresses));
+  void publish(const Addresses& mine) override { mine_ = mine; }
+  bool collect(Addresses* all, uint64_t /*call*/, std::chrono::steady_clock::time_point /*until: blocks*/) override {
+    smartcoll::exchange(t_, &mine_, all, sizeof(Addresses));
+    return true;
   }
   void barrier(uint8_t phase, bool /*wait: every rank exchanges its phase*/) override {
     const int n = t_.size(), r = t_.rank();
@@ -63,11 +60,12 @@ class TcpControl final : public Control {
 
  private:
   Transport& t_;
+  Addresses mine_{};
 };
 
 // ---- over shared memory ----
 
-constexpr uint64_t kSegmentMagic = 0x534d43434d415333;  // "SMCCMAS3": list descriptors, calls on other paths
+constexpr uint64_t kSegmentMagic = 0x534d43434d415334;  // "SMCCMAS4": a data area after the slots
 
 struct alignas(64) Header {
   uint64_t magic;
@@ -75,6 +73,7 @@ struct alignas(64) Header {
   uint32_t n;
   std::atomic<uint32_t> bell;     // bumped by every publication; futex word of the waiters
   std::atomic<uint32_t> waiters;  // ranks asleep (or about to sleep) on the bell
+  uint64_t data_bytes;            // room per rank and call in the data area (Control::data_bytes)
 };
 
 // A call this rank made on another path (Control::elsewhere), a seqlock: `call` is 0 while the words change.
@@ -101,9 +100,13 @@ struct alignas(64) Slot {
 static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free);
 static_assert(sizeof(Slot) == 512, "docs/same-host.md gives the slot's size");
 
-size_t segment_bytes(int n) {
-  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  const size_t bytes = sizeof(Header) + static_cast<size_t>(n) * sizeof(Slot);
+// The data area follows the slots: two places per rank (call k in place k % 2, as the slot's descriptors), each
+// a whole number of cache lines so that no two ranks write one line.
+size_t data_room(size_t data_bytes) { return (data_bytes + 63) / 64 * 64; }
+
+size_t segment_bytes(int n, size_t data_bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE)), un = static_cast<size_t>(n);
+  const size_t bytes = sizeof(Header) + un * sizeof(Slot) + un * 2 * data_room(data_bytes);
   return (bytes + page - 1) / page * page;
 }
 
@@ -122,10 +125,15 @@ long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* 
 
 class ShmControl final : public Control {
  public:
-  ShmControl(Segment segment, const Transport& t, double spin_us, std::function<void()> check_alive)
-      : segment_(std::move(segment)),
+  using Clock = std::chrono::steady_clock;
+
+  ShmControl(Segment segment, Transport& t, double spin_us, std::function<void()> check_alive)
+      : t_(t),
+        segment_(std::move(segment)),
         header_(static_cast<Header*>(segment_.base())),
         slots_(reinterpret_cast<Slot*>(header_ + 1)),
+        data_(reinterpret_cast<char*>(slots_ + t.size())),
+        room_(data_room(segment_.data_bytes())),
         rank_(t.rank()),
         n_(t.size()),
         timeout_(t.timeout),
@@ -134,12 +142,18 @@ class ShmControl final : public Control {
 
   ~ShmControl() override { leave(); }
 
-  void exchange(const Addresses& mine, Addresses* all, uint64_t call) override {
+  void publish(const Addresses& mine) override {
     const uint64_t k = ++calls_;
     slots_[rank_].call[k % 2] = mine;
+    published_at_ = Clock::now();
     arrive(&Slot::published, k);
-    wait(&Slot::published, k, "its call #", " on this path", call);
+  }
+
+  bool collect(Addresses* all, uint64_t call, Clock::time_point until) override {
+    const uint64_t k = calls_;
+    if (!wait(&Slot::published, k, "its call #", " on this path", call, published_at_, until)) return false;
     for (int p = 0; p < n_; ++p) all[p] = slots_[p].call[k % 2];
+    return true;
   }
 
   void elsewhere(uint64_t call, const void* desc) override {
@@ -156,7 +170,7 @@ class ShmControl final : public Control {
                bool wait_for_all) override {
     const uint64_t k = ++barriers_;
     arrive(&Slot::arrived, k);
-    if (wait_for_all) wait(&Slot::arrived, k, "barrier #", "");
+    if (wait_for_all) wait(&Slot::arrived, k, "barrier #", "", 0, Clock::now(), Clock::time_point::max());
   }
 
   void leave() override {
@@ -165,10 +179,17 @@ class ShmControl final : public Control {
 
   const char* kind() const override { return "shm"; }
 
+  size_t data_bytes() const override { return segment_.data_bytes(); }
+  char* next_data() override { return place(rank_, calls_ + 1); }
+  const char* data(int p) const override { return place(p, calls_); }
+
  private:
-  using Clock = std::chrono::steady_clock;
 
   using Counter = std::atomic<uint64_t> Slot::*;
+
+  char* place(int p, uint64_t call) const {
+    return data_ + (static_cast<size_t>(p) * 2 + call % 2) * room_;
+  }
 
   void ring() {
     header_->bell.fetch_add(1);
@@ -202,9 +223,11 @@ class ShmControl final : public Control {
     throw OtherPath(p, desc);
   }
 
-  // Returns once every rank's `counter` is at least k (acquire: their stores before it are visible). `call`: the
-  // communicator's number of the call being published (0: none), whose peers may have made it elsewhere.
-  void wait(Counter counter, uint64_t k, const char* what, const char* suffix, uint64_t call = 0) {
+  // Returns true once every rank's `counter` is at least k (acquire: their stores before it are visible), false
+  // at `until` if that comes first; throws after the timeout, counted from `start`. `call`: the communicator's
+  // number of the call being published (0: none), whose peers may have made it elsewhere.
+  bool wait(Counter counter, uint64_t k, const char* what, const char* suffix, uint64_t call, Clock::time_point start,
+            Clock::time_point until) {
     auto missing = [&] {
       std::vector<int> m;
       for (int p = 0; p < n_; ++p)
@@ -213,20 +236,23 @@ class ShmControl final : public Control {
     };
     auto all_there = [&] { return all_reached(counter, k); };
     auto waited_for = [&] { return what + std::to_string(k) + suffix; };
-    if (all_there()) return;
-    const auto start = Clock::now();
-    while (Clock::now() - start < spin_) {
+    if (all_there()) return true;
+    const auto spin_start = Clock::now();
+    while (Clock::now() - spin_start < spin_ && Clock::now() < until) {
       sched_yield();  // ranks that share cores: let the peer this rank waits for run
-      if (all_there()) return;
+      if (all_there()) return true;
     }
     for (;;) {
       const uint32_t bell = header_->bell.load();
-      if (all_there()) return;
+      if (all_there()) return true;
       for (int p : missing()) {
         check_elsewhere(p, call);  // first: a peer that went elsewhere may have closed since
-        if (slots_[p].gone.load())
-          throw CommError("cma: rank " + std::to_string(p) + " failed or closed its communicator before getting to " +
-                          waited_for() + " (this rank: " + std::to_string(rank_) + ")");
+        if (slots_[p].gone.load()) {
+          const std::string why = t_.peer_failure(p);
+          throw CommError("cma: rank " + std::to_string(p) + (why.empty() ? " failed or closed its communicator" : " failed") +
+                          " before getting to " + waited_for() + " (this rank: " + std::to_string(rank_) + ")" +
+                          (why.empty() ? "" : ": " + why));
+        }
       }
       check_alive_();
       if (Clock::now() - start > timeout_) {
@@ -238,41 +264,50 @@ class ShmControl final : public Control {
                         " has not got to " + waited_for() + "; is that rank alive (not stopped) and calling the same "
                         "collective? (SMARTCOLL_TIMEOUT raises the limit)");
       }
+      const auto now = Clock::now();
+      if (now >= until) return false;
       // The last arrival bumps the bell after its store, and ring() wakes sleepers when it sees waiters: an
       // arrival after `bell` was read makes the futex wait return at once.
       header_->waiters.fetch_add(1);
       if (!all_there()) {
-        const timespec slice{0, 10'000'000};  // checks for dead peers and the timeout in between
+        // Slices of 10 ms at most: checks for dead peers and the timeout in between.
+        const auto ns = std::clamp<int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(until - now).count(),
+                                            1, 10'000'000);
+        const timespec slice{0, static_cast<long>(ns)};
         futex(&header_->bell, FUTEX_WAIT, bell, &slice);
       }
       header_->waiters.fetch_sub(1);
     }
   }
 
+  Transport& t_;
   Segment segment_;
   Header* header_;
   Slot* slots_;
+  char* data_;
+  const size_t room_;
   const int rank_, n_;
   const std::chrono::duration<double> timeout_;
   const std::chrono::duration<double> spin_;
   std::function<void()> check_alive_;
   uint64_t calls_ = 0, barriers_ = 0;
+  Clock::time_point published_at_{};
 };
 
 }  // namespace
 
 std::unique_ptr<Control> tcp_control(Transport& t) { return std::make_unique<TcpControl>(t); }
 
-std::unique_ptr<Control> shm_control(Segment segment, const Transport& t, double spin_us,
+std::unique_ptr<Control> shm_control(Segment segment, Transport& t, double spin_us,
                                      std::function<void()> check_alive) {
   return std::make_unique<ShmControl>(std::move(segment), t, spin_us, std::move(check_alive));
 }
 
 // ---- the segment ----
 
-Segment Segment::create(int n, uint64_t token, std::string& error) {
+Segment Segment::create(int n, size_t data_bytes, uint64_t token, std::string& error) {
   Segment s;
-  const size_t bytes = segment_bytes(n);
+  const size_t bytes = segment_bytes(n, data_bytes);
   const int fd = static_cast<int>(syscall(SYS_memfd_create, "smartcoll-cma", MFD_CLOEXEC));
   if (fd < 0) {
     error = std::string("memfd_create failed: ") + std::strerror(errno);
@@ -290,15 +325,17 @@ Segment Segment::create(int n, uint64_t token, std::string& error) {
   h->magic = kSegmentMagic;
   h->token = token;
   h->n = static_cast<uint32_t>(n);
+  h->data_bytes = data_bytes;
   auto* slots = reinterpret_cast<Slot*>(h + 1);
   for (int p = 0; p < n; ++p) new (slots + p) Slot{};
   s.base_ = base;
   s.bytes_ = bytes;
+  s.data_bytes_ = data_bytes;
   s.fd_ = fd;
   return s;
 }
 
-Segment Segment::open(int pid, int fd, int n, uint64_t token, std::string& error) {
+Segment Segment::open(int pid, int fd, int n, size_t data_bytes, uint64_t token, std::string& error) {
   Segment s;
   const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
   const int mine = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
@@ -306,7 +343,7 @@ Segment Segment::open(int pid, int fd, int n, uint64_t token, std::string& error
     error = "cannot open rank 0's control segment " + path + ": " + std::strerror(errno);
     return s;
   }
-  const size_t bytes = segment_bytes(n);
+  const size_t bytes = segment_bytes(n, data_bytes);
   struct stat st {};
   void* base = fstat(mine, &st) == 0 && static_cast<size_t>(st.st_size) == bytes
                    ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, mine, 0)
@@ -317,13 +354,15 @@ Segment Segment::open(int pid, int fd, int n, uint64_t token, std::string& error
     return s;
   }
   const auto* h = static_cast<const Header*>(base);
-  if (h->magic != kSegmentMagic || h->token != token || h->n != static_cast<uint32_t>(n)) {
+  if (h->magic != kSegmentMagic || h->token != token || h->n != static_cast<uint32_t>(n) ||
+      h->data_bytes != data_bytes) {
     munmap(base, bytes);
     error = path + " is not rank 0's control segment (a recycled descriptor?)";
     return s;
   }
   s.base_ = base;
   s.bytes_ = bytes;
+  s.data_bytes_ = data_bytes;
   return s;
 }
 
@@ -334,6 +373,7 @@ Segment& Segment::operator=(Segment&& o) noexcept {
     this->~Segment();
     base_ = std::exchange(o.base_, nullptr);
     bytes_ = std::exchange(o.bytes_, 0);
+    data_bytes_ = std::exchange(o.data_bytes_, 0);
     fd_ = std::exchange(o.fd_, -1);
   }
   return *this;

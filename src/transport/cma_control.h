@@ -18,6 +18,7 @@
 #include <memory>
 #include <string>
 
+#include "core/task.h"
 #include "smartcoll/types.h"
 #include "transport/transport.h"
 
@@ -34,13 +35,14 @@ struct Addresses {
   uint64_t in, out;
   uint32_t in_pieces, out_pieces;  // 0: `in` (`out`) is the buffer itself
   uint32_t layout;                 // a list call's digest of its counts where calls are compared; else 0
-  uint32_t pad2;
+  uint32_t through_segment;        // 1: the call's data goes through the control segment (Local::Call)
 };
 static_assert(sizeof(Addresses) == 56);
 inline constexpr uint32_t kAddrMagic = 0x434d4143;  // "CMAC"
 
-// "allreduce(count=..., float32, op=sum, root=-1)", robust to values out of range.
-std::string describe(const Addresses& a);
+// The call agreement's descriptor of the call (algo cma, or shm where its data goes through the segment), which
+// smartcoll::describe names ("allreduce(count=16, float32, op=sum, algo=shm)"; codes out of range as corrupted).
+Descriptor as_descriptor(const Addresses& a);
 
 // A call that a rank makes on another path (a TCP algorithm, or a call of no elements) while its peers may take
 // this one: `auto` decides from each rank's own arguments, so ranks that pass different ones can part ways. The
@@ -57,23 +59,36 @@ struct OtherPath : CommError {
 class Control {
  public:
   virtual ~Control() = default;
-  // Publishes this rank's call and fills all[p] with rank p's (all[rank] = mine). Returns once every rank has
-  // published; throws CommError naming a rank that died, failed or did not publish within the timeout, and
-  // OtherPath where a peer left word (elsewhere()) that it made the communicator's call number `call` on another
-  // path (0: not numbered, no such check).
-  virtual void exchange(const Addresses& mine, Addresses* all, uint64_t call = 0) = 0;
+  // Publishes this rank's call (through the segment: with the data this rank wrote to next_data()).
+  virtual void publish(const Addresses& mine) = 0;
+  // Fills all[p] with rank p's call published last (all[rank] = mine) and returns true once every rank has
+  // published it; false where `until` came first (a later collect() goes on waiting). Throws CommError naming a
+  // rank that died, failed or did not publish within the timeout (counted from publish()), and OtherPath where a
+  // peer left word (elsewhere()) that it made the communicator's call number `call` on another path (0: not
+  // numbered, no such check).
+  virtual bool collect(Addresses* all, uint64_t call, std::chrono::steady_clock::time_point until) = 0;
   // This rank makes the communicator's call number `call` (from 1) on another path; `desc` is its descriptor
   // (kCallBytes). Never waits and makes no system call: the TCP channel keeps nothing (its peers meet the
   // other path's messages instead).
   virtual void elsewhere(uint64_t /*call*/, const void* /*desc*/) {}
   // Returns once every rank has reached this barrier (every rank passes the same barriers in the same order;
-  // `phase` tells them apart where the channel can check it). Throws as exchange() does. Without `wait` the
+  // `phase` tells them apart where the channel can check it). Throws as collect() does. Without `wait` the
   // channel may return as soon as this rank is counted in (the shared segment does; TCP waits anyway): for a
   // rank whose buffers nobody reads any more, while the ranks that wait on it still know when it is done.
   virtual void barrier(uint8_t phase, bool wait = true) = 0;
   // This rank fails or closes: peers that wait on it fail at once, naming it, instead of timing out.
   virtual void leave() {}
   virtual const char* kind() const = 0;  // "shm" or "tcp"
+
+  // Bytes of data per rank that a call may put in the channel next to its descriptor: a small call's data then
+  // travels with it (Local::Call::through_segment). 0: none (over TCP, or no room was asked for).
+  virtual size_t data_bytes() const { return 0; }
+  // Where this rank writes the data of its next publish() (data_bytes() of room), and, once every rank has
+  // published (collect()), where rank p's data of it is. Valid until this rank's next publish() but one: a rank
+  // reaches its call k + 2 only after every peer has published call k + 1, which each does after its call k is
+  // done.
+  virtual char* next_data() { return nullptr; }
+  virtual const char* data(int /*p*/) const { return nullptr; }
 };
 
 // Control messages over the Transport (stream 0), failing after its timeout without progress.
@@ -82,10 +97,12 @@ std::unique_ptr<Control> tcp_control(Transport& t);
 // A segment for `n` ranks, as rank 0 creates it (fd() >= 0) or another rank maps it.
 class Segment {
  public:
-  // Creates a zeroed segment stamped with `token`; on failure fd() < 0 and `error` says why.
-  static Segment create(int n, uint64_t token, std::string& error);
-  // Maps rank 0's segment through /proc/<pid>/fd/<fd>; checks its size and token. Empty (and `error`) on failure.
-  static Segment open(int pid, int fd, int n, uint64_t token, std::string& error);
+  // Creates a zeroed segment stamped with `token`, with `data_bytes` of room per rank and call for data
+  // (Control::data_bytes; rounded up to a cache line); on failure fd() < 0 and `error` says why.
+  static Segment create(int n, size_t data_bytes, uint64_t token, std::string& error);
+  // Maps rank 0's segment through /proc/<pid>/fd/<fd>; checks its size, token and data room. Empty (and `error`)
+  // on failure.
+  static Segment open(int pid, int fd, int n, size_t data_bytes, uint64_t token, std::string& error);
   Segment() = default;
   Segment(Segment&& o) noexcept;
   Segment& operator=(Segment&& o) noexcept;
@@ -95,10 +112,12 @@ class Segment {
   int fd() const { return fd_; }
   void close_fd();  // once every rank has mapped it: the mapping alone keeps it alive
   void* base() const { return base_; }
+  size_t data_bytes() const { return data_bytes_; }
 
  private:
   void* base_ = nullptr;
   size_t bytes_ = 0;
+  size_t data_bytes_ = 0;
   int fd_ = -1;
 };
 
@@ -106,7 +125,8 @@ class Segment {
 // throws naming a peer whose process has exited; it runs between waits. A wait spins for `spin_us` where this
 // process may use at least as many CPUs as there are ranks (none otherwise), then sleeps on a futex in short
 // slices.
-std::unique_ptr<Control> shm_control(Segment segment, const Transport& t, double spin_us,
+// A peer that fails is named with its reason where it left one (Transport::peer_failure).
+std::unique_ptr<Control> shm_control(Segment segment, Transport& t, double spin_us,
                                      std::function<void()> check_alive);
 
 }  // namespace smartcoll::cma

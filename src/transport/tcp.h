@@ -62,7 +62,7 @@ class TcpTransport final : public Transport {
   void install(int peer, int stream, net::Fd fd);  // mu_ held
   void watch(int stream, int fd);                   // mu_ held: into the owner's epoll set
   void adopt_pending();                             // mu_ held
-  std::string peer_failure(int peer);
+  std::string peer_failure(int peer) override;
   [[noreturn]] void fail_peer(int peer, const std::string& what);
 
   std::shared_ptr<Store> store_;

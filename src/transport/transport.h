@@ -48,6 +48,8 @@ class Transport {
   virtual void abort(const std::string& reason) = 0;
   // True once abort() ran: this rank's communicator has failed (loops that do not use the channels stop).
   virtual bool aborted() const { return false; }
+  // Why rank `peer` failed, where it said so before (abort(), through the store); empty when it did not.
+  virtual std::string peer_failure(int /*peer*/) { return ""; }
 
   // A whole-buffer send or receive for exchange-style control traffic.
   struct Op {

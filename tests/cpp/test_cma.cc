@@ -162,11 +162,13 @@ std::string first_difference(int n, size_t count, const std::vector<char>& got, 
 
 // ---- ranks as threads ----
 
+constexpr size_t kRoom = 64 * 1024;  // room per rank for calls with their data through the segment
+
 void run_threads(int n, const std::function<void(Transport&, cma::Local&)>& body,
                  const Options& options = cma_options(), bool shm = true) {
   harness::run_threads(n, [&](int r, std::shared_ptr<Store> store) {
     TcpTransport t(r, n, std::move(store), Config::from(options), "");
-    cma::Local local(t, shm);
+    cma::Local local(t, shm, 200, kRoom);
     if (!local.usable()) throw std::runtime_error("not usable: " + local.why_not());
     const std::string want = n == 1 ? "" : shm ? "shm" : "tcp";
     if (local.control() != want) throw std::runtime_error("control over '" + local.control() + "', not " + want);
@@ -272,6 +274,152 @@ TEST(CmaThreads, ListsCutDifferentlyOnEveryRankReadAsOneVector) {
   for (int r = 0; r < n; ++r) EXPECT_EQ(problems[r], "") << "rank " << r;
 }
 
+// ---- calls with their data through the segment ----
+
+// Every collective, dtype and op with its data through the segment gives the bits of the same call by
+// single-copy reads (both reduce in rank order), in place and out of place, for lists too; the input is left
+// alone; calls follow each other with no barrier in between, so each reuses the place of the call before last.
+struct ThroughSegment {
+  int world;
+  size_t count;
+};
+class CmaSegmentData : public ::testing::TestWithParam<ThroughSegment> {};
+
+TEST_P(CmaSegmentData, EveryCollectiveMatchesTheReadsBitwise) {
+  const auto [n, count] = GetParam();
+  std::vector<std::string> problems(n);
+  run_threads(n, [&, n = n, count = count](Transport& t, cma::Local& local) {
+    const int r = t.rank();
+    std::string& problem = problems[r];
+    const Collective colls[] = {Collective::allreduce, Collective::reduce,    Collective::reduce_scatter,
+                                Collective::allgather, Collective::alltoall, Collective::broadcast};
+    for (const Case& c : kCases)
+      for (Collective coll : colls)
+        for (bool in_place : {false, true}) {
+          // allgather's in-place form is a block of out; alltoall has none (the Communicator refuses it).
+          if (in_place && (coll == Collective::allgather || coll == Collective::alltoall)) continue;
+          const bool blocks_in = coll == Collective::reduce_scatter || coll == Collective::alltoall;
+          const bool blocks_out = coll == Collective::allgather || coll == Collective::alltoall;
+          const size_t in_count = blocks_in ? count * n : count, out_count = blocks_out ? count * n : count;
+          if (in_place && in_count != out_count) continue;
+          const int root = coll == Collective::reduce || coll == Collective::broadcast ? (n - 1) % n : -1;
+          const std::vector<char> original = input(c, r * 7 + 3, in_count);
+          std::vector<char> results[2];
+          for (bool through : {false, true}) {
+            std::vector<char> in = original, out(out_count * dtype_size(c.dt), static_cast<char>(0x5A));
+            char* dst = in_place ? in.data() : out.data();
+            if (coll == Collective::broadcast) dst = in.data();
+            cma::Local::Call call{coll, c.dt, c.op, root, count, in.data(), dst};
+            call.through_segment = through;
+            local.run(t, call);
+            if (!in_place && coll != Collective::broadcast && in != original) problem += "input changed; ";
+            if (coll != Collective::reduce || r == root) results[through].assign(dst, dst + out.size());
+          }
+          if (results[0] != results[1])
+            problem += std::string(c.name) + " " + std::string(collective_name(coll)) +
+                       (in_place ? " in place; " : "; ");
+        }
+    // A list of three pieces on each side (the middle one 1 element) against the same call in one buffer.
+    if (count >= 3) {
+      const Case& c = kCases[0];
+      std::vector<char> in = input(c, r, count), one(in.size()), listed(in.size());
+      auto cut = [&](char* p) {
+        const uint64_t at = reinterpret_cast<uintptr_t>(p), e = dtype_size(c.dt);
+        return std::vector<cma::Extent>{{at, e}, {at + e, e}, {at + 2 * e, (count - 2) * e}};
+      };
+      cma::Local::Call call{Collective::allreduce, c.dt, c.op, -1, count, in.data(), one.data()};
+      call.through_segment = true;
+      local.run(t, call);
+      const auto ins = cut(in.data()), outs = cut(listed.data());
+      call = {Collective::allreduce, c.dt, c.op, -1, count, nullptr, nullptr, ins, outs};
+      call.through_segment = true;
+      local.run(t, call);
+      if (one != listed) problem += "list; ";
+    }
+    // Barriers of no data.
+    for (int i = 0; i < 3; ++i) {
+      cma::Local::Call barrier{Collective::barrier, DataType::f32, ReduceOp::sum, -1, 0, nullptr, nullptr};
+      barrier.through_segment = true;
+      local.run(t, barrier);
+    }
+  });
+  for (int r = 0; r < n; ++r) EXPECT_EQ(problems[r], "") << "rank " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cma, CmaSegmentData,
+                         ::testing::Values(ThroughSegment{2, 1}, ThroughSegment{2, 100}, ThroughSegment{3, 7},
+                                           ThroughSegment{4, 1000}, ThroughSegment{5, 3}),
+                         [](const auto& info) {
+                           return "n" + std::to_string(info.param.world) + "_count" +
+                                  std::to_string(info.param.count);
+                         });
+
+// Back to back with no barrier in between, one rank sleeping now and then: a place in the segment is rewritten
+// only once every peer is done with it, so every call gets its own values.
+TEST(CmaSegmentData, BackToBackCallsWithASlowRankGetTheirOwnValues) {
+  const int n = 3, calls = 3000;
+  std::vector<std::string> problems(n);
+  run_threads(n, [&](Transport& t, cma::Local& local) {
+    const int r = t.rank();
+    std::vector<int64_t> buf(257);
+    for (int i = 0; i < calls && problems[r].empty(); ++i) {
+      if (r == i % n && i % 97 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      const size_t count = 1 + static_cast<size_t>(i) % buf.size();
+      for (size_t j = 0; j < count; ++j) buf[j] = i * 1000 + static_cast<int64_t>(j) + r;
+      cma::Local::Call call{Collective::allreduce, DataType::i64, ReduceOp::sum, -1, count,
+                            reinterpret_cast<char*>(buf.data()), reinterpret_cast<char*>(buf.data())};
+      call.through_segment = true;
+      local.run(t, call);
+      for (size_t j = 0; j < count; ++j)
+        if (buf[j] != n * (i * 1000 + static_cast<int64_t>(j)) + n * (n - 1) / 2) {
+          problems[r] = "call " + std::to_string(i) + " element " + std::to_string(j);
+          break;
+        }
+    }
+  });
+  for (int r = 0; r < n; ++r) EXPECT_EQ(problems[r], "") << "rank " << r;
+}
+
+// A call whose data does not fit is refused before anything is published, naming the room and the knob; one
+// rank's data through the segment against another's by reads fails on both, naming both calls.
+TEST(CmaSegmentDataErrors, TooLargeIsRefusedAndMixedWaysDisagree) {
+  const int n = 2;
+  std::vector<std::string> too_large(n), mixed(n);
+  run_threads(n, [&](Transport& t, cma::Local& local) {
+    EXPECT_EQ(local.segment_room(), kRoom);
+    std::vector<float> x(kRoom / 4 * 2 + 1, 1.0f);  // alltoall: 2 blocks of (kRoom / 4 + 1) bytes... per rank
+    cma::Local::Call call{Collective::alltoall, DataType::f32, ReduceOp::sum, -1, kRoom / 8 + 1,
+                          reinterpret_cast<char*>(x.data()), reinterpret_cast<char*>(x.data())};
+    call.through_segment = true;
+    try {
+      local.run(t, call);
+    } catch (const InvalidArgument& e) {
+      too_large[t.rank()] = e.what();
+    }
+    cma::Local::Call small{Collective::allreduce, DataType::f32, ReduceOp::sum, -1, 4,
+                           reinterpret_cast<char*>(x.data()), reinterpret_cast<char*>(x.data())};
+    small.through_segment = t.rank() == 0;
+    try {
+      local.run(t, small);
+    } catch (const CommError& e) {
+      mixed[t.rank()] = e.what();
+    }
+  });
+  for (int r = 0; r < n; ++r) {
+    EXPECT_NE(too_large[r].find("65544 bytes per rank through the control segment, which has room for 65536 (the "
+                                "shm_bytes knob)"),
+              std::string::npos)
+        << too_large[r];
+    EXPECT_NE(mixed[r].find("allreduce(count=4, float32, op=sum, algo=shm)"), std::string::npos) << mixed[r];
+    EXPECT_NE(mixed[r].find("allreduce(count=4, float32, op=sum, algo=cma)"), std::string::npos) << mixed[r];
+  }
+}
+
+TEST(CmaSegmentDataErrors, NoRoomOverTcpControl) {
+  run_threads(
+      2, [](Transport&, cma::Local& local) { EXPECT_EQ(local.segment_room(), 0u); }, cma_options(), false);
+}
+
 TEST(CmaThreadsSingle, WorldOfOneIsUsableAndCopies) {
   run_threads(1, [](Transport& t, cma::Local& local) {
     EXPECT_EQ(local.why_not(), "");
@@ -324,8 +472,8 @@ TEST(CmaThreadsErrors, DifferentCollectivesFailEveryRankNamingBoth) {
   });
   for (int r = 0; r < n; ++r) {
     EXPECT_NE(errors[r].find("disagree"), std::string::npos) << "rank " << r << ": " << errors[r];
-    EXPECT_NE(errors[r].find("broadcast(count=8, float32, op=sum, root=0)"), std::string::npos) << errors[r];
-    EXPECT_NE(errors[r].find("allgather(count=8, float32, op=sum, root=-1)"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("broadcast(count=8, float32, algo=cma, root=0)"), std::string::npos) << errors[r];
+    EXPECT_NE(errors[r].find("allgather(count=8, float32, algo=cma)"), std::string::npos) << errors[r];
   }
 }
 
@@ -347,6 +495,7 @@ struct SplitCase {
   std::function<void(Communicator&)> call;  // throws CommError on the disagreement
   std::vector<std::string> named;           // what every failing rank's message must contain
   std::vector<int> failing = {0, 1};
+  std::string shm_bytes = "262144";  // 0: small calls take TCP algorithms, not the segment's data places
 };
 void PrintTo(const SplitCase& c, std::ostream* os) { *os << c.name; }
 
@@ -365,7 +514,7 @@ TEST_P(CmaPathSplit, EveryRankFailsAtOnceNamingBothCalls) {
       errors[comm.rank()] = e.what();
     }
     seconds[comm.rank()] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  });
+  }, harness::test_options({{"shm_bytes", c.shm_bytes}}));
   for (int r = 0; r < 2; ++r) ASSERT_EQ(control[r], "shm") << "rank " << r << ": the test needs the segment";
   for (int r : c.failing) {
     EXPECT_NE(errors[r].find("ranks disagree"), std::string::npos) << "rank " << r << ": " << errors[r];
@@ -377,6 +526,8 @@ TEST_P(CmaPathSplit, EveryRankFailsAtOnceNamingBothCalls) {
 }
 
 constexpr size_t kLarge = size_t{1} << 17;  // 512 KiB of float32: above rhd_max_bytes, so auto takes cma
+// 128 KiB of float32: above shm_bytes and up to rhd_max_bytes, so auto takes a TCP algorithm.
+constexpr size_t kMiddle = size_t{1} << 15;  // with shm_bytes=0
 
 INSTANTIATE_TEST_SUITE_P(
     Auto, CmaPathSplit,
@@ -384,20 +535,34 @@ INSTANTIATE_TEST_SUITE_P(
         SplitCase{"count",
                   [](Communicator& comm) {
                     std::vector<float> x(kLarge, 1.0f);
-                    const size_t count = comm.rank() == 0 ? kLarge : 16;  // 16: recursive doubling over TCP
+                    const size_t count = comm.rank() == 0 ? kLarge : kMiddle;  // recursive doubling over TCP
                     comm.allreduce(x.data(), x.data(), count, DataType::f32, ReduceOp::sum)->wait();
                   },
                   {"allreduce(count=131072, float32, op=sum, algo=cma)",
-                   "allreduce(count=16, float32, op=sum, algo=rd)"}},
+                   "allreduce(count=32768, float32, op=sum, algo=rd)"},
+                  {0, 1},
+                  "0"},
+        // Both on the segment, one with its data through it: the descriptors tell the calls apart.
+        SplitCase{"segment",
+                  [](Communicator& comm) {
+                    std::vector<float> x(kLarge, 1.0f);
+                    const size_t count = comm.rank() == 0 ? kLarge : 16;
+                    comm.allreduce(x.data(), x.data(), count, DataType::f32, ReduceOp::sum)->wait();
+                  },
+                  {"allreduce(count=131072, float32, op=sum, algo=cma)",
+                   "allreduce(count=16, float32, op=sum, algo=shm)"}},
         SplitCase{"collective",
                   [](Communicator& comm) {
                     std::vector<float> in(kLarge, 1.0f), out(2 * kLarge);
                     if (comm.rank() == 0)
                       comm.allgather(in.data(), out.data(), kLarge, DataType::f32)->wait();
                     else
-                      comm.broadcast(in.data(), 8, DataType::f32, 0)->wait();  // small: the tree, over TCP
+                      comm.broadcast(in.data(), kMiddle, DataType::f32, 0)->wait();  // the tree, over TCP
                   },
-                  {"allgather(count=131072, float32, algo=cma)", "broadcast(count=8, float32, algo=tree, root=0)"}},
+                  {"allgather(count=131072, float32, algo=cma)",
+                   "broadcast(count=32768, float32, algo=tree, root=0)"},
+                  {0, 1},
+                  "0"},
         SplitCase{"list",
                   [](Communicator& comm) {
                     // The same elements as one buffer and as a list: both take the same-host path, where the
@@ -411,7 +576,7 @@ INSTANTIATE_TEST_SUITE_P(
                       comm.allreduce(bufs, counts, DataType::f32, ReduceOp::sum)->wait();
                     }
                   },
-                  {"allreduce(count=131072, float32, op=sum, root=-1)", "a list of counts digest"}},
+                  {"allreduce(count=131072, float32, op=sum, algo=cma)", "a list of counts digest"}},
         SplitCase{"nothing",
                   [](Communicator& comm) {
                     // A call of no elements returns at once; the peer must not wait for it on the segment.
@@ -422,6 +587,75 @@ INSTANTIATE_TEST_SUITE_P(
                   {"allreduce(count=131072, float32, op=sum, algo=cma)", "allreduce(count=0, float32, op=sum"},
                   {0}}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// auto sends a same-host call through the segment where it fits and each rank reads at most 1 MiB there;
+// algo=shm refuses a call that does not fit, naming the room and the knob; without room it is never chosen.
+TEST(CmaSegmentData, AutoTakesItWhereTheCallFits) {
+  for (const std::string room : {"262144", "0"}) {
+    std::vector<std::vector<std::string>> picked(2);
+    std::vector<std::string> refused(2);
+    harness::run_ranks(
+        2,
+        [&](Communicator& comm) {
+          std::vector<float> x(1 << 17, 1.0f), y(1 << 18);
+          auto& got = picked[comm.rank()];
+          for (size_t count : {size_t{16}, size_t{1} << 15, (size_t{1} << 16) + 1}) {
+            auto req = comm.allreduce(x.data(), x.data(), count, DataType::f32, ReduceOp::sum);
+            req->wait();
+            got.push_back(std::string(algorithm_name(req->algorithm())));
+          }
+          auto req = comm.allgather(x.data(), y.data(), size_t{1} << 16, DataType::f32);  // 256 KiB blocks
+          req->wait();
+          got.push_back(std::string(algorithm_name(req->algorithm())));
+          req = comm.barrier();
+          req->wait();
+          got.push_back(std::string(algorithm_name(req->algorithm())));
+          EXPECT_EQ(x[0], 8.0f);  // three sums of two ranks
+          try {
+            comm.allreduce(x.data(), x.data(), (size_t{1} << 16) + 1, DataType::f32, ReduceOp::sum, Algorithm::shm);
+          } catch (const InvalidArgument& e) {
+            refused[comm.rank()] = e.what();
+          }
+        },
+        harness::test_options({{"shm_bytes", room}}));
+    const std::vector<std::string> want =
+        room == "0" ? std::vector<std::string>{"rd", "rd", "cma", "cma", "dissemination"}
+                    : std::vector<std::string>{"shm", "shm", "cma", "shm", "shm"};
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(picked[r], want) << "shm_bytes=" << room << " rank " << r;
+      EXPECT_NE(refused[r].find(room == "0" ? "control segment is not in use"
+                                            : "262148 bytes per rank through the segment, which has room for 262144"),
+                std::string::npos)
+          << refused[r];
+    }
+  }
+}
+
+// A same-host call whose peer is late: a wait with a timeout returns when it runs out, through the segment and
+// by reads alike (the call stops waiting for its peers there and goes on at the next wait), and the call then
+// completes with the right values.
+TEST(CmaSegmentData, AWaitWithATimeoutReturnsWhileAPeerIsLate) {
+  for (size_t count : {size_t{16}, size_t{1} << 17}) {
+    std::vector<double> waited(2, -1.0);
+    std::vector<float> got(2, 0.0f);
+    harness::run_ranks(2, [&](Communicator& comm) {
+      std::vector<float> x(count, 1.0f + comm.rank());
+      if (comm.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      auto req = comm.allreduce(x.data(), x.data(), count, DataType::f32, ReduceOp::sum);
+      if (comm.rank() == 0) {
+        const auto start = std::chrono::steady_clock::now();
+        EXPECT_FALSE(req->wait(std::chrono::milliseconds(200)));
+        waited[0] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        EXPECT_FALSE(req->wait(std::chrono::milliseconds(100)));
+      }
+      EXPECT_TRUE(req->wait());
+      got[comm.rank()] = x[count - 1];
+    });
+    EXPECT_GE(waited[0], 0.19) << count;
+    EXPECT_LT(waited[0], 0.7) << count;
+    EXPECT_EQ(got, std::vector<float>(2, 3.0f)) << count;
+  }
+}
 
 // ---- ranks as forked processes ----
 
@@ -561,7 +795,8 @@ struct ChildRank {
   TcpTransport t;
   cma::Local local;
   ChildRank(const std::string& dir, int rank, int n, const Options& options)
-      : store(std::make_shared<FileStore>(dir)), t(rank, n, store, Config::from(options), ""), local(t) {}
+      : store(std::make_shared<FileStore>(dir)), t(rank, n, store, Config::from(options), ""),
+        local(t, true, 200, kRoom) {}
   // False, reported and finished, unless the path is usable with its control segment.
   bool over_shm(const ChildIo& io) {
     if (local.usable() && local.control() == "shm") return true;
@@ -668,9 +903,9 @@ TEST(CmaProcessesSetup, OneRankFailingItsProbeDisablesItEverywhere) {
 // crash or a hang) within the 3 s no-progress timeout, and the error names rank 2 on at least one of them (the
 // other may first see the survivor that failed and aborted its connections, as the Communicator does). With
 // `list`, the buffer goes as a list of three pieces, which peers find through its piece table.
-void peer_dies_mid_call(int delay_ms, bool list) {
+void peer_dies_mid_call(int delay_ms, bool list, bool through_segment = false) {
   const int n = 3;
-  const size_t count = 8u << 20;  // 32 MiB of float32 per rank
+  const size_t count = through_segment ? 1024 : 8u << 20;  // 4 KiB or 32 MiB of float32 per rank
   TempDir dir;
   ASSERT_FALSE(dir.path.empty());
   auto outcomes = run_processes(n, [&](const ChildIo& io) {
@@ -684,6 +919,7 @@ void peer_dies_mid_call(int delay_ms, bool list) {
     const std::vector<cma::Extent> pieces = {{at, third}, {at + third, third}, {at + 2 * third, count * 4 - 2 * third}};
     cma::Local::Call call{Collective::allreduce, DataType::f32, ReduceOp::sum, -1, count, p, p};
     if (list) call = {Collective::allreduce, DataType::f32, ReduceOp::sum, -1, count, nullptr, nullptr, pieces, pieces};
+    call.through_segment = through_segment;
     local.run(t, call);  // all alive
     if (io.rank == 2) {
       std::thread([delay_ms] {
@@ -721,6 +957,10 @@ void peer_dies_mid_call(int delay_ms, bool list) {
 
 TEST(CmaProcessesErrors, PeerDyingMidCallIsCommErrorNamingIt) {
   for (int delay_ms : {0, 15, 60}) peer_dies_mid_call(delay_ms, false);
+}
+
+TEST(CmaProcessesErrors, PeerDyingMidCallThroughTheSegmentIsCommErrorNamingIt) {
+  for (int delay_ms : {0, 15}) peer_dies_mid_call(delay_ms, false, true);
 }
 
 TEST(CmaProcessesErrors, PeerDyingMidListCallIsCommErrorNamingIt) {

@@ -344,7 +344,7 @@ def test_knobs_table():
         assert len(k.description) >= 20 and k.description.strip() == k.description, k
         assert k.type in ("int", "float", "str") or k.type.startswith("choice:"), k
     by_name = {k.name: k for k in table}
-    assert by_name["algo"].default == "auto" and by_name["algo"].type == "choice:auto|ring|rhd|rd|cma|hier|switch"
+    assert by_name["algo"].default == "auto" and by_name["algo"].type == "choice:auto|ring|rhd|rd|cma|shm|hier|switch"
     assert by_name["segment_size"].default == "262144"
     assert by_name["streams"].default == "1"
 
@@ -434,9 +434,10 @@ def test_two_ranks_api(ranks, tmp_path):
         assert o["multi"] == [[3 * (i + 1)] for i in range(5)]
         assert o["alltoall_alias"]["error_type"] == "ValueError", o["alltoall_alias"]
         assert "in place" in o["alltoall_alias"]["message"], o["alltoall_alias"]
-        # Two processes on one host: large messages take the same-host path, unless compressed.
+        # Two processes on one host: small messages go through its control segment, large ones take its reads,
+        # unless compressed.
         assert o["same_host_path"] == "usable", o["same_host_path"]
-        assert o["algo_small"] == "rd" and o["algo_large"] == "cma", o
+        assert o["algo_small"] == "shm" and o["algo_large"] == "cma", o
         assert o["algo_large_compressed"] == "ring", o
     # rank 0 started while rank 1 slept 1.5 s: not done yet, and a short wait says so
     assert out[0]["test_early"] is False

@@ -31,7 +31,9 @@ import rank_worker as rw
 from rank_worker import DTYPES, FLOAT_DTYPES, INT_DTYPES, STORAGE, Case
 
 SIZES = [1, 2, 3, 4, 5, 8]
-# World sizes run again with every call on the same-host path (rhd_max_bytes=0: auto picks cma at every size).
+# World sizes run again with every call on the same-host path: by single-copy reads (rhd_max_bytes=0 and
+# shm_bytes=0: auto picks cma at every size), and with the data through the control segment (the calls here are
+# small: auto picks shm for every one).
 SAME_HOST_SIZES = [3, 4]
 
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "float64": 2.0**-53, "float16": 2.0**-11, "bfloat16": 2.0**-8}
@@ -56,14 +58,18 @@ class World:
         return self.results[rank][case.key]
 
 
-WORLDS = [(n, "") for n in SIZES] + [(n, "cma") for n in SAME_HOST_SIZES]
+WORLDS = [(n, "") for n in SIZES] + [(n, path) for path in ("cma", "shm") for n in SAME_HOST_SIZES]
+SAME_HOST_ENV = {
+    "cma": {"SMARTCOLL_RHD_MAX_BYTES": "0", "SMARTCOLL_SHM_BYTES": "0", "SMARTCOLL_CMA": "auto"},
+    "shm": {"SMARTCOLL_CMA": "auto"},
+}
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w[0]}{'-' + w[1] if w[1] else ''}")
 def world(request, ranks, tmp_path_factory):
     n, path = request.param
     outdir = tmp_path_factory.mktemp(f"collectives{n}{path}")
-    env = {"SMARTCOLL_RHD_MAX_BYTES": "0", "SMARTCOLL_CMA": "auto"} if path == "cma" else None
+    env = SAME_HOST_ENV.get(path)
     t0 = time.monotonic()
     res = ranks(n, ["collectives", outdir, free_port()], env=env, timeout=240, logdir=outdir / "logs")
     seconds = time.monotonic() - t0
@@ -73,10 +79,10 @@ def world(request, ranks, tmp_path_factory):
         with np.load(outdir / f"rank{r}.npz") as z:
             results.append({k: z[k] for k in z.files})
         info.append(json.loads((outdir / f"rank{r}.json").read_text()))
-    if path == "cma":  # the run went where it was meant to
+    if path:  # the run went where it was meant to
         assert all(i["same_host_path"] == "usable" for i in info), [i["same_host_path"] for i in info]
         assert all(i["same_host_control"] == "shm" for i in info), [i["same_host_control"] for i in info]
-        assert all(set(i["chosen"].values()) == {"cma"} for i in info), [i["chosen"] for i in info]
+        assert all(set(i["chosen"].values()) == {path} for i in info), [i["chosen"] for i in info]
     return World(n, results, info, seconds)
 
 

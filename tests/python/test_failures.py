@@ -77,9 +77,10 @@ def test_ranks_disagree(ranks, tmp_path, what):
 
 
 def test_ranks_on_different_paths_fail_at_once(ranks, tmp_path):
-    """Rank 1's count takes the same-host path (cma), rank 0's recursive doubling over TCP: both fail well inside
-    the 5 s timeout, naming both calls, and stay failed."""
-    res = ranks(2, ["mismatch", tmp_path, "path"], timeout=60, logdir=tmp_path / "logs")
+    """Rank 1's count takes the same-host path (cma), rank 0's recursive doubling over TCP (shm_bytes=0: not
+    through the control segment): both fail well inside the 5 s timeout, naming both calls, and stay failed."""
+    res = ranks(2, ["mismatch", tmp_path, "path"], env={"SMARTCOLL_SHM_BYTES": "0"}, timeout=60,
+                logdir=tmp_path / "logs")
     assert_all_ok(res)
     for r, o in outcomes(tmp_path, range(2)).items():
         msg = o["message"]
@@ -91,10 +92,13 @@ def test_ranks_on_different_paths_fail_at_once(ranks, tmp_path):
         assert_failed_earlier(r, o)
 
 
-def test_stalled_peer_times_out(ranks, tmp_path):
-    """Rank 1 sleeps instead of calling allreduce; with timeout=3 the others fail after about 3 s."""
+@pytest.mark.parametrize("path, waiting", [("tcp", "receiving from rank 1"), ("shm", "rank 1 has not got to")])
+def test_stalled_peer_times_out(ranks, tmp_path, path, waiting):
+    """Rank 1 sleeps instead of calling allreduce; with timeout=3 the others fail after about 3 s, waiting for its
+    message (shm_bytes=0: a TCP algorithm) or for its call in the same-host control segment."""
     t0 = time.monotonic()
-    res = ranks(3, ["stall", tmp_path], timeout=60, must_finish=[0, 2], logdir=tmp_path / "logs")
+    env = {"SMARTCOLL_SHM_BYTES": "0"} if path == "tcp" else None
+    res = ranks(3, ["stall", tmp_path], env=env, timeout=60, must_finish=[0, 2], logdir=tmp_path / "logs")
     total = time.monotonic() - t0
     assert res[1].returncode == -9, f"the harness should have killed the stalled rank 1:\n{describe(res)}"
     assert json.loads((tmp_path / "rank1.json").read_text()) == {"stalling": True}
@@ -103,7 +107,7 @@ def test_stalled_peer_times_out(ranks, tmp_path):
         msg = o["message"]
         assert o["error_type"] == "CommError", f"rank {r}: {o}"
         assert "no progress for 3" in msg, f"rank {r}: {msg}"
-        assert "receiving from rank 1" in msg, f"rank {r} does not name the rank it waits for: {msg}"
+        assert waiting in msg, f"rank {r} does not name the rank it waits for: {msg}"
         assert "SMARTCOLL_TIMEOUT" in msg, f"rank {r}: {msg}"
         assert 2.9 <= o["elapsed"] < 8.0, f"rank {r} failed after {o['elapsed']:.2f} s with timeout=3"
         assert o["next"]["error_type"] == "CommError" and "failed earlier" in o["next"]["message"], o["next"]
