@@ -110,12 +110,16 @@ size_t segment_bytes(int n, size_t data_bytes) {
   return (bytes + page - 1) / page * page;
 }
 
-// Spinning only pays when every rank can have a core: where ranks share cores, a spinning rank takes the core from
-// the peer it waits for (sched_yield does not hand it over under CFS), and a futex wait is much faster.
+// Spinning long only pays when every rank can have a core: where ranks share cores, a spinning rank takes the core
+// from the peer it waits for (sched_yield does not hand it over under CFS), and spinning 100 ms made 64 KiB-1 MiB
+// calls 1.5-3.4x slower than sleeping at once (4 ranks on 2 cores). A short spin there still catches a peer that
+// is about to arrive without a futex sleep and wake-up: 30-100 us took small calls through the segment from
+// 30 us to 10-19 us, with 1-16 MiB calls unchanged (BENCHMARKS.md, "Small calls through the same-host segment").
+constexpr double kSharedCoresSpinUs = 50;
 double spin_for(int n, double spin_us) {
   cpu_set_t set;
   const int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
-  return cpus >= n ? spin_us : 0;
+  return cpus >= n ? spin_us : std::min(spin_us, kSharedCoresSpinUs);
 }
 
 long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
