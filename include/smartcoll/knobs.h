@@ -33,11 +33,11 @@ inline constexpr Knob kKnobs[] = {
      "same-host fast path: auto probes at start-up whether every rank shares this host and can read its peers' "
      "memory (process_vm_readv), and the ranks then signal each other through a shared-memory segment; tcp "
      "sends those control messages over TCP instead (as when the segment cannot be made); off never uses it"},
-    {"shm_bytes", "262144", "int", 0, 1 << 26, true,
+    {"shm_bytes", "1048576", "int", 0, 1 << 26, true,
      "same-host path: bytes per rank that a call may put through the shared control segment (algo=shm: one round "
      "of stores and loads, no system call while the ranks run); auto takes it for a call that fits, in any "
-     "collective but alltoallv, while each rank reads at most 1 MiB there (n vectors or blocks). The segment holds "
-     "2 x this per rank. 0: never"},
+     "collective but alltoallv, while each rank copies at most 6 MiB through the segment (its part in, n parts "
+     "out) and all ranks together 24 MiB. The segment holds 2 x this per rank. 0: never"},
     {"rhd_max_bytes", "262144", "int", 0, kNoLimit, true,
      "auto uses latency-optimized algorithms (recursive doubling/halving, trees, Bruck) up to this many bytes"},
     {"model_profile", "", "str", 0, 0, false,

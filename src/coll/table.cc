@@ -219,15 +219,18 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
     return requested;
   }
   // On one host a call whose data fits the control segment goes through it, profile or not: one round of stores
-  // and loads where every other algorithm pays a system call per message or per read; measured 1.5-2.4x faster
-  // than the reads up to 256 KiB at 2 and 4 ranks (BENCHMARKS.md, "Small calls through the same-host
-  // segment"). But each rank reads n vectors there: only while that stays within a core's cache (many ranks,
-  // large calls: the reads, which move each byte once or twice). Calibration runs across hosts, where the path
-  // does not exist.
+  // and loads where the reads pay a system call and page pins per read, and TCP a system call per message. But
+  // each rank copies its contribution in and reads n vectors (or blocks) out, where the reads copy each byte once:
+  // it wins while that stays cache-sized. Measured at 2 and 4 ranks (a 2-core EPYC, 32 MiB L3; BENCHMARKS.md,
+  // "Small calls through the same-host segment"): faster than the reads up to 4-5 MiB copied per rank (1 MiB
+  // allreduce at 4 ranks: 269 against 365 us), level or slower from 8 MiB (alltoall of 4 MiB at 2 ranks: 292
+  // against 162 us). Calibration runs across hosts, where the path does not exist.
   if (c != Collective::alltoallv) {
-    constexpr double kShmReadMax = 1 << 20;
+    constexpr double kShmRankBytes = 6 << 20, kShmCallBytes = 24 << 20;
     const AlgorithmInfo& shm = find(c, Algorithm::shm);
-    if (shm.unsupported(q).empty() && shm.wire(q.n) * static_cast<double>(q.bytes) <= kShmReadMax)
+    const bool blocks = c == Collective::reduce_scatter || c == Collective::alltoall;
+    const double in = static_cast<double>(q.bytes) * (blocks ? q.n : 1), per_rank = in + shm.wire(q.n) * q.bytes;
+    if (shm.unsupported(q).empty() && per_rank <= kShmRankBytes && q.n * per_rank <= kShmCallBytes)
       return Algorithm::shm;
   }
   if (profile) return cheapest(c, q, *profile, small_bytes);

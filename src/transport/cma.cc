@@ -26,7 +26,7 @@ static_assert(sizeof(Descriptor) == kCallBytes);
 
 namespace {
 
-constexpr uint32_t kHelloMagic = 0x434d4133;    // "CMA3": with the control segment and list calls
+constexpr uint32_t kHelloMagic = 0x434d4134;    // "CMA4": the control segment with its data area
 constexpr uint32_t kVerdictMagic = 0x434d4157;  // "CMAW": with the segment flag
 
 struct Hello {

@@ -38,7 +38,7 @@ struct Addresses {
   uint32_t through_segment;        // 1: the call's data goes through the control segment (Local::Call)
 };
 static_assert(sizeof(Addresses) == 56);
-inline constexpr uint32_t kAddrMagic = 0x434d4143;  // "CMAC"
+inline constexpr uint32_t kAddrMagic = 0x434d4144;  // "CMAD": with through_segment
 
 // The call agreement's descriptor of the call (algo cma, or shm where its data goes through the segment), which
 // smartcoll::describe names ("allreduce(count=16, float32, op=sum, algo=shm)"; codes out of range as corrupted).

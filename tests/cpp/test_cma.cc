@@ -387,7 +387,7 @@ TEST(CmaSegmentDataErrors, TooLargeIsRefusedAndMixedWaysDisagree) {
   std::vector<std::string> too_large(n), mixed(n);
   run_threads(n, [&](Transport& t, cma::Local& local) {
     EXPECT_EQ(local.segment_room(), kRoom);
-    std::vector<float> x(kRoom / 4 * 2 + 1, 1.0f);  // alltoall: 2 blocks of (kRoom / 4 + 1) bytes... per rank
+    std::vector<float> x(kRoom / 4 * 2 + 1, 1.0f);  // alltoall: 2 blocks of kRoom / 8 + 1 floats, kRoom + 8 bytes
     cma::Local::Call call{Collective::alltoall, DataType::f32, ReduceOp::sum, -1, kRoom / 8 + 1,
                           reinterpret_cast<char*>(x.data()), reinterpret_cast<char*>(x.data())};
     call.through_segment = true;

@@ -287,6 +287,29 @@ TEST(CostModel, AutoPicksTheCheaperAlgorithm) {
   EXPECT_NE(choose(Collective::allreduce, call(8, 64 * kMiB), Algorithm::automatic, 0, &dear_ring), Algorithm::ring);
 }
 
+// On one host with room in the control segment: through it while the call fits and stays cache-sized (at most
+// 6 MiB copied through the segment per rank, 24 MiB by all ranks), with or without a profile; else the reads
+// (cma) above rhd_max_bytes, the TCP latency algorithms below.
+TEST(CostModel, SameHostCallsGoThroughTheSegmentWhileCacheSized) {
+  auto pick = [](Collective c, int n, size_t bytes, size_t room = kMiB, const Profile* profile = nullptr) {
+    Query q{n, bytes, false, true, false};
+    q.shm_room = room;
+    return choose(c, q, Algorithm::automatic, 256 * 1024, profile);
+  };
+  const Profile builtin = Profile::builtin();
+  EXPECT_EQ(pick(Collective::allreduce, 2, 8), Algorithm::shm);
+  EXPECT_EQ(pick(Collective::allreduce, 2, 8, kMiB, &builtin), Algorithm::shm);
+  EXPECT_EQ(pick(Collective::barrier, 8, 0), Algorithm::shm);
+  EXPECT_EQ(pick(Collective::allreduce, 4, kMiB), Algorithm::shm);          // 1 + 4 MiB per rank, 20 in all
+  EXPECT_EQ(pick(Collective::allreduce, 4, kMiB + 4), Algorithm::cma);      // beyond the room
+  EXPECT_EQ(pick(Collective::allreduce, 2, 4 * kMiB, 64 * kMiB), Algorithm::cma);  // 12 MiB per rank
+  EXPECT_EQ(pick(Collective::alltoall, 4, 256 * 1024), Algorithm::shm);     // 1 MiB in, 1 MiB out
+  EXPECT_EQ(pick(Collective::alltoall, 2, 2 * kMiB, 64 * kMiB), Algorithm::cma);   // 8 MiB per rank
+  EXPECT_EQ(pick(Collective::allreduce, 16, 256 * 1024), Algorithm::rhd);   // 4.25 MiB per rank, 68 in all
+  EXPECT_EQ(pick(Collective::allreduce, 2, 8, 0), Algorithm::rd);           // no room: shm_bytes=0
+  EXPECT_EQ(pick(Collective::alltoallv, 2, 8), Algorithm::direct);
+}
+
 TEST(CostModel, AlltoallAcrossManyHostsGoesPairwiseUpTo4MiB) {
   // Without a profile: 8 hosts or more, above rhd_max_bytes and up to 4 MiB per rank in all: pairwise (incast).
   auto pick = [](int n, int hosts, size_t block) {
