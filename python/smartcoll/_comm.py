@@ -170,7 +170,8 @@ class Communicator:
 
     @property
     def same_host_path(self) -> str:
-        """'usable' when allreduce can use the same-host path (algo 'cma'), otherwise why it cannot."""
+        """'usable' when calls can use the same-host path (algo 'cma', and 'shm' for small ones), otherwise why
+        it cannot."""
         return self._core.cma_unusable_reason or "usable"
 
     @property
@@ -225,7 +226,7 @@ class Communicator:
 
     def ireduce_scatter(self, x: Any, out: Any, op: str = "sum", codec: Optional[str] = None,
                         algo: Optional[str] = None) -> Request:
-        """algo: auto, ring, cma or switch (the aggregation switch sends each rank its own block's sums)."""
+        """algo: auto, ring, cma, shm or switch (the aggregation switch sends each rank its own block's sums)."""
         if isinstance(x, (list, tuple)):
             return _vectored().ireduce_scatter(self, x, out, op, codec, algo)
         _check_array(x, "x")
@@ -233,7 +234,7 @@ class Communicator:
         return Request(self._core.reduce_scatter(x, out, op, codec or "", algo or "auto"), out, (x, out), self._core)
 
     def iallgather(self, x: Any, out: Any, codec: Optional[str] = None, algo: Optional[str] = None) -> Request:
-        """algo: auto, ring, bruck, cma or switch (the aggregation switch forwards each rank's block)."""
+        """algo: auto, ring, bruck, cma, shm or switch (the aggregation switch forwards each rank's block)."""
         if isinstance(x, (list, tuple)):
             return _vectored().iallgather(self, x, out, codec, algo)
         _check_array(x, "x")
@@ -241,7 +242,7 @@ class Communicator:
         return Request(self._core.allgather(x, out, codec or "", algo or "auto"), out, (x, out), self._core)
 
     def ibroadcast(self, x: Any, root: int = 0, algo: Optional[str] = None) -> Request:
-        """algo: auto, tree, chain or cma (a list of arrays takes auto's choice)."""
+        """algo: auto, tree, chain, cma or shm (a list of arrays takes auto's choice)."""
         if isinstance(x, (list, tuple)):
             if algo not in (None, "auto"):
                 raise ValueError(f"broadcast of a list takes auto's algorithm; drop algo={algo!r}")
@@ -251,7 +252,7 @@ class Communicator:
 
     def ireduce(self, x: Any, root: int = 0, op: str = "sum", out: Any = None, algo: Optional[str] = None) -> Request:
         """The result lands in `out` (default: x itself) on root; other ranks' buffers are left unchanged.
-        algo: auto, tree, chain or cma."""
+        algo: auto, tree, chain, cma or shm."""
         _check_array(x, "x", writable=out is None and self.rank == root)
         if self.rank == root:
             out = x if out is None else out
@@ -262,7 +263,7 @@ class Communicator:
                        self._core)
 
     def ialltoall(self, x: Any, out: Any, algo: Optional[str] = None) -> Request:
-        """algo: auto, direct, bruck, pairwise or cma."""
+        """algo: auto, direct, bruck, pairwise, cma or shm."""
         _check_array(x, "x")
         _check_pair(x, out, 1, "alltoall")
         if _numel(x) % self.size:

@@ -24,7 +24,8 @@ std::string needs_cma(const Query& q) {
 // reduce_scatter and alltoall).
 std::string fits_segment(const Query& q, size_t need) {
   if (q.compressed) return "it does not support codecs; use ring";
-  if (!q.cma_usable || q.shm_room == 0)
+  if (!q.cma_usable) return needs_cma(q);
+  if (q.shm_room == 0)
     return "the same-host control segment is not in use here (see Communicator.same_host_control and the shm_bytes "
            "knob)";
   if (need > q.shm_room)
@@ -61,7 +62,10 @@ double all_n(int n) { return static_cast<double>(n); }
 double one(int) { return 1.0; }
 constexpr AlgorithmInfo shm_entry(std::string (*unsupported)(const Query&), double (*read)(int), double (*reduced)(int)) {
   return {Algorithm::shm, "same host, small calls: the data goes through the shared control segment, one round",
-          same_host_shm, unsupported, one, read, reduced};
+          same_host_shm, unsupported, one, read, reduced,
+          // choose() takes it by its own rule before any profile: the cost entry leaves out the cache that
+          // decides between it and the reads.
+          AlgorithmInfo::Auto::never};
 }
 constexpr AlgorithmInfo kAllreduceAlgos[] = {
     {Algorithm::ring, "pipelined segmented ring (reduce-scatter + allgather in one pipeline), any codec",

@@ -266,8 +266,10 @@ void Communicator::abort(const std::string& reason) {
   std::lock_guard closing(close_mu_);
   const std::string why = "rank " + std::to_string(rank_) + " aborted: " + reason;
   if (nicd_) nicd_->abort(why);
-  if (cma_) cma_->leave();  // peers waiting on this rank in a same-host call fail at once
+  // The engine first: its reason becomes the error of every call; leaving the same-host path then ends this
+  // rank's own wait there and fails peers waiting on this rank at once.
   if (engine_) engine_->abort(why);
+  if (cma_) cma_->leave();
   std::shared_lock rma(rma_mu_);
   if (rma_) rma_->abort(why);
 }

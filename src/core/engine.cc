@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <utility>
 
 #include "core/agreement.h"
 #include "core/frame.h"
@@ -149,6 +150,7 @@ struct Engine::Worker {
   Clock::time_point last_progress = Clock::now();
   const Task* doing = nullptr;  // the task whose op is moving, to name it when that fails
   Clock::time_point until;      // an op that runs alone waits for its peers until then (the driver's deadline)
+  bool alone_yielded = false;   // that op stopped at `until` and runs again at once
   Spinner spin{SpinMode::off, 0, false};
 };
 
@@ -435,7 +437,10 @@ bool Engine::progress(Worker& w) {
       } else if (op.kind == Op::Kind::alone) {
         // Its waits keep their own no-progress timeout, which names the rank that is late.
         w.last_progress = Clock::now();
-        if (!task->exclusive(w.until)) break;  // stopped at the driver's deadline: runs again, goes on
+        if (!task->exclusive(w.until)) {  // stopped at the driver's deadline: runs again, goes on
+          w.alone_yielded = true;
+          break;
+        }
       } else {
         task->computes[op.compute]();
       }
@@ -505,6 +510,8 @@ void Engine::drive(Worker& w, const std::function<bool()>& enough, std::optional
            "; is that rank alive and calling the same collective? (SMARTCOLL_TIMEOUT raises the limit)");
       continue;
     }
+    // An op that runs alone did its own waiting (on the peers' stores, which wake no descriptor here).
+    if (std::exchange(w.alone_yielded, false)) continue;
     if (w.spin.again(now, spin_since)) continue;
     // Sleep until a channel, the accepting socket or a submission wakes us, or the next deadline.
     auto until = now + std::chrono::seconds(1);

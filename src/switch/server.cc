@@ -64,8 +64,9 @@ struct alignas(64) Switch::IoCounters {
 };
 
 Switch::Switch(const SwitchOptions& options)
-    : options_(options), agg_(options.threads, options.slots, options.full_auth),
-      io_(std::make_unique<IoCounters[]>(static_cast<size_t>(std::max(options.threads, 1)))) {
+    : options_(options),
+      io_(std::make_unique<IoCounters[]>(static_cast<size_t>(std::max(options.threads, 1)))),
+      agg_(options.threads, options.slots, options.full_auth) {
   if (options.threads < 1 || options.threads > 256)
     throw InvalidArgument("switch threads must be between 1 and 256, got " + std::to_string(options.threads));
   if (options.slots < 1) throw InvalidArgument("switch slots must be at least 1");

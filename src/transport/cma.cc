@@ -15,6 +15,7 @@
 #include <fstream>
 #include <optional>
 #include <random>
+#include <utility>
 
 #include "core/agreement.h"
 #include "core/log.h"
@@ -486,6 +487,11 @@ bool Local::run(Transport& t, const Call& c, std::chrono::steady_clock::time_poi
     else
       run_reads(t, c);
     return true;
+  } catch (const InvalidArgument&) {
+    // Refused before anything was published (the call does not fit, avg of integers): no peer saw this call,
+    // and the path stays usable for the next one.
+    if (std::exchange(published_, false)) leave();
+    throw;
   } catch (...) {
     published_ = false;
     leave();  // peers waiting on this rank fail now, not after the timeout

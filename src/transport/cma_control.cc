@@ -249,6 +249,10 @@ class ShmControl final : public Control {
     for (;;) {
       const uint32_t bell = header_->bell.load();
       if (all_there()) return true;
+      // abort() from another thread leaves (and rings): this wait ends now, not at the timeout.
+      if (slots_[rank_].gone.load() || t_.aborted())
+        throw CommError("cma: this rank (" + std::to_string(rank_) + ") aborted or closed its communicator while "
+                        "waiting for " + waited_for());
       for (int p : missing()) {
         check_elsewhere(p, call);  // first: a peer that went elsewhere may have closed since
         if (slots_[p].gone.load()) {

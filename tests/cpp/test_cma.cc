@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
@@ -655,6 +656,59 @@ TEST(CmaSegmentData, AWaitWithATimeoutReturnsWhileAPeerIsLate) {
     EXPECT_LT(waited[0], 0.7) << count;
     EXPECT_EQ(got, std::vector<float>(2, 3.0f)) << count;
   }
+}
+
+// A wait without a deadline sees a peer that comes more than a second late as soon as it comes: the engine
+// does not sleep after the call stopped at its own one-second slice.
+TEST(CmaSegmentData, APeerLateBySecondsIsSeenAsSoonAsItComes) {
+  std::atomic<int64_t> arrived{0}, finished{0};
+  harness::run_ranks(2, [&](Communicator& comm) {
+    float x = 1.0f;
+    if (comm.rank() == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1300));
+      arrived = std::chrono::steady_clock::now().time_since_epoch().count();
+    }
+    comm.allreduce(&x, &x, 1, DataType::f32, ReduceOp::sum)->wait();
+    if (comm.rank() == 0) finished = std::chrono::steady_clock::now().time_since_epoch().count();
+    EXPECT_EQ(x, 2.0f);
+  });
+  const double after = std::chrono::duration<double>(std::chrono::steady_clock::duration(finished - arrived)).count();
+  EXPECT_LT(after, 0.3) << "rank 0 finished " << after << " s after rank 1 called";
+}
+
+// abort() from another thread ends a same-host call waiting on a late peer at once, naming the abort. The peer
+// that comes later finds rank 0's part published (its call completes, as over TCP where the bytes were sent) and
+// fails its next call naming rank 0; both long before the timeout.
+TEST(CmaSegmentData, AbortEndsAWaitOnALatePeer) {
+  std::vector<std::string> errors(2);
+  std::vector<double> took(2, -1.0);
+  float late_sum = 0.0f;
+  harness::run_ranks(2, [&](Communicator& comm) {
+    float x = 1.0f;
+    if (comm.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(800));
+    const auto start = std::chrono::steady_clock::now();
+    std::thread aborter;
+    if (comm.rank() == 0)
+      aborter = std::thread([&comm] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        comm.abort("stopped by the test");
+      });
+    try {
+      comm.allreduce(&x, &x, 1, DataType::f32, ReduceOp::sum, Algorithm::shm)->wait();
+      late_sum = x;
+      comm.allreduce(&x, &x, 1, DataType::f32, ReduceOp::sum, Algorithm::shm)->wait();
+    } catch (const CommError& e) {
+      errors[comm.rank()] = e.what();
+    }
+    took[comm.rank()] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (aborter.joinable()) aborter.join();
+  });
+  EXPECT_NE(errors[0].find("stopped by the test"), std::string::npos) << errors[0];
+  EXPECT_EQ(late_sum, 2.0f);
+  EXPECT_NE(errors[1].find("rank 0 failed"), std::string::npos) << errors[1];
+  EXPECT_NE(errors[1].find("stopped by the test"), std::string::npos) << errors[1];
+  EXPECT_LT(took[0], 0.6);  // the abort came at 0.2 s; rank 1 at 0.8 s
+  EXPECT_LT(took[1], 2.0);
 }
 
 // ---- ranks as forked processes ----
