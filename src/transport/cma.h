@@ -92,7 +92,9 @@ class Local {
   // ops, roots or list layouts. Requires usable().
   // Returns false where it stopped waiting for its peers to publish the call at `until` (a caller's wait
   // deadline): the next run() with the same call goes on where this one stopped (the no-progress timeout counts
-  // from the first); nothing else may run on this Local in between.
+  // from the first); nothing else may run on this Local in between. Only that first wait stops at `until`: once
+  // every rank published, the reads' barriers wait for the peers to finish their reads (within the timeout).
+  // Refused before publishing (InvalidArgument: the call does not fit, avg of integers), the path stays usable.
   bool run(Transport& t, const Call& c, std::chrono::steady_clock::time_point until);
   void run(Transport& t, const Call& c) { run(t, c, std::chrono::steady_clock::time_point::max()); }
   void allreduce(Transport& t, const char* in, char* out, size_t count, DataType dt, ReduceOp op) {
