@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
+from . import _core
 from ._comm import Request, _check_array, _dtype
 
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
@@ -44,10 +45,6 @@ def _as_array(buffer: Any, what: str, writable: bool) -> Any:
 
 def _nbytes(x: Any) -> int:
     return int(x.nbytes) if isinstance(x, np.ndarray) else int(x.numel() * x.element_size())
-
-
-def _address(x: Any) -> int:
-    return int(x.ctypes.data) if isinstance(x, np.ndarray) else int(x.data_ptr())
 
 
 class Region:
@@ -142,6 +139,6 @@ def post(comm: Any, call: str, peer: int, remote: RemoteRegion, local: Union[Any
     if len(size_list) != len(offs):
         raise ValueError(f"{call}: {len(offs)} offsets but {len(size_list)} sizes; pass one size per offset")
     core = comm._core.one_sided(call, remote.rank, remote.id, remote.nbytes, remote.dtype, offs, size_list,
-                                [_address(b) for b in buffers], lens, op, codec or "")
+                                _core.addresses(buffers), lens, op, codec or "")
     result = (buffers[0] if single else buffers) if call == "getv" else None
     return Request(core, result, tuple(buffers), comm._core, what=f"{call} to rank {peer}")

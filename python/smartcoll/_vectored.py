@@ -11,11 +11,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from . import _core
 from ._comm import Request, _check_array, _dtype, _is_torch, _numel
-
-
-def _address(x: Any) -> int:
-    return int(x.ctypes.data) if isinstance(x, np.ndarray) else int(x.data_ptr())
 
 
 def _check_list(xs: Sequence[Any], what: str, collective: str, writable: bool, dtype: Optional[str] = None) -> str:
@@ -59,7 +56,7 @@ def iallreduce(comm: Any, xs: Sequence[Any], op: str, out: Any, algo: Optional[s
         raise ValueError("allreduce of a list works in place: leave out unset")
     dtype = _check_list(xs, "x", "allreduce", writable=True)
     counts = [_numel(x) for x in xs]
-    req = comm._core.list_call("allreduce", [], [_address(x) for x in xs], counts, dtype, op, algo or "auto", -1,
+    req = comm._core.list_call("allreduce", [], _core.addresses(xs), counts, dtype, op, algo or "auto", -1,
                                codec or "")
     return Request(req, xs, tuple(xs), comm._core)
 
@@ -67,7 +64,7 @@ def iallreduce(comm: Any, xs: Sequence[Any], op: str, out: Any, algo: Optional[s
 def ibroadcast(comm: Any, xs: Sequence[Any], root: int) -> Request:
     dtype = _check_list(xs, "x", "broadcast", writable=True)
     counts = [_numel(x) for x in xs]
-    req = comm._core.list_call("broadcast", [], [_address(x) for x in xs], counts, dtype, "sum", "auto", root, "")
+    req = comm._core.list_call("broadcast", [], _core.addresses(xs), counts, dtype, "sum", "auto", root, "")
     return Request(req, xs, tuple(xs), comm._core)
 
 
@@ -79,7 +76,7 @@ def ireduce_scatter(comm: Any, xs: Sequence[Any], outs: Sequence[Any], op: str, 
         if _numel(x) % comm.size:
             raise ValueError(f"reduce_scatter: x[{i}] has {_numel(x)} elements, not a multiple of {comm.size} ranks")
     counts = _check_lengths(xs, outs, 1 / comm.size, "reduce_scatter")
-    req = comm._core.list_call("reduce_scatter", [_address(x) for x in xs], [_address(o) for o in outs], counts, dtype,
+    req = comm._core.list_call("reduce_scatter", _core.addresses(xs), _core.addresses(outs), counts, dtype,
                                op, algo or "auto", -1, codec or "")
     return Request(req, outs, (tuple(xs), tuple(outs)), comm._core)
 
@@ -91,7 +88,7 @@ def iallgather(comm: Any, xs: Sequence[Any], outs: Sequence[Any], codec: Optiona
     dtype = _check_list(xs, "x", "allgather", writable=False)
     _check_list(outs, "out", "allgather", writable=True, dtype=dtype)
     _check_lengths(xs, outs, comm.size, "allgather")
-    req = comm._core.list_call("allgather", [_address(x) for x in xs], [_address(o) for o in outs],
+    req = comm._core.list_call("allgather", _core.addresses(xs), _core.addresses(outs),
                                [_numel(x) for x in xs], dtype, "sum", algo or "auto", -1, "")
     return Request(req, outs, (tuple(xs), tuple(outs)), comm._core)
 

@@ -31,13 +31,17 @@ uint32_t layout_digest(Collective coll, std::span<const size_t> counts) {
 
 size_t check_list(Collective coll, std::span<const void* const> bufs, std::span<const size_t> counts,
                   const char* what) {
-  const std::string name(collective_name(coll));
-  require(bufs.size() == counts.size(), name + ": " + std::to_string(bufs.size()) + " " + what + " buffers but " +
-                                            std::to_string(counts.size()) + " counts; pass one count per buffer");
+  const std::string_view name = collective_name(coll);
+  require(bufs.size() == counts.size(), [&] {
+    return std::string(name) + ": " + std::to_string(bufs.size()) + " " + what + " buffers but " +
+           std::to_string(counts.size()) + " counts; pass one count per buffer";
+  });
   size_t total = 0;
   for (size_t i = 0; i < bufs.size(); ++i) {
-    require(bufs[i] || counts[i] == 0, name + ": " + what + " buffer " + std::to_string(i) + " is null but has " +
-                                           std::to_string(counts[i]) + " elements");
+    require(bufs[i] || counts[i] == 0, [&] {
+      return std::string(name) + ": " + what + " buffer " + std::to_string(i) + " is null but has " +
+             std::to_string(counts[i]) + " elements";
+    });
     total += counts[i];
   }
   return total;
@@ -50,6 +54,7 @@ std::span<const void* const> as_const(std::span<void* const> s) {
 // The list as one vector: entry i after entry i-1.
 Pieces concat(std::span<const void* const> bufs, std::span<const size_t> counts, size_t esize) {
   Pieces p;
+  p.reserve(bufs.size());
   for (size_t i = 0; i < bufs.size(); ++i) p.emplace_back(bufs[i], counts[i] * esize);
   return p;
 }
@@ -58,6 +63,7 @@ Pieces concat(std::span<const void* const> bufs, std::span<const size_t> counts,
 // rank j's block is block j of every entry, in list order.
 Pieces by_rank(std::span<const void* const> bufs, std::span<const size_t> counts, size_t esize, int size) {
   Pieces p;
+  p.reserve(bufs.size() * static_cast<size_t>(size));
   for (int j = 0; j < size; ++j)
     for (size_t i = 0; i < bufs.size(); ++i)
       p.emplace_back(static_cast<const char*>(bufs[i]) + static_cast<size_t>(j) * counts[i] * esize,
@@ -67,6 +73,7 @@ Pieces by_rank(std::span<const void* const> bufs, std::span<const size_t> counts
 
 std::unique_ptr<coll::Segmented> view(const Pieces& pieces) {
   std::vector<coll::Piece> v;
+  v.reserve(pieces.size());
   for (const auto& [at, bytes] : pieces) v.push_back({static_cast<char*>(const_cast<void*>(at)), bytes});
   return std::make_unique<coll::Segmented>(std::move(v));
 }
