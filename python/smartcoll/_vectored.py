@@ -7,6 +7,7 @@ The Request keeps every array alive until the call is done."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -25,8 +26,17 @@ def _check_list(xs: Sequence[Any], what: str, collective: str, writable: bool, d
             f"{type(xs[0]).__name__}; wrap Python data with numpy.asarray() (or pass a list of arrays)"
         )
     first = None  # the first entry's dtype object: comparing those is cheap, their names only when they differ
+    # Lists run to thousands of entries: plain arrays and tensors that pass are checked inline (x.device alone
+    # costs a microsecond); _check_array names what is wrong with any other.
+    torch = sys.modules.get("torch")  # tensors exist only once torch is imported
+    tensor = torch.Tensor if torch else None
     for i, x in enumerate(xs):
-        if not (type(x) is np.ndarray and x.flags.c_contiguous and (x.flags.writeable or not writable)):
+        kind = type(x)
+        if kind is np.ndarray:
+            ok = x.flags.c_contiguous and (x.flags.writeable or not writable)
+        else:
+            ok = kind is tensor and x.is_cpu and x.is_contiguous() and not (writable and x.requires_grad)
+        if not ok:
             _check_array(x, f"{what}[{i}]", writable=writable)
         if first is None:
             first = x.dtype

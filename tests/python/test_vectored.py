@@ -100,6 +100,23 @@ def test_list_arguments_are_refused_naming_the_entry():
             comm.allgather(mixed[:2], [np.zeros(3, np.float32), np.zeros(1, np.float32)])
         with pytest.raises(TypeError, match=r"x\[0\] is a non-contiguous"):
             comm.broadcast([np.zeros(6, np.float32)[::2]])
+        ro = np.zeros(2, np.float32)
+        ro.flags.writeable = False
+        with pytest.raises(TypeError, match=r"x\[1\] is read-only"):
+            comm.allreduce([np.zeros(2, np.float32), ro])
+
+
+def test_list_of_tensors_refused_naming_the_entry():
+    """Tensors that pass the list's inline checks run; any other entry is named with what to pass instead."""
+    torch = pytest.importorskip("torch")
+    with smartcoll.init(f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1) as comm:
+        ok = [torch.ones(3), torch.nn.Parameter(torch.ones(2), requires_grad=False), torch.zeros(0)]
+        assert comm.allreduce(ok) is ok
+        bad = {"is a non-contiguous tensor": torch.ones(4, 4).t(), "requires grad": torch.ones(2, requires_grad=True),
+               "must be a NumPy array or a CPU torch tensor": [1.0, 2.0]}
+        for error, entry in bad.items():
+            with pytest.raises(TypeError, match=r"x\[1\] " + error):
+                comm.allreduce([torch.ones(3), entry])
 
 
 # On the same-host path the ranks compare their calls in the control segment: the error names both.
