@@ -44,9 +44,14 @@ def test_gather_scatter_report_every_size_and_placement(mode, tmp_path):
     assert all(r["GBps"] > 0 and r["memcpy_GBps"] > 0 for r in data["rows"])
 
 
-def test_list_bench_runs_the_four_methods(tmp_path):
-    text, data = run(["list", "-n", "2", "--tensors", "12", "--total", "1M", "--iters", "1", "--algo", "ring"],
-                     tmp_path)
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_list_bench_runs_the_four_methods(kind, tmp_path):
+    """Each method's results are checked by the workers (a wrong sum fails the run), with arrays or tensors."""
+    if kind == "torch":
+        pytest.importorskip("torch")
+    text, data = run(["list", "-n", "2", "--tensors", "12", "--total", "1M", "--iters", "1", "--algo", "ring",
+                      *(["--torch"] if kind == "torch" else [])], tmp_path)
+    assert data["torch"] == (kind == "torch") and ("torch tensors" in text) == (kind == "torch"), text
     assert list(data["methods"]) == ["list", "fuse-copy", "separate", "contiguous"], text
     assert data["methods"]["list"]["time_vs_list"] == 1.0
     assert all(m["median_s"] > 0 for m in data["methods"].values())

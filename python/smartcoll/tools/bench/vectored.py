@@ -1,7 +1,7 @@
 """Vectored collectives and the engine's gather/scatter (docs/vectored.md).
 
     smartcoll bench list [-n 2] [--tensors 200] [--total 64M] [--iters 5] [--algo ring] [--small-pages]
-                         [--cluster NAME] [--json F]
+                         [--torch] [--cluster NAME] [--json F]
 
 A DDP-like list of float32 tensors of mixed sizes (log-uniform, --total bytes in all), allreduced four ways in
 each iteration, side by side: one list call (comm.allreduce(list)); fuse-copy-allreduce-copy-back (concatenate
@@ -11,7 +11,9 @@ table shows the median and best of --iters, the algbw (bytes / median time) and 
 took the same-host path (cma). NumPy asks the kernel for transparent huge pages for arrays of 4 MiB and more,
 which the contiguous and fused buffers get and the list's smaller tensors do not; on one host, where every byte is
 read through process_vm_readv page by page, that alone makes the contiguous buffer faster. --small-pages
-allocates every buffer with base pages, for a comparison of the calls on the same kind of memory.
+allocates every buffer with base pages, for a comparison of the calls on the same kind of memory. --torch hands
+the calls torch tensors over the same memory (torch.from_numpy), as DDP's buckets and allreduce_coalesced do: a
+list's checks then cost what a tensor's attributes cost.
 
     smartcoll bench gather|scatter [--total 64M] [--sizes 32,64,...,4096] [--repeat 5] [--json FILE]
 
@@ -51,7 +53,8 @@ def tensor_sizes(tensors: int, total_bytes: int, seed: int = 0) -> list[int]:
     return [int(c) for c in counts]
 
 
-def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool = False) -> int:
+def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool = False,
+           use_torch: bool = False) -> int:
     import smartcoll
 
     if small_pages:
@@ -61,19 +64,27 @@ def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool 
     fused = np.empty(sum(x.size for x in xs), np.float32)
     contiguous = np.ones_like(fused)
     bounds = np.cumsum([0] + [x.size for x in xs])
+    # What the calls get: the arrays, or torch tensors over their memory (the copies stay NumPy's either way).
+    if use_torch:
+        import torch
+
+        calls_xs = [torch.from_numpy(x) for x in xs]
+        calls_fused, calls_contiguous = torch.from_numpy(fused), torch.from_numpy(contiguous)
+    else:
+        calls_xs, calls_fused, calls_contiguous = xs, fused, contiguous
 
     def fuse_copy() -> None:
         np.concatenate(xs, out=fused)
-        comm.allreduce(fused)
+        comm.allreduce(calls_fused)
         for x, lo, hi in zip(xs, bounds[:-1], bounds[1:]):
             np.copyto(x, fused[lo:hi])
 
     def separate() -> None:
-        for request in [comm.iallreduce(x) for x in xs]:
+        for request in [comm.iallreduce(x) for x in calls_xs]:
             request.wait()
 
-    run = {"list": lambda: comm.allreduce(xs), "fuse-copy": fuse_copy, "separate": separate,
-           "contiguous": lambda: comm.allreduce(contiguous)}
+    run = {"list": lambda: comm.allreduce(calls_xs), "fuse-copy": fuse_copy, "separate": separate,
+           "contiguous": lambda: comm.allreduce(calls_contiguous)}
     times: dict[str, list[float]] = {m: [] for m in METHODS}
     same_host: dict[str, int] = {}  # calls of one round that took the same-host path
     for it in range(iters + 1):  # the first round warms up connections and buffers
@@ -112,17 +123,19 @@ def list_main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--small-pages", action="store_true",
                     help="no transparent huge pages for any buffer (NumPy asks for them from 4 MiB on, which only "
                     "the contiguous and fused buffers reach)")
+    ap.add_argument("--torch", action="store_true",
+                    help="the calls take torch tensors over the same memory (torch.from_numpy), as DDP does")
     add_launch_options(ap)
     args = ap.parse_args(argv)
     total = parse_size(args.total)
     report, status = run_workers("list", "smartcoll.tools.bench.vectored", [str(args.tensors), str(total),
-                                 str(args.iters), str(int(args.small_pages))], args.n, args.cluster, args.timeout,
+                                 str(args.iters), str(int(args.small_pages)), str(int(args.torch))], args.n, args.cluster, args.timeout,
                                  {"SMARTCOLL_ALGO": args.algo})
     if report is None:
         return status
     sizes = tensor_sizes(args.tensors, total)
     print(f"{args.n} ranks{' on cluster ' + args.cluster if args.cluster else ' on loopback'}, algo {args.algo}: "
-          f"{args.tensors} float32 tensors, {total / 2**20:.0f} MiB in all ({min(sizes) * 4} B to "
+          f"{args.tensors} float32 {'torch tensors' if args.torch else 'arrays'}, {total / 2**20:.0f} MiB in all ({min(sizes) * 4} B to "
           f"{max(sizes) * 4 / 2**20:.1f} MiB each), {args.iters} rounds"
           f"{', base pages only' if args.small_pages else ''}")
     print(f"{'method':<12} {'median ms':>10} {'best ms':>9} {'algbw GB/s':>11} {'vs list':>8} {'cma calls':>10}")
@@ -138,7 +151,7 @@ def list_main(argv: Optional[list[str]] = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ranks": args.n, "cluster": args.cluster, "algo": args.algo, "tensors": args.tensors,
-                       "bytes": total, "small_pages": args.small_pages,
+                       "bytes": total, "small_pages": args.small_pages, "torch": args.torch,
                        "iters": args.iters, "methods": rows, "times_s": report["times"]}, f, indent=2)
     return 0
 
@@ -205,4 +218,5 @@ def scatter_main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    raise SystemExit(worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6:7] == ["1"]))
+    raise SystemExit(worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6:7] == ["1"],
+                            sys.argv[7:8] == ["1"]))
