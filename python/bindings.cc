@@ -196,7 +196,7 @@ NB_MODULE(_core, m) {
     for (nb::handle x : xs) {
       if (PyObject_CheckBuffer(x.ptr())) {
         Py_buffer view;
-        if (PyObject_GetBuffer(x.ptr(), &view, PyBUF_ANY_CONTIGUOUS) != 0) throw nb::python_error();
+        if (PyObject_GetBuffer(x.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) throw nb::python_error();
         out.push_back(reinterpret_cast<uintptr_t>(view.buf));
         PyBuffer_Release(&view);
       } else {

@@ -18,7 +18,9 @@ std::string any(const Query&) { return ""; }
 std::string raw_only(const Query& q) { return q.compressed ? "it does not support codecs; use ring" : ""; }
 std::string needs_cma(const Query& q) {
   if (q.compressed) return "it does not support codecs; use ring";
-  return q.cma_usable ? "" : "the same-host path is not usable here (see Communicator.cma_unusable_reason)";
+  return q.cma_usable ? ""
+                      : "the same-host path is not usable here (same_host_path in Python, cma_unusable_reason() "
+                        "in C++, says why)";
 }
 // algo=shm: what a rank puts in its place in the segment must fit there (its vector or block; all n blocks in
 // reduce_scatter and alltoall).

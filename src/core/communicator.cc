@@ -267,7 +267,8 @@ void Communicator::abort(const std::string& reason) {
   const std::string why = "rank " + std::to_string(rank_) + " aborted: " + reason;
   if (nicd_) nicd_->abort(why);
   // The engine first: its reason becomes the error of every call; leaving the same-host path then ends this
-  // rank's own wait there and fails peers waiting on this rank at once.
+  // rank's own wait there and fails peers waiting on this rank at once. Those peers go on once the engine has
+  // left the reason in the store (their error carries it), which may wait on the store's other requests.
   if (engine_) engine_->abort(why);
   if (cma_) cma_->leave();
   std::shared_lock rma(rma_mu_);

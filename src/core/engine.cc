@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <utility>
 
 #include "core/agreement.h"
 #include "core/frame.h"
@@ -481,6 +480,7 @@ void Engine::drive(Worker& w, const std::function<bool()>& enough, std::optional
   while (!enough()) {
     bool moved = false;
     w.until = deadline ? *deadline : Clock::now() + std::chrono::seconds(1);
+    w.alone_yielded = false;
     try {
       moved = progress(w);
     } catch (const Disagreement& d) {
@@ -510,16 +510,16 @@ void Engine::drive(Worker& w, const std::function<bool()>& enough, std::optional
            "; is that rank alive and calling the same collective? (SMARTCOLL_TIMEOUT raises the limit)");
       continue;
     }
-    // An op that runs alone did its own waiting (on the peers' stores, which wake no descriptor here).
-    if (std::exchange(w.alone_yielded, false)) continue;
-    if (w.spin.again(now, spin_since)) continue;
+    if (!w.alone_yielded && w.spin.again(now, spin_since)) continue;
     // Sleep until a channel, the accepting socket or a submission wakes us, or the next deadline.
     auto until = now + std::chrono::seconds(1);
     if (!w.lanes.empty()) until = std::min(until, w.last_progress + std::chrono::duration_cast<Clock::duration>(
                                                                   std::chrono::duration<double>(config_.timeout)));
     for (auto& t : w.timers) until = std::min(until, t.first);
     if (deadline) until = std::min(until, *deadline);
-    const int ms = static_cast<int>(std::clamp<int64_t>(
+    // An op that runs alone did its own waiting (on the peers' stores, which wake no descriptor here): only a
+    // look at the descriptors (submissions, incoming connections) before it runs again.
+    const int ms = w.alone_yielded ? 0 : static_cast<int>(std::clamp<int64_t>(
         std::chrono::duration_cast<std::chrono::microseconds>(until - now).count() / 1000 + 1, 0, 1000));
     epoll_event events[64];
     const int n = epoll_wait(w.epfd.get(), events, 64, ms);

@@ -473,11 +473,14 @@ size_t chunk_len(size_t count, int n, int q) { return chunk_begin(count, n, q + 
 
 bool Local::run(Transport& t, const Call& c, std::chrono::steady_clock::time_point until) {
   if (!usable_) throw InvalidArgument("cma: cross-memory attach is not usable here: " + why_not_);
+  bool shared = published_;  // peers may have seen this call
   try {
     if (!published_) {
       calls_.fetch_add(1, std::memory_order_relaxed);
       if (only_rank(c, t.size())) return true;
-      control_->publish(c.through_segment ? into_segment(t, c) : addresses(t, c));
+      const Addresses& mine = c.through_segment ? into_segment(t, c) : addresses(t, c);
+      shared = true;
+      control_->publish(mine);
       published_ = true;
     }
     if (!agree(t, c, until)) return false;
@@ -490,7 +493,8 @@ bool Local::run(Transport& t, const Call& c, std::chrono::steady_clock::time_poi
   } catch (const InvalidArgument&) {
     // Refused before anything was published (the call does not fit, avg of integers): no peer saw this call,
     // and the path stays usable for the next one.
-    if (std::exchange(published_, false)) leave();
+    published_ = false;
+    if (shared) leave();
     throw;
   } catch (...) {
     published_ = false;

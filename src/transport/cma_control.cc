@@ -147,6 +147,8 @@ class ShmControl final : public Control {
   ~ShmControl() override { leave(); }
 
   void publish(const Addresses& mine) override {
+    // A rank that left publishes nothing more: a peer's next call would match it and use what it holds.
+    if (left()) throw CommError(left_text("publishing its call #" + std::to_string(calls_ + 1)));
     const uint64_t k = ++calls_;
     slots_[rank_].call[k % 2] = mine;
     published_at_ = Clock::now();
@@ -249,10 +251,10 @@ class ShmControl final : public Control {
     for (;;) {
       const uint32_t bell = header_->bell.load();
       if (all_there()) return true;
-      // abort() from another thread leaves (and rings): this wait ends now, not at the timeout.
-      if (slots_[rank_].gone.load() || t_.aborted())
-        throw CommError("cma: this rank (" + std::to_string(rank_) + ") aborted or closed its communicator while "
-                        "waiting for " + waited_for());
+      // abort() from another thread leaves (and rings): waiting for the peers' calls ends now, not at the timeout.
+      // Barriers wait on: past them the peers may still read this rank's buffers, which its caller reuses once
+      // the call has failed.
+      if (counter == &Slot::published && left()) throw CommError(left_text("waiting for " + waited_for()));
       for (int p : missing()) {
         check_elsewhere(p, call);  // first: a peer that went elsewhere may have closed since
         if (slots_[p].gone.load()) {
@@ -286,6 +288,12 @@ class ShmControl final : public Control {
       }
       header_->waiters.fetch_sub(1);
     }
+  }
+
+  // This rank failed, aborted or closed its communicator (abort() from another thread included).
+  bool left() const { return slots_[rank_].gone.load() || t_.aborted(); }
+  std::string left_text(const std::string& doing) const {
+    return "cma: this rank (" + std::to_string(rank_) + ") aborted or closed its communicator " + doing;
   }
 
   Transport& t_;

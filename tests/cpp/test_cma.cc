@@ -668,7 +668,7 @@ TEST(CmaSegmentData, APeerLateBySecondsIsSeenAsSoonAsItComes) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1300));
       arrived = std::chrono::steady_clock::now().time_since_epoch().count();
     }
-    comm.allreduce(&x, &x, 1, DataType::f32, ReduceOp::sum)->wait();
+    comm.allreduce(&x, &x, 1, DataType::f32, ReduceOp::sum, Algorithm::shm)->wait();
     if (comm.rank() == 0) finished = std::chrono::steady_clock::now().time_since_epoch().count();
     EXPECT_EQ(x, 2.0f);
   });

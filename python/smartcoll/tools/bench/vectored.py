@@ -128,15 +128,15 @@ def list_main(argv: Optional[list[str]] = None) -> int:
     add_launch_options(ap)
     args = ap.parse_args(argv)
     total = parse_size(args.total)
-    report, status = run_workers("list", "smartcoll.tools.bench.vectored", [str(args.tensors), str(total),
-                                 str(args.iters), str(int(args.small_pages)), str(int(args.torch))], args.n, args.cluster, args.timeout,
-                                 {"SMARTCOLL_ALGO": args.algo})
+    worker_args = [str(args.tensors), str(total), str(args.iters), str(int(args.small_pages)), str(int(args.torch))]
+    report, status = run_workers("list", "smartcoll.tools.bench.vectored", worker_args, args.n, args.cluster,
+                                 args.timeout, {"SMARTCOLL_ALGO": args.algo})
     if report is None:
         return status
     sizes = tensor_sizes(args.tensors, total)
     print(f"{args.n} ranks{' on cluster ' + args.cluster if args.cluster else ' on loopback'}, algo {args.algo}: "
-          f"{args.tensors} float32 {'torch tensors' if args.torch else 'arrays'}, {total / 2**20:.0f} MiB in all ({min(sizes) * 4} B to "
-          f"{max(sizes) * 4 / 2**20:.1f} MiB each), {args.iters} rounds"
+          f"{args.tensors} float32 {'torch tensors' if args.torch else 'arrays'}, {total / 2**20:.0f} MiB in all "
+          f"({min(sizes) * 4} B to {max(sizes) * 4 / 2**20:.1f} MiB each), {args.iters} rounds"
           f"{', base pages only' if args.small_pages else ''}")
     print(f"{'method':<12} {'median ms':>10} {'best ms':>9} {'algbw GB/s':>11} {'vs list':>8} {'cma calls':>10}")
     rows = {}
