@@ -492,7 +492,8 @@ bool Local::run(Transport& t, const Call& c, std::chrono::steady_clock::time_poi
     return true;
   } catch (const InvalidArgument&) {
     // Refused before anything was published (the call does not fit, avg of integers): no peer saw this call,
-    // and the path stays usable for the next one.
+    // and the path stays usable for the next one. Refused later (a list that does not hold what the call
+    // takes), peers wait on this rank: it leaves, as for any other error.
     published_ = false;
     if (shared) leave();
     throw;
