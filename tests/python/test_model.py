@@ -223,6 +223,21 @@ def test_auto_picks_a_set_switch_where_the_builtin_model_says_it_beats_the_ring(
     assert pick(2, 64 * MiB, switch=True) == "ring"
 
 
+def test_calibrate_measures_a_noisy_pair_again_and_keeps_the_best(monkeypatch, capsys):
+    # A burst of load made the 4K call slower than the 256K one: measured again, each size keeps its best time.
+    from smartcoll.tools.model import calibrate
+
+    runs = iter([{4096: 1.15e-3, 262144: 1.96e-4}, {4096: 2.0e-5, 262144: 2.5e-4}, {4096: 9.0e-6, 262144: 3.0e-4}])
+    monkeypatch.setattr(calibrate, "bench_times", lambda *a: next(runs))
+    assert calibrate.fit_times("rd", 4096, 4 * MiB, 2, None, 5, 60) == {4096: 2.0e-5, 262144: 1.96e-4}
+    assert "measuring again (run 2 of 3)" in capsys.readouterr().err
+    # A pair that stays noisy through every run is reported by the fit, naming the sizes and what to do.
+    monkeypatch.setattr(calibrate, "bench_times", lambda *a: {4096: 1e-3, 262144: 1e-4})
+    times = {"rd": calibrate.fit_times("rd", 4096, 4 * MiB, 2, None, 5, 60)}
+    with pytest.raises(RuntimeError, match=r"rd at 256K .* not slower than at 4K .* 3 runs; raise --large"):
+        calibrate.fit_link(2, 4096, 4 * MiB, times)
+
+
 @needs_core
 def test_calibrate_switch_terms():
     # 4 ranks summed 4 x 8 MiB in 0.5 s through two switches: each summed 32 MiB / 2 in 0.5 s. In the switch
