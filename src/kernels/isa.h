@@ -4,7 +4,7 @@
 // Kernels are templates over a policy; the arithmetic on lanes uses GCC vector extensions (+, <, ?: lane by lane),
 // which also accept plain scalars, so the same expression serves the scalar path. A policy supplies the lane types
 // (I: int32, U: uint32, F: float, D: double; W float lanes, WD double lanes) and the operations GCC's generic
-// vectors lack: horizontal max, narrowing and widening moves, float16 conversions, run-time broadcasts, and ordered
+// vectors lack: horizontal max, rounding float lanes to int32, narrowing and widening moves, float16 conversions, run-time broadcasts, and ordered
 // float comparisons (less), which must be compiled for the target: GCC 12 turns a 512-bit one written in a
 // target-less template into scalar code even once it is inlined into an AVX-512 function.
 //
@@ -147,6 +147,10 @@ struct Avx2 {
     m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0xb1));
     return _mm_cvtsi128_si32(m);
   }
+  // Float lanes to int32, rounded to nearest even whatever the MXCSR's rounding mode.
+  SMARTCOLL_AVX2 static I round_even(F v) {
+    return (I)_mm256_cvttps_epi32(_mm256_round_ps((__m256)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
   SMARTCOLL_AVX2 static I load_u8(const uint8_t* p) {
     return (I)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }
@@ -194,6 +198,9 @@ struct Avx512 {
     return a < b;
   }
   SMARTCOLL_AVX512 static int32_t hmax(I v) { return _mm512_reduce_max_epi32((__m512i)v); }
+  SMARTCOLL_AVX512 static I round_even(F v) {
+    return (I)_mm512_cvt_roundps_epi32((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
   SMARTCOLL_AVX512 static I load_u8(const uint8_t* p) {
     return (I)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }

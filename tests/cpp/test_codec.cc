@@ -374,6 +374,48 @@ TEST(CodecSimd, EveryLevelGivesScalarBits) {
   }
 }
 
+// Blocks at every shared exponent whose elements sit on rounding ties, a float ulp either side of them, at the top
+// code and just past it (saturation), next to zeros and float denormals: the SIMD levels' fixed-point fast path must
+// round exactly as the scalar reference at every scale, including the scales where it hands over to the integer
+// steps.
+TEST(CodecSimd, TiesAndSaturationAtEveryScale) {
+  LevelGuard guard;
+  for (const char* name : {"bfp16", "mxint8", "bfp:block=32,mant=7,exp=8"}) {
+    const Codec c = Codec::parse(name);
+    const int block = static_cast<int>(c.block_elems());
+    Floats x;
+    for (int top = -149; top <= 127; ++top) {  // the block's largest element: 2^top
+      const float unit = std::ldexp(1.0f, top - 6);  // one step of a 7-bit magnitude at that scale
+      for (int i = 0; i < block; ++i) {
+        const float tie = (static_cast<float>(i * 7 % 127) + 0.5f) * unit;
+        float v = i == 0   ? std::ldexp(1.0f, top)
+                  : i == 1 ? 127.5f * unit  // rounds up to 128: saturates at 127
+                  : i == 2 ? std::numeric_limits<float>::denorm_min() * 3
+                  : i == 3 ? 0.0f
+                  : i % 3 == 0 ? std::nextafter(tie, 0.0f)
+                  : i % 3 == 1 ? tie
+                               : std::nextafter(tie, 1e30f);
+        if (!std::isfinite(v) || v > std::ldexp(1.0f, top)) v = std::ldexp(1.0f, top);
+        x.push_back(i % 2 == 0 ? v : -v);
+      }
+    }
+    simd_force(SimdLevel::scalar);
+    const Bytes want = encode(c, x);
+    for (SimdLevel level : supported_levels()) {
+      simd_force(level);
+      const Bytes got = encode(c, x);
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t b = 0; b < want.size(); b += c.encoded_size(c.block_elems())) {
+        ASSERT_TRUE(std::equal(want.begin() + static_cast<long>(b),
+                               want.begin() + static_cast<long>(b + c.encoded_size(c.block_elems())),
+                               got.begin() + static_cast<long>(b)))
+            << name << " " << simd_name(level) << ": block " << b / c.encoded_size(c.block_elems())
+            << " (largest element 2^" << static_cast<int>(b / c.encoded_size(c.block_elems())) - 149 << ")";
+      }
+    }
+  }
+}
+
 TEST(CodecSimd, ArbitraryBytesDecodeAlike) {
   // Decoding must agree on every byte pattern, not just ones this encoder produces (a peer may run other code).
   LevelGuard guard;
