@@ -428,11 +428,18 @@ SMARTCOLL_INLINE void quantize_block_fixed(const float* x, size_t block, int32_t
   using F = typename Isa::F;
   const F factor = lanes_as<F>(Isa::splat(std::bit_cast<int32_t>(pow2f(E.mbits + 126 - C))));
   const F cap = lanes_as<F>(Isa::splat(std::bit_cast<int32_t>(static_cast<float>(E.max_code))));
-  for (size_t i = 0; i < block; i += Isa::W) {
+  auto code_at = [&](size_t i) __attribute__((always_inline)) {
     const I u = load<I>(x + i);
     const F scaled = lanes_as<F>(u & 0x7fffffff) * factor;
-    store_codes<Isa, E.bits>(out + i * E.bits / 8, signed_code(Isa::round_even(scaled < cap ? scaled : cap), u, E));
+    return signed_code(Isa::round_even(scaled < cap ? scaled : cap), u, E);
+  };
+  if constexpr (E.bits == 8 && requires { Isa::store_u8_pair; }) {
+    if (block % (2 * Isa::W) == 0) {
+      for (size_t i = 0; i < block; i += 2 * Isa::W) Isa::store_u8_pair(out + i, code_at(i), code_at(i + Isa::W));
+      return;
+    }
   }
+  for (size_t i = 0; i < block; i += Isa::W) store_codes<Isa, E.bits>(out + i * E.bits / 8, code_at(i));
 }
 
 // Whole blocks, block a multiple of W: the same steps as encode_block_scalar / decode_block_scalar. kBlock is the
