@@ -30,11 +30,15 @@ def attempt(fn):
         return dict(ok=False, value=None, error=f"{type(e).__name__}: {e}", elapsed=time.monotonic() - t0)
 
 
-def job(hold: float) -> None:
-    """Joins the job, holds for `hold` seconds (another job may start meanwhile), then sums its rank + 1."""
+def job(gate: str) -> None:
+    """Joins the job and prints "initialized" once it has; then, if `gate` names a file, holds until it exists
+    (another job may start meanwhile; at most 60 s), then sums its rank + 1."""
     def run():
         with smartcoll.init(connect_timeout=4) as comm:
-            time.sleep(hold)
+            print(f"initialized rank {comm.rank}", flush=True)
+            deadline = time.monotonic() + 60
+            while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+                time.sleep(0.05)
             x = np.full(4, comm.rank + 1, dtype=np.float32)
             comm.allreduce(x)
             return float(x[0])
@@ -62,7 +66,7 @@ def sleeper() -> None:
 if __name__ == "__main__":
     scenario = sys.argv[1]
     if scenario == "job":
-        job(float(sys.argv[2]))
+        job(sys.argv[2] if len(sys.argv) > 2 else "")
     elif scenario == "interrupted":
         interrupted()
     elif scenario == "sleeper":

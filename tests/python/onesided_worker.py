@@ -24,16 +24,31 @@ def table(rank: int) -> np.ndarray:
     return (np.arange(ROWS * DIM, dtype=np.float32).reshape(ROWS, DIM) + rank * 1e6).astype(np.float32)
 
 
-def sleeping(comm, out: dict) -> None:
-    """Rank 0 registers, then sleeps with no call in flight while ranks 1.. read, write and add into its regions;
-    it checks what they left once it wakes."""
+def await_files(paths: list[Path], limit: float) -> None:
+    deadline = time.monotonic() + limit
+    while not all(p.exists() for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def stopped(pid: int) -> bool:
+    """Whether every thread of process `pid` is stopped (a SIGSTOP stops them one by one)."""
+    states = [(Path(f"/proc/{pid}/task") / t / "stat").read_text().rsplit(")", 1)[1].split()[0]
+              for t in os.listdir(f"/proc/{pid}/task")]
+    return all(state in ("T", "t") for state in states)
+
+
+def sleeping(comm, out: dict, outdir: Path) -> None:
+    """Rank 0 registers, then sleeps with no call in flight while ranks 1.. read, write and add into its
+    regions (until each says it is done; at most 30 s); it checks what they left once it wakes."""
     rows = table(comm.rank)
     counts = np.zeros(ROWS, dtype=np.int64)
     regions = [comm.register(rows), comm.register(counts)]
     remote = [comm.exchange_regions(r) for r in regions]
     row_bytes = DIM * 4
     if comm.rank == 0:
-        time.sleep(3.0)
+        # Waits for the files, not a fixed time: a loaded machine may take long to run the others. Its calls
+        # block on this rank (until the timeout knob, 20 s) if nothing serves it meanwhile.
+        await_files([outdir / f"done{r}" for r in range(1, comm.size)], 30.0)
         out["woke"] = time.time()
         comm.barrier()
         for r in range(1, comm.size):
@@ -53,13 +68,14 @@ def sleeping(comm, out: dict) -> None:
         ones = np.full(len(ids), comm.rank, np.int64)
         comm.accumulatev(0, ones, remote[1][0], ids * 8, 8)  # one 8-byte piece per id, repeats included
         out["done"] = time.time()
+        (outdir / f"done{comm.rank}").touch()
         comm.barrier()
     comm.barrier()
     for r in regions:
         r.close()
 
 
-def killed(comm, out: dict) -> None:
+def killed(comm, out: dict, outdir: Path) -> None:
     """Rank 1 registers 8 MiB and SIGKILLs itself while rank 0 keeps four 8 MiB getv calls outstanding."""
     data = np.ones(2 << 20, dtype=np.float32)
     region = comm.register(data)
@@ -82,17 +98,24 @@ def killed(comm, out: dict) -> None:
     out["calls"] = calls
 
 
-def stalled(comm, out: dict) -> None:
+def stalled(comm, out: dict, outdir: Path) -> None:
     """Rank 1 registers, then stops (SIGSTOP): rank 0's getv gets no answer (a wait with a shorter timeout raises
     TimeoutError) and fails after the timeout knob."""
     data = np.ones(1024, dtype=np.float32)
     region = comm.register(data)
     remote = comm.exchange_regions(region)
+    if comm.rank == 1:
+        (outdir / "pid1").write_text(str(os.getpid()))
     comm.barrier()
     if comm.rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)
         return
-    time.sleep(0.3)
+    # The call goes out only once rank 1 has stopped: one that ran still would answer it.
+    pid = int((outdir / "pid1").read_text())
+    deadline = time.monotonic() + 30
+    while not stopped(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stopped(pid), f"rank 1 (pid {pid}) did not stop within 30 s"
     start = time.time()
     req = comm.igetv(1, remote[1], [0], 16, np.empty(4, np.float32))
     try:
@@ -111,7 +134,7 @@ def main() -> None:
     out: dict = {}
     with smartcoll.init(timeout=float(sys.argv[3]) if len(sys.argv) > 3 else 20, connect_timeout=20) as comm:
         rank = comm.rank
-        {"sleeping": sleeping, "killed": killed, "stalled": stalled}[scenario](comm, out)
+        {"sleeping": sleeping, "killed": killed, "stalled": stalled}[scenario](comm, out, outdir)
         (outdir / f"rank{rank}.json").write_text(json.dumps(out))
         if scenario != "sleeping":  # a dead or stopped peer: leave without the closing handshakes
             os._exit(0)

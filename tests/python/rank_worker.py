@@ -398,11 +398,12 @@ def scenario_api_pair(outdir: Path) -> None:
         ret2 = comm.allreduce(t2, op="max", out=out2)
         res["torch_2d_out"] = {"same_object": ret2 is out2, "values": out2.flatten().tolist()}
 
-        # Non-blocking: rank 1 arrives 1.5 s late, so rank 0's request is still running for a while.
+        # Non-blocking: rank 1 arrives 3 s late, so rank 0's request is still running for a while (long enough
+        # that a wait which ignored its timeout would overrun the test's bound by far).
         x = np.full(1003, rank + 1.0, np.float64)
         out = np.zeros_like(x)
         if rank == 1:
-            time.sleep(1.5)
+            time.sleep(3.0)
         req = comm.iallreduce(x, out=out)
         if rank == 0:
             res["test_early"] = req.test()

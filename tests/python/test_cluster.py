@@ -54,13 +54,14 @@ for target in sys.argv[2:]:
     print(("OK " if ok else "FAIL ") + addr, flush=True)
 """
 
-# Sends zeros to addr:7001 for at most 30 s; the sink on the other side discards them.
+# Sends zeros to addr:7001 for at most 90 s; the sink on the other side discards them. Both outlast a link
+# outage plus the 30 s the test allows the transfer to resume in (the test kills them when done).
 SINK = r"""
 import socket
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", 7001)); s.listen(4); s.settimeout(30)
 print("LISTENING", flush=True)
-conn, _ = s.accept(); conn.settimeout(30)
+conn, _ = s.accept(); conn.settimeout(60)
 while conn.recv(1 << 20):
     pass
 """
@@ -68,8 +69,8 @@ SENDER = r"""
 import socket, sys, time
 s = socket.create_connection((sys.argv[1], 7001), timeout=5)
 print("CONNECTED", flush=True)
-s.settimeout(30)
-buf = bytes(1 << 16); end = time.monotonic() + 30
+s.settimeout(60)
+buf = bytes(1 << 16); end = time.monotonic() + 90
 while time.monotonic() < end:
     s.sendall(buf)
 """
@@ -203,10 +204,18 @@ def test_hosts_reach_each_other(cluster4):
 @pytest.mark.skipif(shutil.which("iperf3") is None,
                     reason="iperf3 not installed (scripts/setup.sh installs it)")
 def test_shaping_is_real(cluster4):
-    r = cl.measure_iperf(cluster4, "pair", seconds=2, omit=0.5)
-    (link,) = r["links"]
     # TCP goodput over Ethernet framing is at most 1448/1514 = 95.6% of the rate; far above it: no shaping.
-    assert 800 <= link["mbps"] <= 1050, r
+    # Load on the machine can only lower the goodput (iperf3 descheduled), so a short run is retried and the
+    # best one counts; a rate off by a unit (8x for bytes, 10x or more for a prefix) still lands outside.
+    runs = []
+    for _ in range(3):
+        r = cl.measure_iperf(cluster4, "pair", seconds=2, omit=0.5)
+        (link,) = r["links"]
+        runs.append(r)
+        if link["mbps"] >= 500:
+            break
+    best = max(runs, key=lambda r: r["links"][0]["mbps"])
+    assert 500 <= best["links"][0]["mbps"] <= 1050, runs
     s = cl.status(cluster4)
     assert s["link"]["rate"] == "1gbit" and all(h["counters"]["host_qdisc"]["kinds"] == ["tbf"]
                                                  for h in s["hosts"])
@@ -247,7 +256,8 @@ def test_link_down_stalls_link_up_restores_and_counters(cluster4):
         c.link_up(1)
         t_up = time.monotonic()
         a = rx1()
-        deadline = time.monotonic() + 10  # TCP retransmits after its backed-off timeout
+        # TCP retransmits after its backed-off timeout, which a loaded machine stretches further.
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline and rx1() - a < 10e6:
             time.sleep(0.1)
         assert rx1() - a >= 10e6, "the transfer should resume after link_up"
@@ -266,9 +276,13 @@ def test_link_down_stalls_link_up_restores_and_counters(cluster4):
 
 UDP_RECEIVER = r"""
 import socket
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("0.0.0.0", 7002)); s.settimeout(15)
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+# SO_RCVBUFFORCE (33; root, as the namespaces need anyway): a buffer that holds all 5000 datagrams, so a
+# receiver descheduled on a loaded machine drops none itself and only the injected loss counts.
+s.setsockopt(socket.SOL_SOCKET, 33, 16 << 20)
+s.bind(("0.0.0.0", 7002)); s.settimeout(15)
 print("LISTENING", flush=True)
-s.recv(2048); n = 1; s.settimeout(1.0)  # until a second passes without a datagram
+s.recv(2048); n = 1; s.settimeout(5.0)  # until 5 s pass without a datagram: the sender is done by then
 try:
     while True:
         s.recv(2048); n += 1
@@ -290,6 +304,13 @@ def test_set_loss_drops_that_share(cluster4):
     c = cluster4
     procs = []
     try:
+        # Host 0 resolves host 2's address (ARP) before the loss is set: a lost ARP request would hold the
+        # datagrams back for the 1 s retry, and the neighbour queue drops all but a few of them meanwhile.
+        # A refused connection means host 2 answered.
+        probe = subprocess.run(c.exec_prefix(0) + [sys.executable, "-c", ECHO_CLIENT, "5",
+                                                   f"refused:{c.hosts[2].addr}"],
+                               capture_output=True, text=True, timeout=30)
+        assert probe.stdout.split() == ["OK", c.hosts[2].addr], probe.stdout + probe.stderr
         c.set_loss(2, 20)
         assert cl.get(c.name).faults == {"2": {"loss_percent": 20.0}}
         receiver = c.popen(2, [sys.executable, "-c", UDP_RECEIVER], stdout=subprocess.PIPE, text=True)

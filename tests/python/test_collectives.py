@@ -346,5 +346,6 @@ def test_buffers_returned_and_inputs_untouched(world):
 
 
 def test_launch_time(world):
-    # The whole per-size launch (process start, two rendezvous, ~900 calls) stays quick on a small machine.
-    assert world.seconds < 120, f"world size {world.size} took {world.seconds:.1f} s"
+    # The whole per-size launch (process start, two rendezvous, ~900 calls) stays quick on a small machine,
+    # even a loaded one. Below the fixture's 240 s limit, which would fail the launch itself.
+    assert world.seconds < 180, f"world size {world.size} took {world.seconds:.1f} s"

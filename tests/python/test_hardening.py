@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,41 +38,84 @@ def reports_by_rank(text: str) -> dict[int, dict]:
     return out
 
 
-def start_job(port: int, hold: float, env: dict) -> subprocess.Popen:
+class Output:
+    """Collects a process's output in the background, so the test can wait for a line while it runs."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines = proc, []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(iter(proc.stdout.readline, "")),
+                                       daemon=True)
+        self.reader.start()
+
+    def await_count(self, needle: str, count: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while sum(needle in line for line in list(self.lines)) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sum(needle in line for line in list(self.lines)) >= count, \
+            f"{count} x {needle!r} not seen within {timeout:g} s:\n{self.text()}"
+
+    def finish(self, timeout: float = 60.0) -> str:
+        self.proc.wait(timeout=timeout)
+        self.reader.join(timeout=timeout)
+        return self.text()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+def hold_until_done(first: list[Output], second: list[Output], gate: Path) -> tuple[list[str], list[str]]:
+    """Job A (`first`) holds after init() until `gate` exists; job B (`second`) started meanwhile. Creates the
+    gate once B has ended, so B ran entirely while A held the port and its ranks; returns both outputs."""
+    try:
+        outs_b = [o.finish() for o in second]
+        gate.touch()
+        outs_a = [o.finish() for o in first]
+        return outs_a, outs_b
+    finally:
+        gate.touch()
+        for o in first + second:
+            if o.proc.poll() is None:
+                o.proc.kill()
+                o.proc.wait()
+
+
+def start_job(port: int, gate: str, env: dict) -> Output:
     cmd = [sys.executable, "-m", "smartcoll.tools.cli", "run", "-n", "2", "--master-port", str(port), "--",
-           sys.executable, str(WORKER), "job", str(hold)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=HERE)
+           sys.executable, str(WORKER), "job", gate]
+    return Output(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   cwd=HERE))
 
 
-def test_two_launches_on_one_master_port_never_mix():
+def test_two_launches_on_one_master_port_never_mix(tmp_path):
     """Job B starts on job A's MASTER_PORT while A runs: A is right; B's ranks fail with clear errors."""
-    port, env = free_port(), clean_env()
-    a = start_job(port, 3.0, env)
-    time.sleep(1.5)
-    b = start_job(port, 0.0, env)
-    out_a, _ = a.communicate(timeout=60)
-    out_b, _ = b.communicate(timeout=60)
+    port, env, gate = free_port(), clean_env(), tmp_path / "b-done"
+    a = start_job(port, str(gate), env)
+    a.await_count("initialized rank", 2)  # A serves the port and holds both ranks
+    b = start_job(port, "", env)
+    (out_a,), (out_b,) = hold_until_done([a], [b], gate)
     ra, rb = reports_by_rank(out_a), reports_by_rank(out_b)
-    assert a.returncode == 0 and [ra[r]["value"] for r in (0, 1)] == [3.0, 3.0], out_a
+    assert a.proc.returncode == 0 and [ra[r]["value"] for r in (0, 1)] == [3.0, 3.0], out_a
     for r, rep in rb.items():
         assert not rep["ok"] and rep["error"], out_b
     assert "in use" in out_b or "cannot listen" in out_b, out_b  # B's rank 0: the port is A's
 
 
-def test_two_jobs_without_job_ids_on_one_port_never_mix():
+def test_two_jobs_without_job_ids_on_one_port_never_mix(tmp_path):
     """The same with hand-set env:// variables and no job id anywhere: B's rank 1 reaches A's store, finds rank 1
     claimed and fails naming the cause; B's rank 0 cannot serve the port."""
-    port = free_port()
+    port, gate = free_port(), tmp_path / "b-done"
 
-    def start(rank: int, hold: float) -> subprocess.Popen:
+    def start(rank: int, gate: str) -> Output:
         env = dict(clean_env(), RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        return subprocess.Popen([sys.executable, str(WORKER), "job", str(hold)], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, cwd=HERE)
+        return Output(subprocess.Popen([sys.executable, str(WORKER), "job", gate], env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=HERE))
 
-    a = [start(0, 3.0), start(1, 3.0)]
-    time.sleep(1.5)
-    b = [start(1, 0.0), start(0, 0.0)]
-    outs = [p.communicate(timeout=60)[0] for p in a + b]
+    a = [start(0, str(gate)), start(1, str(gate))]
+    for o in a:
+        o.await_count("initialized rank", 1)  # A serves the port and has claimed both ranks
+    b = [start(1, ""), start(0, "")]
+    outs_a, outs_b = hold_until_done(a, b, gate)
+    outs = outs_a + outs_b
     a0, a1, b1, b0 = map(last_json, outs)
     assert a0["value"] == 3.0 and a1["value"] == 3.0, describe_outs(outs)
     assert not b1["ok"] and "claims rank 1" in b1["error"], describe_outs(outs)

@@ -277,8 +277,8 @@ def outcomes(tmp_path, ranks):
 
 
 def test_a_sleeping_target_is_served(ranks, tmp_path):
-    """Rank 0 sleeps 3 s with no call in flight; ranks 1 and 2 read, write and add into it meanwhile and
-    finish before it wakes; it then finds their writes and sums in place."""
+    """Rank 0 waits with no call in flight until ranks 1 and 2 say they are done; they read, write and add into
+    it meanwhile and finish before it wakes; it then finds their writes and sums in place."""
     res = ranks(3, ["sleeping", tmp_path], timeout=60, worker=WORKER)
     assert_all_ok(res)
     out = outcomes(tmp_path, range(3))

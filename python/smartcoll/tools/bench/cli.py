@@ -161,7 +161,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="overlap mode, as OSU's non-blocking benchmarks (osu_iallreduce, ...): per size the collective alone "
         "(t_pure), a synthetic compute (small matmuls) as long as that, and post + compute + wait (t_total); "
-        "prints overlap%% = 100 x max(0, 1 - (t_total - t_compute) / t_pure) and the compute's slowdown while "
+        "prints overlap%% = 100 x min(1, max(0, 1 - (t_total - t_compute) / t_pure)) and the compute's slowdown while "
         "the collective runs, for smartcoll and each --vs peer (gloo async_op, MPI's I-collectives)",
     )
     parser.add_argument(
