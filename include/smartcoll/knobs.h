@@ -45,7 +45,8 @@ inline constexpr Knob kKnobs[] = {
      "predicts to be fastest on the measured machine (docs/cost-model.md); empty: the built-in size rules. Ranks "
      "must load equal profiles (their digests are compared at start-up), the paths may differ"},
     {"segment_size", "262144", "int", 64, 1 << 30, true,
-     "bytes per pipeline segment: the unit the ring sends, reduces and forwards while the next one is on the wire"},
+     "bytes per pipeline segment on the wire (compressed bytes under a codec): the unit the ring sends, reduces "
+     "and forwards while the next one is on the wire"},
     {"streams", "1", "int", 1, 64, true,
      "TCP connections per peer; pipeline segments are striped across them and each one is served by engine "
      "worker (stream mod engine_threads)"},
