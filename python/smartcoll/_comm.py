@@ -38,6 +38,8 @@ def _check_array(x: Any, what: str, writable: bool = False) -> None:
             raise TypeError(f"{what} is a non-contiguous tensor: pass {what}.contiguous()")
         if x.requires_grad and writable:
             raise TypeError(f"{what} requires grad: pass {what}.detach() (collectives write into it)")
+        if x.is_neg():  # a lazy negation (torch's _neg_view): its memory holds -x, the collective would read that
+            raise TypeError(f"{what} is a negative view: pass {what}.resolve_neg()")
     else:
         raise TypeError(
             f"{what} must be a NumPy array or a CPU torch tensor, got {type(x).__name__}; "

@@ -35,7 +35,8 @@ def _check_list(xs: Sequence[Any], what: str, collective: str, writable: bool, d
         if kind is np.ndarray:
             ok = x.flags.c_contiguous and (x.flags.writeable or not writable)
         else:
-            ok = kind is tensor and x.is_cpu and x.is_contiguous() and not (writable and x.requires_grad)
+            ok = (kind is tensor and x.is_cpu and x.is_contiguous() and not (writable and x.requires_grad)
+                  and not x.is_neg())
         if not ok:
             _check_array(x, f"{what}[{i}]", writable=writable)
         if first is None:

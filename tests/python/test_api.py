@@ -70,6 +70,10 @@ def _requires_grad(c):
     c.allreduce(torch.zeros(4, requires_grad=True))
 
 
+def _negative_view(c):
+    c.allreduce(torch.ones(4)._neg_view())
+
+
 def _list_out(c):
     c.allgather(np.zeros(4, np.float32), [0.0] * 4)
 
@@ -87,6 +91,7 @@ TYPE_ERRORS = {
     "out_other_dtype": (_out_dtype, r"out has dtype float64 but the input has float32"),
     "read_only": (_read_only, r"read-only.*copy\(\)"),
     "requires_grad": (_requires_grad, r"requires grad.*detach\(\)"),
+    "negative_view": (_negative_view, r"negative view.*resolve_neg\(\)"),
     "list_out": (_list_out, r"out must be a NumPy array.*got list"),
     "noncontiguous_out": (_noncontiguous_out, r"out is a non-contiguous NumPy array"),
 }

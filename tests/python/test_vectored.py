@@ -113,6 +113,7 @@ def test_list_of_tensors_refused_naming_the_entry():
         ok = [torch.ones(3), torch.nn.Parameter(torch.ones(2), requires_grad=False), torch.zeros(0)]
         assert comm.allreduce(ok) is ok
         bad = {"is a non-contiguous tensor": torch.ones(4, 4).t(), "requires grad": torch.ones(2, requires_grad=True),
+               "is a negative view": torch.ones(2)._neg_view(),
                "must be a NumPy array or a CPU torch tensor": [1.0, 2.0]}
         for error, entry in bad.items():
             with pytest.raises(TypeError, match=r"x\[1\] " + error):
