@@ -42,10 +42,16 @@ namespace {
 class TcpControl final : public Control {
  public:
   explicit TcpControl(Transport& t) : t_(t) {}
-  void publish(const Addresses& mine) override { mine_ = mine; }
-  bool collect(Addresses* all, uint64_t /*call*/, std::chrono::steady_clock::time_point /*until: blocks*/) override {
-    smartcoll::exchange(t_, &mine_, all, sizeof(Addresses));
-    return true;
+  void publish(const Addresses& mine) override {
+    mine_ = mine;
+    ops_.clear();
+    progress_ = Transport::Clock::now();
+  }
+  // The exchange stops at `until` and goes on at the next collect() (into the same `all`): the engine runs
+  // nothing else on the channels meanwhile, as this call runs alone.
+  bool collect(Addresses* all, uint64_t /*call*/, std::chrono::steady_clock::time_point until) override {
+    if (ops_.empty()) ops_ = smartcoll::exchange_ops(t_, &mine_, all, sizeof(Addresses));
+    return t_.run(ops_, until, &progress_);
   }
   void barrier(uint8_t phase, bool /*wait: every rank exchanges its phase*/) override {
     const int n = t_.size(), r = t_.rank();
@@ -61,6 +67,8 @@ class TcpControl final : public Control {
  private:
   Transport& t_;
   Addresses mine_{};
+  std::vector<Transport::Op> ops_;  // this call's exchange, under way
+  Transport::Clock::time_point progress_;
 };
 
 // ---- over shared memory ----

@@ -65,8 +65,8 @@ class Control {
   // published it; false where `until` came first (a later collect() goes on waiting). Throws CommError naming a
   // rank that died, failed or did not publish within the timeout (counted from publish()), and OtherPath where a
   // peer left word (elsewhere()) that it made the communicator's call number `call` on another path (0: not
-  // numbered, no such check). Over TCP it waits for the messages whatever `until` says (the calls there block
-  // their engine worker as before the segment: the control channel of a fallback, not of the fast path).
+  // numbered, no such check). Over TCP too it returns at `until` and the next collect() goes on with the
+  // exchange (the barriers there still block: peers reach them within a call's reads).
   virtual bool collect(Addresses* all, uint64_t call, std::chrono::steady_clock::time_point until) = 0;
   // This rank makes the communicator's call number `call` (from 1) on another path; `desc` is its descriptor
   // (kCallBytes). Never waits and makes no system call: the TCP channel keeps nothing (its peers meet the

@@ -2,6 +2,7 @@
 
 #include <poll.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <thread>
@@ -11,18 +12,18 @@
 
 namespace smartcoll {
 
-void Transport::run(std::span<Op> ops) {
+bool Transport::run(std::span<Op> ops, Clock::time_point until, Clock::time_point* progress) {
   try {
-    run_ops(ops);
+    return run_ops(ops, until, progress);
   } catch (const CommError& e) {
     if (context.empty()) throw;
     throw CommError(context + ": " + e.what());
   }
 }
 
-void Transport::run_ops(std::span<Op> ops) {
-  using Clock = std::chrono::steady_clock;
-  auto last = Clock::now();
+bool Transport::run_ops(std::span<Op> ops, Clock::time_point until, Clock::time_point* progress) {
+  Clock::time_point own = Clock::now();
+  Clock::time_point& last = progress ? *progress : own;
   for (;;) {
     bool pending = false, moved = false, unconnected = false;
     std::vector<pollfd> fds;
@@ -44,12 +45,14 @@ void Transport::run_ops(std::span<Op> ops) {
       if (op.done < op.len)
         fds.push_back({pollable(op.peer, 0), static_cast<short>(op.send ? POLLOUT : POLLIN), 0});
     }
-    if (!pending) return;
+    if (!pending) return true;
+    const auto now = Clock::now();
     if (moved) {
-      last = Clock::now();
+      last = now;
       continue;
     }
-    if (!unconnected && Clock::now() - last > timeout) {  // connect() bounds the wait for a connection
+    if (now >= until) return false;
+    if (!unconnected && now - last > timeout) {  // connect() bounds the wait for a connection
       std::string who;
       for (const Op& op : ops)
         if (op.done < op.len)
@@ -59,12 +62,16 @@ void Transport::run_ops(std::span<Op> ops) {
                       "; is that rank alive and calling the same collective? (SMARTCOLL_TIMEOUT raises the limit)");
     }
     // Channels still being connected have nothing to poll on: look again soon.
-    if (::poll(fds.data(), fds.size(), unconnected ? 1 : 100) < 0 && errno != EINTR)
+    int wait_ms = unconnected ? 1 : 100;
+    if (until != Clock::time_point::max())
+      wait_ms = static_cast<int>(std::clamp<int64_t>(
+          std::chrono::ceil<std::chrono::milliseconds>(until - now).count(), 0, wait_ms));
+    if (::poll(fds.data(), fds.size(), wait_ms) < 0 && errno != EINTR)
       throw CommError("poll failed: " + std::string(std::strerror(errno)));
   }
 }
 
-void exchange(Transport& t, const void* mine, void* all, size_t bytes) {
+std::vector<Transport::Op> exchange_ops(Transport& t, const void* mine, void* all, size_t bytes) {
   const int n = t.size(), r = t.rank();
   auto* base = static_cast<char*>(all);
   std::memcpy(base + static_cast<size_t>(r) * bytes, mine, bytes);
@@ -75,6 +82,11 @@ void exchange(Transport& t, const void* mine, void* all, size_t bytes) {
     ops.push_back({p, true, const_cast<char*>(static_cast<const char*>(mine)), bytes});
     ops.push_back({p, false, base + static_cast<size_t>(p) * bytes, bytes});
   }
+  return ops;
+}
+
+void exchange(Transport& t, const void* mine, void* all, size_t bytes) {
+  std::vector<Transport::Op> ops = exchange_ops(t, mine, all, bytes);
   t.run(ops);
 }
 

@@ -60,8 +60,13 @@ class Transport {
     size_t done = 0;
   };
   // Runs all ops on stream 0 to completion, blocking, failing after `timeout` without progress. For start-up
-  // and the same-host path's control messages, when no engine worker uses the channels.
-  void run(std::span<Op> ops);
+  // and the same-host path's control messages, when no engine worker uses the channels. Returns false where
+  // `until` comes first: the ops keep what they did and a later run() goes on with them. `progress`, where
+  // given, is the time of the last progress, kept across such runs (so the timeout counts from it, not from
+  // each run's start).
+  using Clock = std::chrono::steady_clock;
+  bool run(std::span<Op> ops, Clock::time_point until = Clock::time_point::max(),
+           Clock::time_point* progress = nullptr);
 
   std::string context;  // the collective in progress, for error messages
   std::chrono::duration<double> timeout{60};
@@ -70,12 +75,14 @@ class Transport {
   Transport(int rank, int size, int streams) : rank_(rank), size_(size), streams_(streams) {}
 
  private:
-  void run_ops(std::span<Op> ops);
+  bool run_ops(std::span<Op> ops, Clock::time_point until, Clock::time_point* progress);
   int rank_, size_, streams_;
 };
 
 // Sends the same `bytes` at `mine` to every peer and receives each peer's into all + peer * bytes (all + rank * bytes
 // gets a copy of mine), all at once on stream 0 (Transport::run).
 void exchange(Transport& t, const void* mine, void* all, size_t bytes);
+// The ops of that exchange (all + rank * bytes already filled), for a caller that runs them in steps.
+std::vector<Transport::Op> exchange_ops(Transport& t, const void* mine, void* all, size_t bytes);
 
 }  // namespace smartcoll

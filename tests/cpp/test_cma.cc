@@ -633,10 +633,16 @@ TEST(CmaSegmentData, AutoTakesItWhereTheCallFits) {
 }
 
 // A same-host call whose peer is late: a wait with a timeout returns when it runs out, through the segment and
-// by reads alike (the call stops waiting for its peers there and goes on at the next wait), and the call then
-// completes with the right values.
+// by reads alike, with the control messages in the segment or over TCP (the call stops waiting for its peers
+// there and goes on at the next wait), and the call then completes with the right values.
 TEST(CmaSegmentData, AWaitWithATimeoutReturnsWhileAPeerIsLate) {
-  for (size_t count : {size_t{16}, size_t{1} << 17}) {
+  struct Case {
+    const char* control;
+    size_t count;
+    Algorithm algo;
+  };
+  for (const auto& [control, count, algo] : {Case{"auto", 16, Algorithm::shm}, Case{"auto", 1 << 17, Algorithm::cma},
+                                             Case{"tcp", 16, Algorithm::cma}, Case{"tcp", 1 << 17, Algorithm::cma}}) {
     std::vector<double> waited(2, -1.0);
     std::vector<float> got(2, 0.0f);
     harness::run_ranks(2, [&](Communicator& comm) {
@@ -644,7 +650,7 @@ TEST(CmaSegmentData, AWaitWithATimeoutReturnsWhileAPeerIsLate) {
       // Late enough that a wait which ignored its timeout (returning when the peer comes) stays above the bound
       // even where rank 0 gets to its call well after rank 1 started sleeping.
       if (comm.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2000));
-      auto req = comm.allreduce(x.data(), x.data(), count, DataType::f32, ReduceOp::sum);
+      auto req = comm.allreduce(x.data(), x.data(), count, DataType::f32, ReduceOp::sum, algo);
       if (comm.rank() == 0) {
         const auto start = std::chrono::steady_clock::now();
         EXPECT_FALSE(req->wait(std::chrono::milliseconds(200)));
@@ -653,10 +659,10 @@ TEST(CmaSegmentData, AWaitWithATimeoutReturnsWhileAPeerIsLate) {
       }
       EXPECT_TRUE(req->wait());
       got[comm.rank()] = x[count - 1];
-    });
-    EXPECT_GE(waited[0], 0.19) << count;
-    EXPECT_LT(waited[0], 1.2) << count;  // a loaded machine may be late to wake it; the peer came at 2 s
-    EXPECT_EQ(got, std::vector<float>(2, 3.0f)) << count;
+    }, harness::test_options({{"cma", control}}));
+    EXPECT_GE(waited[0], 0.19) << control << " " << count;
+    EXPECT_LT(waited[0], 1.2) << control << " " << count;  // a loaded machine may wake it late; the peer came at 2 s
+    EXPECT_EQ(got, std::vector<float>(2, 3.0f)) << control << " " << count;
   }
 }
 
