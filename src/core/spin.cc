@@ -12,8 +12,11 @@ namespace smartcoll {
 
 namespace {
 
-// A yield that returns this much later ran another thread on the core: someone else needs it.
-constexpr auto kGaveAway = std::chrono::microseconds(50);
+// A yield that returns this much later ran another thread on the core for a while: someone else needs it. Shorter
+// gaps are the kernel's network work or an idle worker's look at its queue: with 50 us, ranks on 2 emulated hosts
+// (2 cores, a core each) stopped polling most of the time and took 53-180 us per 8 B-4 KiB call against 32-67 us
+// polling; with 200 us, 37-71 against 40-98 (docs/latency.md).
+constexpr auto kGaveAway = std::chrono::microseconds(200);
 // How long waiters then sleep instead of polling before they try again.
 constexpr auto kQuiet = std::chrono::milliseconds(100);
 
