@@ -4,9 +4,9 @@
 // Kernels are templates over a policy; the arithmetic on lanes uses GCC vector extensions (+, <, ?: lane by lane),
 // which also accept plain scalars, so the same expression serves the scalar path. A policy supplies the lane types
 // (I: int32, U: uint32, F: float, D: double; W float lanes, WD double lanes) and the operations GCC's generic
-// vectors lack: horizontal max, rounding float lanes to int32, narrowing and widening moves, float16 conversions, run-time broadcasts, and ordered
-// float comparisons (less), which must be compiled for the target: GCC 12 turns a 512-bit one written in a
-// target-less template into scalar code even once it is inlined into an AVX-512 function.
+// vectors lack: horizontal max, rounding float lanes to int32, narrowing and widening moves, float16 conversions,
+// run-time broadcasts, and ordered float comparisons (less), which must be compiled for the target: GCC 12 turns a
+// 512-bit one written in a target-less template into scalar code even once it is inlined into an AVX-512 function.
 //
 // Everything a kernel runs is an always_inline template or one of its policy's functions (compiled for the
 // policy's target), and Entry<Isa>::run is the only function that calls it, compiled with the target and flatten.

@@ -6,12 +6,12 @@ What is measured, in this order (a progress bar on stderr):
 
   alpha_s, alpha_algo, link_Bps, link_efficiency, efficiency_algo
         `smartcoll bench allreduce` with N ranks (one per host of --cluster, over its shaped links): ring, rhd
-        and rd, each at a small and a large size (rd, a small-message algorithm: 64 x the small one). Each algorithm's two points give its per-step latency and
-        goodput (time = steps x alpha + bytes on the busiest link / goodput, steps and bytes from the algorithm
-        table). A pair whose small call was not
-        faster than its large one (load on a shared machine) is measured again, up to 3 runs, each size keeping
-        its best time. With --cluster, iperf3 measures the link rate and each efficiency = goodput / iperf3's rate;
-        else the ring's goodput is the link rate. alpha_s (algorithms not measured) is rhd's.
+        and rd, each at a small and a large size (rd, a small-message algorithm: 64 x the small one). Each
+        algorithm's two points give its per-step latency and goodput (time = steps x alpha + bytes on the busiest
+        link / goodput, steps and bytes from the algorithm table). A pair whose small call was not faster than
+        its large one (load on a shared machine) is measured again, up to 3 runs, each size keeping its best
+        time. With --cluster, iperf3 measures the link rate and each efficiency = goodput / iperf3's rate; else
+        the ring's goodput is the link rate. alpha_s (algorithms not measured) is rhd's.
   reduce_Bps      float32 sum of two 16 MiB arrays on one core (the core's SIMD kernel)
   codecs          encode and decode of each --codecs format on one core (as `smartcoll bench codec`)
   mem_Bps         a 64 MiB copy: bytes read plus written per second
