@@ -100,6 +100,7 @@ struct EngineStats {
   double cpu_seconds = 0;  // CPU time of the engine's worker threads so far
   int open_channels = 0;   // connections this rank holds now
   uint64_t same_host_calls = 0;  // calls run on the same-host path (algo cma) so far
+  uint64_t staged_bytes = 0;     // list entries' bytes copied into staging (list_stage_bytes) so far
 };
 
 class Communicator {
@@ -264,6 +265,7 @@ class Communicator {
   std::weak_ptr<Request> last_posted_;
   std::mutex close_mu_;
   std::atomic<bool> closed_{false};
+  std::atomic<uint64_t> staged_bytes_{0};
 };
 
 }  // namespace smartcoll

@@ -47,6 +47,11 @@ inline constexpr Knob kKnobs[] = {
     {"segment_size", "262144", "int", 64, 1 << 30, true,
      "bytes per pipeline segment on the wire (compressed bytes under a codec): the unit the ring sends, reduces "
      "and forwards while the next one is on the wire"},
+    {"list_stage_bytes", "512", "int", 0, 1 << 20, false,
+     "list calls: every run of two or more consecutive entries of fewer bytes than this each is copied into one "
+     "staging piece before the call (and the results back after it), so that the wire, the reductions and the "
+     "same-host reads see one piece instead of many tiny ones (a piece costs each of them a fixed amount of work "
+     "that for tiny entries exceeds two copies). 0: never stage"},
     {"streams", "1", "int", 1, 64, true,
      "TCP connections per peer; pipeline segments are striped across them and each one is served by engine "
      "worker (stream mod engine_threads)"},

@@ -50,6 +50,22 @@ def _check_list(xs: Sequence[Any], what: str, collective: str, writable: bool, d
     return dtype or "float32"
 
 
+def _entries(xs: Sequence[Any], what: str, collective: str, writable: bool,
+             dtype: Optional[str] = None) -> tuple[str, list[int], list[int]]:
+    """Checks every entry; returns the list's dtype, its entries' addresses and their element counts. Lists of
+    plain NumPy arrays or plain tensors are checked in one pass of the core (_core.list_entries); any other list,
+    and every list that fails there, goes through _check_list, which names what is wrong."""
+    torch = sys.modules.get("torch")
+    fast = _core.list_entries(xs, writable, np.ndarray, torch.Tensor if torch else None) \
+        if isinstance(xs, (list, tuple)) else None
+    if fast is not None:
+        first = _dtype(xs[0])
+        if dtype is None or first == dtype:
+            return first, fast[0], fast[1]
+    dtype = _check_list(xs, what, collective, writable, dtype)
+    return dtype, _core.addresses(xs), [_numel(x) for x in xs]
+
+
 def _check_lengths(xs: Sequence[Any], outs: Sequence[Any], ratio: float, collective: str) -> list[int]:
     if len(outs) != len(xs):
         raise ValueError(f"{collective}: {len(xs)} inputs but {len(outs)} outputs; pass one output per input")
@@ -65,29 +81,28 @@ def _check_lengths(xs: Sequence[Any], outs: Sequence[Any], ratio: float, collect
 def iallreduce(comm: Any, xs: Sequence[Any], op: str, out: Any, algo: Optional[str], codec: Optional[str]) -> Request:
     if out is not None:
         raise ValueError("allreduce of a list works in place: leave out unset")
-    dtype = _check_list(xs, "x", "allreduce", writable=True)
-    counts = [_numel(x) for x in xs]
-    req = comm._core.list_call("allreduce", [], _core.addresses(xs), counts, dtype, op, algo or "auto", -1,
-                               codec or "")
+    dtype, addresses, counts = _entries(xs, "x", "allreduce", writable=True)
+    req = comm._core.list_call("allreduce", [], addresses, counts, dtype, op, algo or "auto", -1, codec or "")
     return Request(req, xs, tuple(xs), comm._core)
 
 
 def ibroadcast(comm: Any, xs: Sequence[Any], root: int) -> Request:
-    dtype = _check_list(xs, "x", "broadcast", writable=True)
-    counts = [_numel(x) for x in xs]
-    req = comm._core.list_call("broadcast", [], _core.addresses(xs), counts, dtype, "sum", "auto", root, "")
+    dtype, addresses, counts = _entries(xs, "x", "broadcast", writable=True)
+    req = comm._core.list_call("broadcast", [], addresses, counts, dtype, "sum", "auto", root, "")
     return Request(req, xs, tuple(xs), comm._core)
 
 
 def ireduce_scatter(comm: Any, xs: Sequence[Any], outs: Sequence[Any], op: str, codec: Optional[str],
                     algo: Optional[str] = None) -> Request:
-    dtype = _check_list(xs, "x", "reduce_scatter", writable=False)
-    _check_list(outs, "out", "reduce_scatter", writable=True, dtype=dtype)
-    for i, x in enumerate(xs):
-        if _numel(x) % comm.size:
-            raise ValueError(f"reduce_scatter: x[{i}] has {_numel(x)} elements, not a multiple of {comm.size} ranks")
-    counts = _check_lengths(xs, outs, 1 / comm.size, "reduce_scatter")
-    req = comm._core.list_call("reduce_scatter", _core.addresses(xs), _core.addresses(outs), counts, dtype,
+    dtype, in_addresses, in_counts = _entries(xs, "x", "reduce_scatter", writable=False)
+    _, out_addresses, counts = _entries(outs, "out", "reduce_scatter", writable=True, dtype=dtype)
+    if [c * comm.size for c in counts] != in_counts:  # the per-entry checks below say which entry and how
+        for i, x in enumerate(xs):
+            if _numel(x) % comm.size:
+                raise ValueError(
+                    f"reduce_scatter: x[{i}] has {_numel(x)} elements, not a multiple of {comm.size} ranks")
+        _check_lengths(xs, outs, 1 / comm.size, "reduce_scatter")
+    req = comm._core.list_call("reduce_scatter", in_addresses, out_addresses, counts, dtype,
                                op, algo or "auto", -1, codec or "")
     return Request(req, outs, (tuple(xs), tuple(outs)), comm._core)
 
@@ -96,11 +111,11 @@ def iallgather(comm: Any, xs: Sequence[Any], outs: Sequence[Any], codec: Optiona
                algo: Optional[str] = None) -> Request:
     if codec:
         raise ValueError(f"allgather: a list call takes no codec (got '{codec}'); call it without one")
-    dtype = _check_list(xs, "x", "allgather", writable=False)
-    _check_list(outs, "out", "allgather", writable=True, dtype=dtype)
-    _check_lengths(xs, outs, comm.size, "allgather")
-    req = comm._core.list_call("allgather", _core.addresses(xs), _core.addresses(outs),
-                               [_numel(x) for x in xs], dtype, "sum", algo or "auto", -1, "")
+    dtype, in_addresses, counts = _entries(xs, "x", "allgather", writable=False)
+    _, out_addresses, out_counts = _entries(outs, "out", "allgather", writable=True, dtype=dtype)
+    if out_counts != [c * comm.size for c in counts]:
+        _check_lengths(xs, outs, comm.size, "allgather")
+    req = comm._core.list_call("allgather", in_addresses, out_addresses, counts, dtype, "sum", algo or "auto", -1, "")
     return Request(req, outs, (tuple(xs), tuple(outs)), comm._core)
 
 

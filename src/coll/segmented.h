@@ -13,7 +13,9 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -53,6 +55,10 @@ class Segmented {
 // not split but read and write through a staging of one segment (gather_range, write_range).
 struct Views {
   std::vector<std::unique_ptr<Segmented>> all;
+  // Where runs of tiny list entries were copied to be moved as one piece (core/vectored.cc, the list_stage_bytes
+  // knob), and what copies the results back to the entries once the call has succeeded (Task::epilogue).
+  std::optional<Scratch> staging;
+  std::function<void()> after;
   const Segmented* find(const char* p) const;
 };
 

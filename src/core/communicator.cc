@@ -380,6 +380,7 @@ EngineStats Communicator::engine_stats() const {
   }
   if (transport_) s.open_channels = transport_->open_channels();
   if (cma_) s.same_host_calls = cma_->calls();
+  s.staged_bytes = staged_bytes_.load(std::memory_order_relaxed);
   return s;
 }
 
@@ -501,7 +502,10 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
   coll::Builder b(*task, cx, std::move(spec));
   coll::find(call.coll, call.algo).build(b, {static_cast<const char*>(in), static_cast<char*>(out), call.count,
                                             call.root, call.displs});
-  if (views) coll::resolve(*task, *views);
+  if (views) {
+    coll::resolve(*task, *views);
+    task->epilogue = views->after;
+  }
   req->engine_ = engine_;
   // A call on one worker may run on its waiting caller's thread (Engine::wait); an exclusive one runs on worker 0.
   req->driver_ = task->exclusive            ? engine_->worker_of(0)

@@ -123,6 +123,7 @@ Config Config::from(const Options& o) {
   if (const std::string& path = o.str("model_profile"); !path.empty())
     c.profile = std::make_shared<const coll::Profile>(coll::Profile::load(path));
   c.segment_size = static_cast<size_t>(o.integer("segment_size"));
+  c.list_stage_bytes = static_cast<size_t>(o.integer("list_stage_bytes"));
   c.streams = static_cast<int>(o.integer("streams"));
   c.engine_threads = static_cast<int>(o.integer("engine_threads"));
   if (c.engine_threads == 0) c.engine_threads = default_engine_threads();

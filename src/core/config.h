@@ -23,6 +23,7 @@ struct Config {
   size_t shm_bytes = 0;  // room per rank for small calls' data in the same-host control segment
   std::shared_ptr<const coll::Profile> profile;  // model_profile, loaded; null: the size rules
   size_t segment_size = 0;
+  size_t list_stage_bytes = 0;
   int streams = 1;
   int engine_threads = 1;  // resolved: never 0
   std::vector<int> engine_cpus;

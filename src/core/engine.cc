@@ -254,6 +254,7 @@ void Engine::dispatch(Task* t) {
     t->lanes.push_back(std::move(lane));
   }
   if (t->lanes.empty()) {  // nothing to move (world size 1, count 0): done at once
+    if (t->epilogue) t->epilogue();
     --inflight_;
     t->req->finish("");
     delete t;
@@ -280,6 +281,7 @@ void Engine::complete(Task* t) {
     error = failure_;
   }
   auto req = t->req;
+  if (error.empty() && t->epilogue) t->epilogue();
   delete t;  // scratch goes back to the pool before the caller can post the next call
   req->finish(error);
   std::lock_guard lock(mu_);

@@ -112,6 +112,9 @@ struct Task {
   std::function<bool(std::chrono::steady_clock::time_point until)> exclusive;
   std::function<bool()> lanes_instead;
   Algorithm lanes_algo{};
+  // Runs once every lane is done and the call succeeded, before its request completes (a list call's staged
+  // results copied back to its entries).
+  std::function<void()> epilogue;
   std::shared_ptr<Request> req;
   std::atomic<int> lanes_left{0};
 };

@@ -9,6 +9,8 @@
 #include "coll/table.h"
 #include "core/checks.h"
 #include "core/config.h"
+#include "core/engine.h"
+#include "kernels/copy.h"
 #include "smartcoll/comm.h"
 
 namespace smartcoll {
@@ -87,6 +89,51 @@ Codec list_codec(Collective coll, const Codec& chosen, bool requested, bool owne
   return Codec();
 }
 
+// Staging (the list_stage_bytes knob). Each piece of a list costs every path a fixed amount of work (an iovec, a
+// reduction call, a page pinned by each process_vm_readv that reads it), which for an entry of a few hundred
+// bytes costs more than copying it twice at memory speed. So every run of two or more consecutive pieces of fewer
+// than `small` bytes each is copied into one staging piece before the call, and the results back after it.
+struct Run {
+  size_t first, count;  // pieces [first, first + count)
+  size_t at, bytes;     // where they lie in the staging buffer
+};
+
+std::vector<Run> small_runs(const Pieces& p, size_t small, size_t& staged) {
+  std::vector<Run> runs;
+  for (size_t i = 0; i < p.size();) {
+    size_t j = i, bytes = 0;
+    while (j < p.size() && p[j].second < small) bytes += p[j++].second;
+    if (j - i >= 2 && bytes) runs.push_back({i, j - i, staged, bytes}), staged += bytes;
+    i = j > i ? j : i + 1;
+  }
+  return runs;
+}
+
+// The pieces with each run replaced by its staging piece.
+Pieces restaged(const Pieces& p, std::span<const Run> runs, const char* base) {
+  Pieces out;
+  size_t i = 0;
+  for (const Run& r : runs) {
+    out.insert(out.end(), p.begin() + static_cast<ptrdiff_t>(i), p.begin() + static_cast<ptrdiff_t>(r.first));
+    out.emplace_back(base + r.at, r.bytes);
+    i = r.first + r.count;
+  }
+  out.insert(out.end(), p.begin() + static_cast<ptrdiff_t>(i), p.end());
+  return out;
+}
+
+// Copies each run between its pieces and its place in the staging buffer (gather: pieces to staging).
+void copy_runs(const Pieces& p, std::span<const Run> runs, char* base, bool gather) {
+  for (const Run& r : runs) {
+    auto piece = [&](size_t k) {
+      const auto& [at, bytes] = p[r.first + k];
+      return std::pair<char*, size_t>{static_cast<char*>(const_cast<void*>(at)), bytes};
+    };
+    gather ? kernels::gather(base + r.at, r.count, piece, r.bytes)
+           : kernels::scatter(base + r.at, r.count, piece, r.bytes);
+  }
+}
+
 }  // namespace
 
 std::shared_ptr<Request> Communicator::submit_list(Call call, const Pieces& in, const Pieces& out) {
@@ -106,13 +153,28 @@ std::shared_ptr<Request> Communicator::submit_list(Call call, const Pieces& in, 
   call.algo = size_ == 1 ? Algorithm::local
                          : coll::choose(call.coll, q, requested, config_->rhd_max_bytes, config_->profile.get());
   auto views = std::make_shared<coll::Views>();
-  views->all.push_back(view(out));
-  if (!in.empty()) views->all.push_back(view(in));  // empty: in place
-  const coll::Segmented &out_view = *views->all.front(), &in_view = *views->all.back();
   if (size_ == 1 || call.count == 0) {
-    if (&in_view != &out_view) coll::copy_view(out_view, in_view);
+    views->all.push_back(view(out));
+    if (!in.empty()) coll::copy_view(*views->all.front(), *view(in));
     return submit(call, nullptr, nullptr);
   }
+  // In place (in empty), out's runs are both gathered and scattered back; else in's are gathered, out's scattered.
+  size_t staged = 0;
+  const std::vector<Run> in_runs = in.empty() || nicd_ ? std::vector<Run>{}
+                                                       : small_runs(in, config_->list_stage_bytes, staged);
+  const std::vector<Run> out_runs = nicd_ ? std::vector<Run>{} : small_runs(out, config_->list_stage_bytes, staged);
+  if (staged == 0) {
+    views->all.push_back(view(out));
+    if (!in.empty()) views->all.push_back(view(in));
+  } else {
+    staged_bytes_.fetch_add(staged, std::memory_order_relaxed);
+    char* base = views->staging.emplace(engine_->pool(), staged).data();
+    copy_runs(in.empty() ? out : in, in.empty() ? out_runs : in_runs, base, true);
+    views->all.push_back(view(restaged(out, out_runs, base)));
+    if (!in.empty()) views->all.push_back(view(restaged(in, in_runs, base)));
+    if (!out_runs.empty()) views->after = [out, out_runs, base] { copy_runs(out, out_runs, base, false); };
+  }
+  const coll::Segmented &out_view = *views->all.front(), &in_view = *views->all.back();
   return submit(call, in_view.base(), out_view.base(), std::move(views));
 }
 

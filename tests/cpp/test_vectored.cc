@@ -58,21 +58,29 @@ void expect_bitwise(const std::vector<T>& got, const std::vector<T>& want, const
   ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(T)), 0) << what;
 }
 
-Options small_segments() { return test_options({{"segment_size", "256"}, {"streams", "2"}}); }
+// Staging of tiny entries (list_stage_bytes): none, runs of kCounts' entries below 2 KiB (all but one in float32),
+// and every entry (the whole list one piece).
+const char* const kStages[] = {"0", "2048", "1048576"};
+
+Options small_segments(const char* stage = "2048") {
+  return test_options({{"segment_size", "256"}, {"streams", "2"}, {"list_stage_bytes", stage}});
+}
 
 template <class T>
 void allreduce_matches_fused(DataType dt, ReduceOp op) {
-  for (int n : {2, 3})
-    for (Algorithm algo : {Algorithm::ring, Algorithm::rhd, Algorithm::rd, Algorithm::automatic})
-      run_ranks(n, [&](Communicator& comm) {
-        auto list = random_list<T>(kCounts, 1, 100 + comm.rank());
-        std::vector<T> fused = concat(list);
-        comm.allreduce(fused.data(), fused.data(), fused.size(), dt, op, algo)->wait();
-        std::vector<void*> bufs = pointers(list);
-        comm.allreduce(bufs, kCounts, dt, op, algo)->wait();
-        expect_bitwise(concat(list), fused, std::string(algorithm_name(algo)) + " n=" + std::to_string(n) + " " +
-                                                std::string(dtype_name(dt)) + " " + std::string(op_name(op)));
-      }, small_segments());
+  for (const char* stage : kStages)
+    for (int n : {2, 3})
+      for (Algorithm algo : {Algorithm::ring, Algorithm::rhd, Algorithm::rd, Algorithm::automatic})
+        run_ranks(n, [&](Communicator& comm) {
+          auto list = random_list<T>(kCounts, 1, 100 + comm.rank());
+          std::vector<T> fused = concat(list);
+          comm.allreduce(fused.data(), fused.data(), fused.size(), dt, op, algo)->wait();
+          std::vector<void*> bufs = pointers(list);
+          comm.allreduce(bufs, kCounts, dt, op, algo)->wait();
+          expect_bitwise(concat(list), fused, std::string(algorithm_name(algo)) + " n=" + std::to_string(n) + " " +
+                                                  std::string(dtype_name(dt)) + " " + std::string(op_name(op)) +
+                                                  " list_stage_bytes=" + stage);
+        }, small_segments(stage));
 }
 
 TEST(ListCollectives, AllreduceMatchesFusedCall) {
@@ -133,7 +141,8 @@ TEST(ListCollectives, ManyTinyEntriesInLargeSegments) {
       std::vector<void*> bufs = pointers(list);
       comm.allreduce(bufs, counts, DataType::f32, ReduceOp::sum, algo)->wait();
       expect_bitwise(concat(list), fused, "many tiny entries, " + std::string(algorithm_name(algo)));
-    }, test_options({{"segment_size", "8388608"}}));  // one message spans thousands of entries
+      // one message spans thousands of entries, each its own piece
+    }, test_options({{"segment_size", "8388608"}, {"list_stage_bytes", "0"}}));
 }
 
 TEST(ListCollectives, HierarchicalAllreduceMatchesFusedCall) {
@@ -201,52 +210,92 @@ TEST(ListCollectives, CodecOwnerModeIsRefusedByName) {
 }
 
 TEST(ListCollectives, ReduceScatterAllgatherBroadcastMatchFusedCalls) {
-  for (int n : {2, 3})
-    run_ranks(n, [&](Communicator& comm) {
-      const int r = comm.rank();
-      const size_t total = [] { size_t t = 0; for (size_t c : kCounts) t += c; return t; }();
-      // reduce_scatter: rank j's block of every entry, in list order, is block j of the fused vector.
-      auto ins = random_list<float>(kCounts, static_cast<size_t>(n), 7 + r);
-      std::vector<float> fused_in;
-      for (int j = 0; j < n; ++j)
-        for (size_t i = 0; i < kCounts.size(); ++i)
-          fused_in.insert(fused_in.end(), ins[i].begin() + j * kCounts[i], ins[i].begin() + (j + 1) * kCounts[i]);
-      std::vector<float> fused_out(total);
-      comm.reduce_scatter(fused_in.data(), fused_out.data(), total, DataType::f32, ReduceOp::sum)->wait();
-      auto outs = random_list<float>(kCounts, 1, 0);
-      std::vector<const void*> in_ptrs;
-      for (auto& v : ins) in_ptrs.push_back(v.data());
-      std::vector<void*> out_ptrs = pointers(outs);
-      comm.reduce_scatter(in_ptrs, out_ptrs, kCounts, DataType::f32, ReduceOp::sum)->wait();
-      expect_bitwise(concat(outs), fused_out, "reduce_scatter n=" + std::to_string(n));
-
-      // allgather: entry i of rank j lands at block j of output i.
-      auto mine = random_list<float>(kCounts, 1, 50 + r);
-      std::vector<float> gathered(total * n);
-      const std::vector<float> mine_fused = concat(mine);
-      comm.allgather(mine_fused.data(), gathered.data(), total, DataType::f32)->wait();
-      std::vector<float> want;
-      for (size_t i = 0, off = 0; i < kCounts.size(); off += kCounts[i], ++i)
+  for (const char* stage : kStages)
+    for (int n : {2, 3})
+      run_ranks(n, [&](Communicator& comm) {
+        const int r = comm.rank();
+        const size_t total = [] { size_t t = 0; for (size_t c : kCounts) t += c; return t; }();
+        // reduce_scatter: rank j's block of every entry, in list order, is block j of the fused vector.
+        auto ins = random_list<float>(kCounts, static_cast<size_t>(n), 7 + r);
+        std::vector<float> fused_in;
         for (int j = 0; j < n; ++j)
-          want.insert(want.end(), gathered.begin() + j * total + off, gathered.begin() + j * total + off + kCounts[i]);
-      for (Algorithm algo : {Algorithm::bruck, Algorithm::ring}) {
-        auto all = random_list<float>(kCounts, static_cast<size_t>(n), 0);
+          for (size_t i = 0; i < kCounts.size(); ++i)
+            fused_in.insert(fused_in.end(), ins[i].begin() + j * kCounts[i], ins[i].begin() + (j + 1) * kCounts[i]);
+        std::vector<float> fused_out(total);
+        comm.reduce_scatter(fused_in.data(), fused_out.data(), total, DataType::f32, ReduceOp::sum)->wait();
+        auto outs = random_list<float>(kCounts, 1, 0);
+        std::vector<const void*> in_ptrs;
+        for (auto& v : ins) in_ptrs.push_back(v.data());
+        std::vector<void*> out_ptrs = pointers(outs);
+        comm.reduce_scatter(in_ptrs, out_ptrs, kCounts, DataType::f32, ReduceOp::sum)->wait();
+        expect_bitwise(concat(outs), fused_out, "reduce_scatter n=" + std::to_string(n) + " stage " + stage);
+
+        // allgather: entry i of rank j lands at block j of output i.
+        auto mine = random_list<float>(kCounts, 1, 50 + r);
+        std::vector<float> gathered(total * n);
+        const std::vector<float> mine_fused = concat(mine);
+        comm.allgather(mine_fused.data(), gathered.data(), total, DataType::f32)->wait();
+        std::vector<float> want;
+        for (size_t i = 0, off = 0; i < kCounts.size(); off += kCounts[i], ++i)
+          for (int j = 0; j < n; ++j)
+            want.insert(want.end(), gathered.begin() + j * total + off,
+                        gathered.begin() + j * total + off + kCounts[i]);
+        for (Algorithm algo : {Algorithm::bruck, Algorithm::ring}) {
+          auto all = random_list<float>(kCounts, static_cast<size_t>(n), 0);
+          std::vector<const void*> mine_ptrs;
+          for (auto& v : mine) mine_ptrs.push_back(v.data());
+          std::vector<void*> all_ptrs = pointers(all);
+          comm.allgather(mine_ptrs, all_ptrs, kCounts, DataType::f32, algo)->wait();
+          expect_bitwise(concat(all), want, "allgather " + std::string(algorithm_name(algo)) + " n=" +
+                                                std::to_string(n) + " stage " + stage);
+        }
+
+        // broadcast from the last rank, with the chain and the tree.
+        for (Algorithm algo : {Algorithm::chain, Algorithm::tree}) {
+          auto buf = random_list<double>(kCounts, 1, 90 + r);
+          const std::vector<double> root_data = concat(random_list<double>(kCounts, 1, 90 + n - 1));
+          std::vector<void*> ptrs = pointers(buf);
+          comm.broadcast(ptrs, kCounts, DataType::f64, n - 1, algo)->wait();
+          expect_bitwise(concat(buf), root_data, "broadcast " + std::string(algorithm_name(algo)) + " stage " + stage);
+        }
+      }, small_segments(stage));
+}
+
+// Only runs of two or more consecutive entries under list_stage_bytes are staged: here (float32, 2048) entries 1-4
+// (60 bytes, the empty one included) and 8-9 (120 bytes); entry 6 is small but alone, 0, 5 and 7 are large.
+TEST(ListCollectives, StagingCopiesRunsOfTinyEntriesOnly) {
+  const std::vector<size_t> counts = {1000, 3, 5, 0, 7, 600, 2, 100000, 10, 20};
+  for (const char* stage : {"0", "2048"})
+    for (Algorithm algo : {Algorithm::ring, Algorithm::cma})
+      run_ranks(2, [&](Communicator& comm) {
+        const std::string what = std::string(algorithm_name(algo)) + " list_stage_bytes=" + stage;
+        const bool staging = std::string(stage) != "0";
+        auto list = random_list<float>(counts, 1, 60 + comm.rank());
+        std::vector<float> fused = concat(list);
+        comm.allreduce(fused.data(), fused.data(), fused.size(), DataType::f32, ReduceOp::sum, algo)->wait();
+        uint64_t before = comm.engine_stats().staged_bytes;
+        comm.allreduce(pointers(list), counts, DataType::f32, ReduceOp::sum, algo)->wait();
+        expect_bitwise(concat(list), fused, "allreduce " + what);
+        EXPECT_EQ(comm.engine_stats().staged_bytes - before, staging ? 180u : 0u) << what;
+
+        // allgather: the input's runs (180 bytes) and the output's, once per rank's block (2 x 180)
+        auto mine = random_list<float>(counts, 1, 70 + comm.rank());
+        const std::vector<float> mine_fused = concat(mine);
+        std::vector<float> gathered(mine_fused.size() * 2);
+        comm.allgather(mine_fused.data(), gathered.data(), mine_fused.size(), DataType::f32)->wait();
+        auto all = random_list<float>(counts, 2, 0);
         std::vector<const void*> mine_ptrs;
         for (auto& v : mine) mine_ptrs.push_back(v.data());
-        std::vector<void*> all_ptrs = pointers(all);
-        comm.allgather(mine_ptrs, all_ptrs, kCounts, DataType::f32, algo)->wait();
-        expect_bitwise(concat(all), want, "allgather " + std::string(algorithm_name(algo)) + " n=" + std::to_string(n));
-      }
-
-      // broadcast from the last rank, with the chain and the tree.
-      for (Algorithm algo : {Algorithm::chain, Algorithm::tree}) {
-        auto buf = random_list<double>(kCounts, 1, 90 + r);
-        const std::vector<double> root_data = concat(random_list<double>(kCounts, 1, 90 + n - 1));
-        std::vector<void*> ptrs = pointers(buf);
-        comm.broadcast(ptrs, kCounts, DataType::f64, n - 1, algo)->wait();
-        expect_bitwise(concat(buf), root_data, "broadcast " + std::string(algorithm_name(algo)));
-      }
-    }, small_segments());
+        before = comm.engine_stats().staged_bytes;
+        comm.allgather(mine_ptrs, pointers(all), counts, DataType::f32,
+                       algo == Algorithm::cma ? Algorithm::cma : Algorithm::ring)->wait();
+        EXPECT_EQ(comm.engine_stats().staged_bytes - before, staging ? 540u : 0u) << what;
+        for (size_t i = 0, off = 0; i < counts.size(); off += counts[i], ++i)
+          for (size_t j = 0; j < 2; ++j)
+            ASSERT_EQ(std::memcmp(all[i].data() + j * counts[i], gathered.data() + j * mine_fused.size() + off,
+                                  counts[i] * sizeof(float)), 0)
+                << "allgather entry " << i << " block " << j << " " << what;
+      }, test_options({{"list_stage_bytes", stage}}));
 }
 
 TEST(ListCollectives, OneRankCopiesAndEmptyListsAreFine) {
@@ -312,7 +361,9 @@ TEST(ListCollectives, BadArgumentsAreRefusedLocally) {
 // ---- lists on the same-host path (algo cma): every piece read and written where it is ----
 
 // auto picks the same-host path at every size; the calls' counters tell which path each took.
-Options same_host() { return test_options({{"rhd_max_bytes", "0"}}); }
+Options same_host(const char* stage = "2048") {
+  return test_options({{"rhd_max_bytes", "0"}, {"list_stage_bytes", stage}});
+}
 
 struct ListCase {
   DataType dt;
@@ -373,7 +424,8 @@ std::vector<void*> addresses(std::vector<Bytes>& list) {
 
 // Every list collective of every case, in place and out of place, against the fused call on the same path: the
 // same bits on every rank, and every call (the fused ones too) counted on the same-host path.
-void same_host_lists_match_fused(int n, const std::vector<size_t>& counts, Algorithm algo) {
+void same_host_lists_match_fused(int n, const std::vector<size_t>& counts, Algorithm algo,
+                                 const char* stage = "2048") {
   size_t total = 0;
   for (size_t c : counts) total += c;
   run_ranks(n, [&](Communicator& comm) {
@@ -382,7 +434,7 @@ void same_host_lists_match_fused(int n, const std::vector<size_t>& counts, Algor
     uint64_t calls = 0;
     for (const ListCase& c : kSameHostCases) {
       const std::string what = std::string(dtype_name(c.dt)) + " " + std::string(op_name(c.op)) + " n=" +
-                               std::to_string(n) + " algo " + std::string(algorithm_name(algo));
+                               std::to_string(n) + " algo " + std::string(algorithm_name(algo)) + " stage " + stage;
       const size_t esize = dtype_size(c.dt);
       // allreduce (in place)
       auto list = random_entries(c.dt, counts, 1, 10 + r);
@@ -446,7 +498,7 @@ void same_host_lists_match_fused(int n, const std::vector<size_t>& counts, Algor
       calls += 1;
     }
     EXPECT_EQ(comm.engine_stats().same_host_calls - before, calls) << "calls that did not take the same-host path";
-  }, same_host());
+  }, same_host(stage));
 }
 
 // Mixed sizes with empty entries and odd counts; one entry larger than the reduce phase's staging piece, so that
@@ -455,7 +507,7 @@ const std::vector<size_t> kSameHostCounts = {7, 0, 1, 300, 33, 0, 1029, 5, 10000
 
 TEST(SameHostLists, EveryCollectiveMatchesTheFusedCall) {
   for (int n : {2, 3, 4}) same_host_lists_match_fused(n, kSameHostCounts, Algorithm::automatic);
-  same_host_lists_match_fused(3, kSameHostCounts, Algorithm::cma);
+  for (const char* stage : kStages) same_host_lists_match_fused(3, kSameHostCounts, Algorithm::cma, stage);
 }
 
 // 3000 entries of 0 to 2 elements: more pieces than one process_vm_readv takes (IOV_MAX), on both sides of a read,
@@ -463,7 +515,7 @@ TEST(SameHostLists, EveryCollectiveMatchesTheFusedCall) {
 TEST(SameHostLists, ListsLongerThanIovMax) {
   std::vector<size_t> counts(3000);
   for (size_t i = 0; i < counts.size(); ++i) counts[i] = (i * 7) % 3;
-  same_host_lists_match_fused(2, counts, Algorithm::cma);
+  same_host_lists_match_fused(2, counts, Algorithm::cma, "0");
 }
 
 // Lists cut differently (the same total) fail on every rank before any read, naming both calls with their

@@ -85,6 +85,27 @@ def test_list_of_torch_tensors_in_place(algo):
     run_pair(body)
 
 
+@pytest.mark.parametrize("stage", [0, 512, 1 << 20])
+def test_tiny_entries_are_staged_and_copied_back(stage):
+    # 200 entries of 1-64 float32 (4-256 bytes) and one of 300 (1200 bytes) between them: with 512, the two runs of
+    # tiny entries either side of the large one are staged, the large one is not; with 1 MiB everything is.
+    sizes = [1 + (7 * i) % 64 for i in range(200)]
+    sizes.insert(100, 300)
+    expect = {0: 0, 512: 4 * (sum(sizes) - 300), 1 << 20: 4 * sum(sizes)}[stage]
+
+    def body(comm):
+        for algo in ("ring", "cma"):
+            xs = entries(np.random.default_rng(comm.rank), "float32", sizes)
+            fused = np.concatenate(xs)
+            comm.allreduce(fused, algo=algo)
+            before = comm.engine_stats()["staged_bytes"]
+            comm.allreduce(xs, algo=algo)
+            assert comm.engine_stats()["staged_bytes"] - before == expect, algo
+            assert np.concatenate(xs).tobytes() == fused.tobytes(), algo
+
+    run_pair(body, list_stage_bytes=stage)
+
+
 def test_info_lists_alltoallv():
     assert "alltoallv: direct" in smartcoll.build_info()["collectives"]
 
@@ -231,3 +252,26 @@ def test_addresses_of_tensors():
     torch = pytest.importorskip("torch")
     xs = [torch.arange(4.0)[1:], torch.zeros(0), np.ones(2, np.float32)]
     assert smartcoll._core.addresses(xs) == [xs[0].data_ptr(), xs[1].data_ptr(), xs[2].ctypes.data]
+
+
+def test_list_entries_decides_only_the_plain_case():
+    """The core's one-pass check (_core.list_entries) describes lists of plain arrays or plain tensors exactly as
+    the Python checks would, and hands every other list back (None) to the checks that name what is wrong."""
+    entries_of = smartcoll._core.list_entries
+    base = np.arange(10, dtype=np.float32)
+    ro = np.ones(3, np.float32)
+    ro.flags.writeable = False
+    xs = [base[2:], np.zeros(0, np.float32), np.ones((2, 3), np.float32)]
+    assert entries_of(xs, True, np.ndarray, None) == ([x.ctypes.data for x in xs], [8, 0, 6])
+    assert entries_of([ro], False, np.ndarray, None) == ([ro.ctypes.data], [3])
+    for bad in ([ro], [base, base[::2]], [base, np.ones(2, np.float64)], [base, np.memmap], [1.0], []):
+        assert entries_of(bad, True, np.ndarray, None) is None, bad
+    torch = pytest.importorskip("torch")
+    ts = [torch.arange(4.0)[1:], torch.zeros(0), torch.nn.Parameter(torch.ones(2), requires_grad=False)]
+    assert entries_of([ts[0], ts[1]], True, np.ndarray, torch.Tensor) == ([ts[0].data_ptr(), ts[1].data_ptr()], [3, 0])
+    for bad in (ts, [ts[0], torch.ones(2, dtype=torch.float64)], [ts[0], torch.ones(4, 4).t()],
+                [ts[0], torch.ones(2)._neg_view()], [ts[0], base]):
+        assert entries_of(bad, True, np.ndarray, torch.Tensor) is None
+    grad = torch.ones(2, requires_grad=True)
+    assert entries_of([grad], True, np.ndarray, torch.Tensor) is None
+    assert entries_of([grad], False, np.ndarray, torch.Tensor) == ([grad.data_ptr()], [2])
