@@ -470,7 +470,7 @@ NB_MODULE(_core, m) {
       .def("list_call", [](Communicator& c, const std::string& collective, const std::vector<uintptr_t>& ins,
                            const std::vector<uintptr_t>& outs, const std::vector<size_t>& counts,
                            const std::string& dtype, const std::string& op, const std::string& algo, int root,
-                           const std::string& codec) {
+                           const std::string& codec, const std::vector<size_t>& out_counts) {
         std::vector<void*> o(outs.size());
         std::vector<const void*> i(ins.size());
         std::transform(outs.begin(), outs.end(), o.begin(), [](uintptr_t a) { return reinterpret_cast<void*>(a); });
@@ -484,8 +484,10 @@ NB_MODULE(_core, m) {
           return c.reduce_scatter(i, o, counts, dt, parse_op(op), parse_algorithm(algo, Collective::reduce_scatter),
                                   parse_codec(codec));
         if (collective == "allgather") return c.allgather(i, o, counts, dt, parse_algorithm(algo, Collective::allgather));
+        if (collective == "alltoallv") return c.alltoallv(i, counts, o, out_counts, dt);
         throw nb::value_error(("no list form of '" + collective + "'").c_str());
-      })
+      }, "collective"_a, "ins"_a, "outs"_a, "counts"_a, "dtype"_a, "op"_a, "algo"_a, "root"_a, "codec"_a,
+         "out_counts"_a = std::vector<size_t>{})
       .def("alltoallv", [](Communicator& c, InArray in, Array out, const std::vector<size_t>& sendcounts,
                            const std::vector<size_t>& sdispls, const std::vector<size_t>& recvcounts,
                            const std::vector<size_t>& rdispls) {

@@ -166,6 +166,10 @@ class Communicator {
   std::shared_ptr<Request> alltoallv(const void* in, std::span<const size_t> sendcounts,
                                      std::span<const size_t> sdispls, void* out, std::span<const size_t> recvcounts,
                                      std::span<const size_t> rdispls, DataType dt);
+  // The list form: ins[j] (sendcounts[j] elements) goes to rank j, and rank j's block to this rank lands in
+  // outs[j] (recvcounts[j]); no buffer is copied into or out of one. No input may overlap an output.
+  std::shared_ptr<Request> alltoallv(std::span<const void* const> ins, std::span<const size_t> sendcounts,
+                                     std::span<void* const> outs, std::span<const size_t> recvcounts, DataType dt);
 
   // One-sided operations on registered regions (smartcoll/onesided.h, docs/vectored.md). A region is any
   // writable buffer; its id (1, 2, ... in this rank's order of registration) names it to peers, whose calls this

@@ -275,11 +275,14 @@ class Communicator:
         return Request(self._core.alltoall(x, out, algo or "auto"), out, (x, out), self._core)
 
     def ialltoallv(
-        self, x: Any, out: Any, send_counts: Any, recv_counts: Any, send_displs: Any = None, recv_displs: Any = None
+        self, x: Any, out: Any, send_counts: Any = None, recv_counts: Any = None, send_displs: Any = None,
+        recv_displs: Any = None
     ) -> Request:
         """Block j of x (send_counts[j] elements at send_displs[j]) goes to rank j; rank j's block lands at
         recv_displs[j] of out. Displacements default to the counts packed in rank order. Rank i's send_counts[j]
-        must equal rank j's recv_counts[i]: otherwise the call fails, naming both."""
+        must equal rank j's recv_counts[i]: otherwise the call fails, naming both. The list form,
+        alltoallv([x_0, ..., x_n-1], [out_0, ..., out_n-1]), sends x_j to rank j and receives rank j's block in
+        out_j, each array where it is: the counts are the arrays' sizes."""
         return _vectored().ialltoallv(self, x, out, send_counts, recv_counts, send_displs, recv_displs)
 
     def ibarrier(self) -> Request:
@@ -311,7 +314,8 @@ class Communicator:
         return self.ialltoall(x, out, algo).wait()
 
     def alltoallv(
-        self, x: Any, out: Any, send_counts: Any, recv_counts: Any, send_displs: Any = None, recv_displs: Any = None
+        self, x: Any, out: Any, send_counts: Any = None, recv_counts: Any = None, send_displs: Any = None,
+        recv_displs: Any = None
     ) -> Any:
         return self.ialltoallv(x, out, send_counts, recv_counts, send_displs, recv_displs).wait()
 

@@ -131,8 +131,31 @@ def _displacements(counts: Sequence[int], displs: Optional[Sequence[int]], what:
     return displs
 
 
-def ialltoallv(comm: Any, x: Any, out: Any, send_counts: Sequence[int], recv_counts: Sequence[int],
+def ialltoallv_list(comm: Any, xs: Sequence[Any], outs: Sequence[Any]) -> Request:
+    """xs[j] goes to rank j; rank j's block lands in outs[j]: the counts are the arrays' sizes."""
+    if not isinstance(outs, (list, tuple)):
+        raise TypeError(f"alltoallv: x is a list, so out must be a list too (one array per rank), "
+                        f"got {type(outs).__name__}")
+    for what, arrays in (("x", xs), ("out", outs)):
+        if len(arrays) != comm.size:
+            raise ValueError(f"alltoallv: {what} has {len(arrays)} arrays; the list form takes one per rank "
+                             f"({comm.size})")
+    dtype, in_addresses, send_counts = _entries(xs, "x", "alltoallv", writable=False)
+    _, out_addresses, recv_counts = _entries(outs, "out", "alltoallv", writable=True, dtype=dtype)
+    req = comm._core.list_call("alltoallv", in_addresses, out_addresses, send_counts, dtype, "sum", "auto", -1, "",
+                               recv_counts)
+    return Request(req, outs, (tuple(xs), tuple(outs)), comm._core)
+
+
+def ialltoallv(comm: Any, x: Any, out: Any, send_counts: Optional[Sequence[int]], recv_counts: Optional[Sequence[int]],
                send_displs: Optional[Sequence[int]], recv_displs: Optional[Sequence[int]]) -> Request:
+    if isinstance(x, (list, tuple)):
+        if send_counts is not None or recv_counts is not None or send_displs is not None or recv_displs is not None:
+            raise ValueError("alltoallv: the list form takes its counts from the arrays' sizes; pass no counts "
+                             "or displacements with lists")
+        return ialltoallv_list(comm, x, out)
+    if send_counts is None or recv_counts is None:
+        raise ValueError("alltoallv: pass send_counts and recv_counts (one per rank), or lists of arrays")
     _check_array(x, "x")
     _check_array(out, "out", writable=True)
     if _dtype(x) != _dtype(out):

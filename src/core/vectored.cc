@@ -3,6 +3,7 @@
 // one descriptor, one pipeline, every buffer read and written in place.
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "coll/algorithms.h"
 #include "coll/segmented.h"
@@ -223,18 +224,79 @@ std::shared_ptr<Request> Communicator::allgather(std::span<const void* const> in
                      concat(ins, counts, esize), by_rank(as_const(outs), counts, esize, size_));
 }
 
-std::shared_ptr<Request> Communicator::alltoallv(const void* in, std::span<const size_t> sendcounts,
-                                                 std::span<const size_t> sdispls, void* out,
-                                                 std::span<const size_t> recvcounts, std::span<const size_t> rdispls,
-                                                 DataType dt) {
-  const size_t n = static_cast<size_t>(size_), me = static_cast<size_t>(rank_);
-  for (const auto& [what, s] : {std::pair{"sendcounts", sendcounts}, {"sdispls", sdispls},
-                                {"recvcounts", recvcounts}, {"rdispls", rdispls}})
+namespace {
+
+// The checks both forms of alltoallv make of their counts (one per rank each; what a rank sends itself is what
+// it expects from itself).
+void check_alltoallv_counts(std::initializer_list<std::pair<const char*, std::span<const size_t>>> lists, size_t n,
+                            size_t me, std::span<const size_t> sendcounts, std::span<const size_t> recvcounts) {
+  for (const auto& [what, s] : lists)
     require(s.size() == n, std::string("alltoallv: ") + what + " has " + std::to_string(s.size()) +
                                " entries; it needs one per rank (" + std::to_string(n) + ")");
   require(sendcounts[me] == recvcounts[me],
           "alltoallv: this rank sends itself " + std::to_string(sendcounts[me]) + " elements but expects " +
               std::to_string(recvcounts[me]) + " (sendcounts[rank] must equal recvcounts[rank])");
+}
+
+// The first input and output (by rank) whose bytes overlap, if any: both lists sorted by address, walked once.
+std::optional<std::pair<size_t, size_t>> overlap(const Pieces& ins, const Pieces& outs) {
+  struct Range {
+    uintptr_t begin, end;
+    size_t index;
+    bool output;
+  };
+  std::vector<Range> all;
+  for (const auto* list : {&ins, &outs})
+    for (size_t i = 0; i < list->size(); ++i)
+      if (const auto& [at, bytes] = (*list)[i]; bytes)
+        all.push_back({reinterpret_cast<uintptr_t>(at), reinterpret_cast<uintptr_t>(at) + bytes, i, list == &outs});
+  std::sort(all.begin(), all.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  // The range reaching furthest so far of each kind: a range of the other kind that starts before its end overlaps.
+  std::optional<Range> reach[2];
+  for (const Range& r : all) {
+    if (const auto& other = reach[!r.output]; other && r.begin < other->end)
+      return r.output ? std::pair{other->index, r.index} : std::pair{r.index, other->index};
+    if (auto& mine = reach[r.output]; !mine || r.end > mine->end) mine = r;
+  }
+  return std::nullopt;
+}
+
+std::vector<size_t> packed(std::span<const size_t> counts) {
+  std::vector<size_t> displs(counts.size());
+  for (size_t j = 1; j < counts.size(); ++j) displs[j] = displs[j - 1] + counts[j - 1];
+  return displs;
+}
+
+}  // namespace
+
+std::shared_ptr<Request> Communicator::alltoallv(std::span<const void* const> ins, std::span<const size_t> sendcounts,
+                                                 std::span<void* const> outs, std::span<const size_t> recvcounts,
+                                                 DataType dt) {
+  const size_t n = static_cast<size_t>(size_), me = static_cast<size_t>(rank_), esize = dtype_size(dt);
+  require(ins.size() == n && outs.size() == n,
+          "alltoallv: " + std::to_string(ins.size()) + " input and " + std::to_string(outs.size()) +
+              " output buffers; the list form takes one of each per rank (" + std::to_string(n) + ")");
+  check_alltoallv_counts({{"sendcounts", sendcounts}, {"recvcounts", recvcounts}}, n, me, sendcounts, recvcounts);
+  check_list(Collective::alltoallv, ins, sendcounts, "input");
+  check_list(Collective::alltoallv, as_const(outs), recvcounts, "output");
+  const Pieces in = concat(ins, sendcounts, esize), out = concat(as_const(outs), recvcounts, esize);
+  if (const auto both = overlap(in, out))
+    throw InvalidArgument("alltoallv cannot run in place: input " + std::to_string(both->first) +
+                          " overlaps output " + std::to_string(both->second) + "; pass separate output buffers");
+  const std::vector<size_t> sdispls = packed(sendcounts), rdispls = packed(recvcounts);
+  const coll::Displacements displs{sendcounts, sdispls, recvcounts, rdispls};
+  // count: the world size, as for one buffer (the counts are checked pair by pair as the blocks arrive).
+  return submit_list({Collective::alltoallv, dt, ReduceOp::sum, Algorithm::automatic, -1, n, {}, 0, &displs}, in,
+                     out);
+}
+
+std::shared_ptr<Request> Communicator::alltoallv(const void* in, std::span<const size_t> sendcounts,
+                                                 std::span<const size_t> sdispls, void* out,
+                                                 std::span<const size_t> recvcounts, std::span<const size_t> rdispls,
+                                                 DataType dt) {
+  const size_t n = static_cast<size_t>(size_), me = static_cast<size_t>(rank_);
+  check_alltoallv_counts({{"sendcounts", sendcounts}, {"sdispls", sdispls}, {"recvcounts", recvcounts},
+                          {"rdispls", rdispls}}, n, me, sendcounts, recvcounts);
   size_t moved = 0;
   for (size_t j = 0; j < n; ++j) moved += sendcounts[j] + recvcounts[j];
   require(moved == 0 || (in && out), "alltoallv: a null buffer with elements to move");

@@ -662,6 +662,63 @@ TEST(Alltoallv, MatchesReference) {
     });
 }
 
+TEST(Alltoallv, ListFormReadsAndWritesEachBufferInPlace) {
+  // One buffer per peer each way, blocks of 0 to 2999 elements (large ones span many segments), each against
+  // the values its sender put there; the buffers after each output must stay untouched.
+  for (const char* stage : {"0", "1048576"})
+    for (int n : {2, 3, 4})
+      run_ranks(n, [&](Communicator& comm) {
+        const int r = comm.rank();
+        // Rank 1 sends nothing (empty blocks, to itself too).
+        auto count = [](int from, int to) {
+          return from == 1 ? size_t{0} : static_cast<size_t>((from * 1237 + to * 311 + 5) % 3000);
+        };
+        std::vector<std::vector<double>> ins(n), outs(n);
+        std::vector<size_t> sc(n), rc(n);
+        for (int j = 0; j < n; ++j) {
+          sc[j] = count(r, j), rc[j] = count(j, r);
+          ins[j].resize(sc[j]);
+          for (size_t k = 0; k < sc[j]; ++k) ins[j][k] = 1e6 * r + 1e3 * j + static_cast<double>(k);
+          outs[j].assign(rc[j] + 1, -1.0);  // one element past the block
+        }
+        std::vector<const void*> in_ptrs;
+        std::vector<void*> out_ptrs;
+        for (int j = 0; j < n; ++j) in_ptrs.push_back(ins[j].data()), out_ptrs.push_back(outs[j].data());
+        comm.alltoallv(in_ptrs, sc, out_ptrs, rc, DataType::f64)->wait();
+        for (int j = 0; j < n; ++j) {
+          std::vector<double> want(rc[j] + 1, -1.0);
+          for (size_t k = 0; k < rc[j]; ++k) want[k] = 1e6 * j + 1e3 * r + static_cast<double>(k);
+          ASSERT_EQ(outs[j], want) << "rank " << r << " of " << n << ", block from " << j << ", stage " << stage;
+        }
+      }, test_options({{"segment_size", "4096"}, {"list_stage_bytes", stage}}));
+}
+
+TEST(Alltoallv, ListFormRefusesOverlapsAndWrongLengths) {
+  run_ranks(2, [&](Communicator& comm) {
+    std::vector<float> a(8), b(8), c(8);
+    const std::vector<size_t> counts = {4, 4};
+    auto refused = [&](std::vector<const void*> ins, std::vector<void*> outs, std::vector<size_t> sc,
+                       const std::string& error) {
+      try {
+        comm.alltoallv(ins, sc, outs, counts, DataType::f32);
+        ADD_FAILURE() << "accepted; expected: " << error;
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find(error), std::string::npos) << e.what();
+      }
+    };
+    refused({a.data(), b.data()}, {c.data(), a.data() + 2}, counts,
+            "alltoallv cannot run in place: input 0 overlaps output 1");
+    refused({a.data()}, {b.data(), c.data()}, counts, "1 input and 2 output buffers; the list form takes one of each");
+    refused({a.data(), b.data()}, {c.data(), c.data() + 4}, {4, 4, 4}, "sendcounts has 3 entries");
+    refused({a.data(), b.data()}, {c.data(), c.data() + 4}, {comm.rank() == 0 ? 3u : 4u, comm.rank() == 1 ? 3u : 4u},
+            "this rank sends itself 3 elements but expects 4");
+    // adjacent but not overlapping: fine
+    const std::vector<const void*> halves_a = {a.data(), a.data() + 4};
+    const std::vector<void*> halves_b = {b.data(), b.data() + 4};
+    comm.alltoallv(halves_a, counts, halves_b, counts, DataType::f32)->wait();
+  });
+}
+
 TEST(Alltoallv, CountsThatDisagreePairwiseFail) {
   const int n = 3;
   std::vector<std::string> errors(n);

@@ -234,6 +234,28 @@ def test_alltoallv_matches_reference_and_checks_counts():
     run_pair(body)
 
 
+def test_alltoallv_list_form():
+    """alltoallv([x_0, x_1], [out_0, out_1]): x_j goes to rank j, out_j receives rank j's; sizes are the counts."""
+    def body(comm):
+        r, n = comm.rank, comm.size
+        xs = [np.arange(100 * (r + 1) + 7 * j, dtype=np.float64) + 1000 * r for j in range(n)]
+        outs = [np.full(100 * (j + 1) + 7 * r, -1.0) for j in range(n)]
+        assert comm.alltoallv(xs, outs) is outs
+        for j in range(n):
+            assert outs[j].tobytes() == (np.arange(100 * (j + 1) + 7 * r, dtype=np.float64) + 1000 * j).tobytes()
+        with pytest.raises(ValueError, match="the list form takes its counts from the arrays' sizes"):
+            comm.alltoallv(xs, outs, [1, 1], [1, 1])
+        with pytest.raises(ValueError, match="x has 1 arrays; the list form takes one per rank"):
+            comm.alltoallv(xs[:1], outs)
+        with pytest.raises(TypeError, match=r"out\[1\] has dtype float32 but the list's first entry has float64"):
+            comm.alltoallv(xs, [outs[0], outs[1].astype(np.float32)])
+        same = [np.zeros(4), np.zeros(4)]
+        with pytest.raises(ValueError, match="input 1 overlaps output 1"):
+            comm.alltoallv(same, [np.zeros(4), same[1]])
+
+    run_pair(body)
+
+
 def test_addresses_of_arrays():
     """The addresses list calls pass to the core: NumPy's data pointer (read-only, empty and sliced arrays too),
     in list order; an array that is not C-contiguous is refused, not misread."""

@@ -253,18 +253,16 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
         return self._alltoallv(call, host_in, host_out, send, recv, lambda: [output])
 
     def alltoall(self, outputs: list, inputs: list, opts: Any = None) -> Work:
+        """alltoallv's list form: each input is sent, and each output received into, where it is."""
         call = _Call("all_to_all")
-        host_in = torch.cat([_flat(call.input(t)) for t in inputs])
-        call.outputs(outputs)
-        host_out = torch.empty(sum(_flat(t).numel() for t in outputs), dtype=host_in.dtype)
-        send, recv = [_flat(t).numel() for t in inputs], [_flat(t).numel() for t in outputs]
-
-        def finish() -> list:
-            for out, part in zip(outputs, host_out.split(recv)):
-                _flat(out).copy_(part)
-            return outputs
-
-        return self._alltoallv(call, host_in, host_out, send, recv, finish)
+        if len(inputs) != self.size() or len(outputs) != self.size():
+            raise ValueError(f"smartcoll all_to_all: {len(inputs)} inputs and {len(outputs)} outputs for a group "
+                             f"of {self.size()}")
+        if len({t.dtype for t in [*inputs, *outputs]}) > 1:
+            raise TypeError("smartcoll all_to_all: the input and output tensors must share one dtype")
+        host_in = [_flat(call.input(t)) for t in inputs]
+        host_out = [_flat(call.output(t)) for t in outputs]
+        return self._post(call, [self.comm.ialltoallv(host_in, host_out)], lambda: outputs)
 
     def _alltoallv(self, call: _Call, x: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int],
                    finish: Callable[[], Any]) -> Work:
