@@ -1,6 +1,7 @@
 #include "model_bindings.h"
 
 #include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -72,19 +73,25 @@ void bind_model(nb::module_& m) {
      "(small_bytes: the rhd_max_bytes knob).");
   m.def("model_iteration", [](const std::vector<double>& elems, double batch, int n, const std::string& algo,
                               const std::string& codec, const std::string& profile, double compute_scale,
-                              bool error_feedback) {
+                              bool error_feedback, std::optional<std::vector<double>> measured) {
+    std::optional<coll::MeasuredCompute> phases;
+    if (measured) {
+      if (measured->size() != 3) throw nb::value_error("measured: (forward, backward, update) seconds");
+      phases = coll::MeasuredCompute{(*measured)[0], (*measured)[1], (*measured)[2]};
+    }
     const coll::IterationCost it =
         coll::iteration(elems, batch, n, parse_algorithm(algo, Collective::allreduce), codec,
-                        Profile::parse(profile, "(given)"), compute_scale, error_feedback);
+                        Profile::parse(profile, "(given)"), compute_scale, error_feedback, phases ? &*phases : nullptr);
     nb::dict d;
     d["fwd"] = it.fwd, d["bwd"] = it.bwd, d["update"] = it.update, d["allreduce"] = it.allreduce;
     d["feedback"] = it.feedback;
     d["exposed"] = it.exposed, d["total"] = it.total, d["layer_allreduce"] = it.layer_allreduce;
     return d;
   }, "elems"_a, "batch"_a, "n"_a, "algo"_a, "codec"_a, "profile"_a, "compute_scale"_a = 1.0,
-     "error_feedback"_a = false,
+     "error_feedback"_a = false, "measured"_a = nb::none(),
      "The FPGA smart-NIC paper's training-iteration model (seconds per phase) for layers of `elems` parameters; "
-     "error_feedback: the DDP hook's error feedback on the backward pass (with a compressing codec).");
+     "error_feedback: the DDP hook's error feedback on the backward pass (with a compressing codec); measured: "
+     "(forward, backward, update) seconds per iteration as measured, in place of the GEMM and update model.");
 }
 
 }  // namespace smartcoll

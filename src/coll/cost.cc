@@ -310,20 +310,27 @@ Algorithm cheapest(Collective c, const Query& q, const Profile& p, size_t small_
 }
 
 IterationCost iteration(const std::vector<double>& elems, double batch, int n, Algorithm algo, std::string_view codec,
-                        const Profile& p, double compute_scale, bool error_feedback) {
+                        const Profile& p, double compute_scale, bool error_feedback, const MeasuredCompute* measured) {
   IterationCost it;
   const size_t L = elems.size();
   if (L == 0) return it;
+  double all = 0;
+  for (const double e : elems) all += e;
   std::vector<double> F(L + 1), B(L + 1), U(L + 1), AR(L + 1);  // 1-based, as in the paper
   for (size_t l = 1; l <= L; ++l) {
     const double e = elems[l - 1];
-    F[l] = compute_scale * 2 * e * batch / p.flops;
-    B[l] = compute_scale * 4 * e * batch / p.flops;
-    U[l] = p.update_s_per_byte * 4 * e;
+    if (measured) {
+      const double share = all > 0 ? e / all : 1.0 / static_cast<double>(L);
+      F[l] = measured->fwd * share, B[l] = measured->bwd * share, U[l] = measured->update * share;
+    } else {
+      F[l] = compute_scale * 2 * e * batch / p.flops;
+      B[l] = compute_scale * 4 * e * batch / p.flops;
+      U[l] = p.update_s_per_byte * 4 * e;
+    }
     const bool compressed = codec != "" && codec != "identity";
     const Query q{n, static_cast<size_t>(4 * e), compressed, false, false};
     AR[l] = predict(Collective::allreduce, algo, q, p, codec).total;
-    if (error_feedback && compressed && n > 1) {
+    if (!measured && error_feedback && compressed && n > 1) {
       const CodecRates& r = rates(p, codec);
       const double ef = compute_scale * 4 * e * (1 / r.encode_Bps + 1 / r.decode_Bps + kFeedbackPasses / p.mem_Bps);
       B[l] += ef;

@@ -98,8 +98,17 @@ struct IterationCost {
   double total = 0;
   std::vector<double> layer_allreduce;
 };
+// The worker's compute as measured (seconds per iteration, all layers together, e.g. `smartcoll bench train`'s
+// phases): where given, each layer's T_F, T_B and T_U are its share of these (in proportion to its parameters)
+// instead of the GEMM and update model's, and compute_scale and error_feedback do not apply (the measured
+// backward pass already holds whatever ran on its thread). What is left to the model is the all-reduce and how
+// it overlaps.
+struct MeasuredCompute {
+  double fwd = 0, bwd = 0, update = 0;
+};
 IterationCost iteration(const std::vector<double>& elems, double batch, int n, Algorithm algo, std::string_view codec,
-                        const Profile& p, double compute_scale = 1, bool error_feedback = false);
+                        const Profile& p, double compute_scale = 1, bool error_feedback = false,
+                        const MeasuredCompute* measured = nullptr);
 inline constexpr double kFeedbackPasses = 7.5;  // float32 passes: 3 (x += r), 3 (r = x - q), 1.5 (isfinite, any)
 
 }  // namespace smartcoll::coll

@@ -177,6 +177,28 @@ TEST(CostModel, PaperIterationFormula) {
   EXPECT_NEAR(one.total, F + Bw + AR + U, 1e-12);
 }
 
+TEST(CostModel, MeasuredComputeReplacesTheGemmModel) {
+  // Two layers of 1e6 and 3e6 parameters: the measured phases split 1:3 between them, whatever the profile's
+  // GEMM rate, compute_scale and error feedback; only the all-reduce and its overlap remain the model's.
+  Profile p = link_only(0, 1e9);
+  p.flops = 1e12;
+  p.codecs["bfp16"] = {10e9, 40e9};
+  const std::vector<double> layers = {1e6, 3e6};
+  const MeasuredCompute m{0.040, 0.080, 0.008};
+  const IterationCost it = iteration(layers, 64, 4, Algorithm::ring, "bfp16", p, 2, true, &m);
+  EXPECT_NEAR(it.fwd, 0.040, 1e-12);
+  EXPECT_NEAR(it.bwd, 0.080, 1e-12);
+  EXPECT_NEAR(it.update, 0.008, 1e-12);
+  EXPECT_EQ(it.feedback, 0);
+  ASSERT_EQ(it.layer_allreduce.size(), 2u);
+  const double ar1 = it.layer_allreduce[0], ar2 = it.layer_allreduce[1];
+  EXPECT_GT(ar2, 2.9 * ar1);  // 3x the bytes on the same link
+  // T = sum F + B_2 + max(B_1, AR_2) + max(U_2, AR_1) + U_1, with B_1 = 0.02, B_2 = 0.06, U_1 = 0.002, U_2 = 0.006.
+  EXPECT_NEAR(it.total, 0.040 + 0.060 + std::max(0.020, ar2) + std::max(0.006, ar1) + 0.002, 1e-12);
+  // The same call without measured phases uses the GEMM model: another forward time.
+  EXPECT_NEAR(iteration(layers, 64, 4, Algorithm::ring, "bfp16", p).fwd, 2 * 4e6 * 64 / 1e12, 1e-15);
+}
+
 TEST(CostModel, ErrorFeedbackLengthensTheBackwardPass) {
   Profile p = link_only(0, 1e9);
   p.flops = 1e12;

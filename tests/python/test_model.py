@@ -135,6 +135,28 @@ def test_predict_train_scaling_and_measured_points(tmp_path):
     assert png.stat().st_size > 10000
 
 
+def test_predict_train_with_measured_compute(tmp_path):
+    """--compute measured: each variant's forward, backward and update are its measured phases at every N."""
+    run = {"status": "ok", "total_ms": 80.0, "phases_ms": {"fwd": 10.0, "bwd": 20.0, "comm": 45.0, "update": 5.0}}
+    measured = {"metadata": {"world_size": 4, "layers": 4, "width": 256, "batch": 32},
+                "variants": [{"name": "smartcoll", **run}, {"name": "gloo", "status": "failed"}]}
+    src = write(tmp_path / "train.json", measured)
+    out = tmp_path / "pred.json"
+    r = run_cli("model", "predict", "train", "--measured", str(src), "--nodes", "1,8", "--compute", "measured",
+                "--variants", "smartcoll", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "forward, backward and update as measured" in r.stdout
+    pred = json.loads(out.read_text())
+    for p in pred["variants"]["smartcoll"]["points"]:
+        assert (p["fwd"], p["bwd"], p["update"]) == pytest.approx((0.010, 0.020, 0.005)), p
+    one = pred["variants"]["smartcoll"]["points"][0]
+    assert one["n"] == 1 and one["total"] == pytest.approx(0.035)  # nothing to overlap with one worker
+    r = run_cli("model", "predict", "train", "--measured", str(src), "--compute", "measured")
+    assert r.returncode != 0 and "has no finished run of gloo" in r.stderr, r.stderr
+    r = run_cli("model", "predict", "train", "--compute", "measured")
+    assert r.returncode != 0 and "--compute measured takes each variant's phases" in r.stderr, r.stderr
+
+
 def test_calibrate_quick_writes_a_usable_profile(tmp_path):
     out = tmp_path / "p.json"
     r = run_cli("model", "calibrate", "-n", "2", "--quick", "--codecs", "bfp16", "--width", "256", "--out", str(out),

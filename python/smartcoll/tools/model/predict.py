@@ -2,7 +2,7 @@
 
     smartcoll model predict COLLECTIVE [-n 2,4,8] [--sizes 1M:64M] [--algo ring,rhd,auto] [--codec bfp16]
     smartcoll model predict train [--layers L --width M --batch B] [--nodes 1,2,4,...] [--measured train.json]
-                                  [--png scaling.png]
+                                  [--compute gemm|measured] [--png scaling.png]
 
 COLLECTIVE: one row per N, size and algorithm: the predicted time per call, algbw (size / time), the term the
 pipeline is bound by (link, reduce, codec, mem, copy or latency), and for `auto` the algorithm it picks (with
@@ -12,7 +12,8 @@ block for reduce_scatter, allgather and alltoall.
 
 train: the FPGA smart-NIC paper's iteration model (Sec. IV-C: forward, backward overlapped with each layer's
 all-reduce, weight update) for every variant of `smartcoll bench train` (its all-reduce algorithm and codec; a
-hook with error feedback adds its encode, decode and memory passes to the backward pass),
+hook with error feedback adds its encode, decode and memory passes to the backward pass; with --compute measured
+the forward, backward and update times are each variant's as measured in --measured, at every N),
 per N: the iteration time and the throughput relative to one worker (N x T(1) / T(N); ideal: N). --measured
 takes a `smartcoll bench train --json` file: its layer shape, batch and N become the defaults, and its
 measured totals are printed next to the prediction (error %) and drawn as points (normalized with the
@@ -60,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute-scale", type=float, default=1.0,
                         help="train: forward and backward take this many times the GEMM model's time (default: 1)")
     parser.add_argument("--measured", type=Path, help="train: a `smartcoll bench train --json` file")
+    parser.add_argument("--compute", choices=("gemm", "measured"), default="gemm",
+                        help="train: forward, backward and update from the profile's GEMM and update rates (gemm, "
+                             "the paper's model) or each variant's own phases in the --measured run (measured: "
+                             "what is left to predict is the all-reduce and its overlap)")
     parser.add_argument("--png", type=Path, help="train: draw the scaling (needs matplotlib)")
     parser.add_argument("--json", type=Path, help="write the predictions")
 
@@ -112,13 +117,26 @@ def train_predictions(args: argparse.Namespace, profile: str, measured: Optional
     nodes = sorted(set(args.nodes) | ({meta["world_size"]} if meta else set()))
     elems = [float(width * width + width)] * layers  # weight and bias: one all-reduce per layer (DDP buckets)
     out = {"layers": layers, "width": width, "batch": batch, "nodes": nodes, "variants": {}}
+    runs = {r["name"]: r for r in (measured or {}).get("variants", []) if r["status"] == "ok"}
+    if args.compute == "measured" and not runs:
+        raise ValueError("--compute measured takes each variant's phases from a --measured file with runs that "
+                         "finished; pass one")
+    out["compute"] = args.compute
     for name in names:
         v = VARIANTS[name]
         algo, codec = v.env.get("SMARTCOLL_ALGO", "ring"), v.codec or ""
         feedback = bool(codec) and v.hook and v.error_feedback
-        per_n = {n: _core.model_iteration(elems, batch, n, algo, codec, profile, args.compute_scale, feedback)
+        phases = None
+        if args.compute == "measured":
+            if name not in runs:
+                raise ValueError(f"--compute measured: the --measured file has no finished run of {name}; "
+                                 f"choose --variants among {', '.join(runs)}")
+            phases = [runs[name]["phases_ms"][k] / 1e3 for k in ("fwd", "bwd", "update")]
+        per_n = {n: _core.model_iteration(elems, batch, n, algo, codec, profile, args.compute_scale, feedback,
+                                          phases)
                  for n in nodes}
-        t1 = per_n[1]["total"] if 1 in per_n else _core.model_iteration(elems, batch, 1, algo, codec, profile)["total"]
+        t1 = per_n[1]["total"] if 1 in per_n else \
+            _core.model_iteration(elems, batch, 1, algo, codec, profile, args.compute_scale, False, phases)["total"]
         entry = {"algo": algo, "codec": codec or "identity", "t1_s": t1,
                  "points": [{"n": n, **per_n[n], "throughput_x1": n * t1 / per_n[n]["total"]} for n in nodes]}
         for r in (measured or {}).get("variants", []):
@@ -134,7 +152,8 @@ def train_predictions(args: argparse.Namespace, profile: str, measured: Optional
 def print_train(pred: dict) -> None:
     variants = pred["variants"]
     print(f"{pred['layers']}-layer MLP {pred['width']}x{pred['width']}, batch {pred['batch']} per worker: "
-          "predicted ms per iteration (throughput relative to one worker; ideal = N)")
+          "predicted ms per iteration (throughput relative to one worker; ideal = N)"
+          + ("; forward, backward and update as measured" if pred["compute"] == "measured" else ""))
     headers = ["N", *variants, "ideal"]
     table = []
     for i, n in enumerate(pred["nodes"]):
