@@ -149,7 +149,7 @@ def ialltoallv_list(comm: Any, xs: Sequence[Any], outs: Sequence[Any]) -> Reques
 
 def ialltoallv(comm: Any, x: Any, out: Any, send_counts: Optional[Sequence[int]], recv_counts: Optional[Sequence[int]],
                send_displs: Optional[Sequence[int]], recv_displs: Optional[Sequence[int]]) -> Request:
-    if isinstance(x, (list, tuple)):
+    if isinstance(x, (list, tuple)) and any(isinstance(e, np.ndarray) or _is_torch(e) for e in x):
         if send_counts is not None or recv_counts is not None or send_displs is not None or recv_displs is not None:
             raise ValueError("alltoallv: the list form takes its counts from the arrays' sizes; pass no counts "
                              "or displacements with lists")

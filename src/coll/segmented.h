@@ -4,7 +4,8 @@
 // hands its start to an algorithm as if it were a buffer. Once the schedule is built, resolve() rewrites every
 // send, receive and copy that points into a view so that it points at the list's own buffers instead (a message
 // over several of them gathers or scatters its pieces in one system call), and after_receive applies reductions
-// piece by piece. No algorithm knows about lists; none copies them into one buffer. An algorithm that touched a
+// piece by piece. No algorithm knows about lists; none copies them into one buffer (only runs of tiny entries are
+// staged, before the call builds its views: core/vectored.cc). An algorithm that touched a
 // view from a compute (the switch, the codecs' owner mode) would fault on the reserved range rather than read
 // stray memory: list calls never choose those (the ring's codec steps, which address views through gather_range
 // and write_range, excepted). The same-host path is handed the views' pieces instead (coll/same_host_cma.cc).

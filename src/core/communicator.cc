@@ -423,7 +423,9 @@ void Communicator::check_usable() {
 }
 
 void Communicator::check_buffers(const Call& call, const void* in, const void* out) const {
-  if (!in || !out || in == out || call.count == 0) return;
+  // alltoallv's count is the world size, not its buffers' length: its own checks refuse in == out (one buffer)
+  // and any input overlapping an output (lists).
+  if (!in || !out || in == out || call.count == 0 || call.coll == Collective::alltoallv) return;
   const size_t block = call.count * dtype_size(call.dt), n = static_cast<size_t>(size_);
   size_t in_bytes = block, out_bytes = block;
   if (call.coll == Collective::reduce_scatter || call.coll == Collective::alltoall) in_bytes = n * block;

@@ -261,16 +261,21 @@ void Engine::dispatch(Task* t) {
     return;
   }
   t->lanes_left = static_cast<int>(t->lanes.size());
-  for (Lane& lane : t->lanes) {
-    Worker& w = *workers_[static_cast<size_t>(worker_of(lane.stream))];
+  // Once its last lane is queued, a worker may run the task to the end and delete it: nothing of the task is read
+  // after that (its driver and lanes are taken before).
+  const bool driven = t->req->driver_ >= 0;
+  Lane* const lanes = t->lanes.data();
+  const size_t count = t->lanes.size();
+  for (size_t k = 0; k < count; ++k) {
+    Worker& w = *workers_[static_cast<size_t>(worker_of(lanes[k].stream))];
     {
       std::lock_guard il(w.inbox_mu);
-      w.inbox.emplace_back(t, &lane);
+      w.inbox.emplace_back(t, &lanes[k]);
     }
     ++w.pending;
     // While callers drive their own calls, a wake-up would only find the drive lock taken: the worker's thread
     // looks on its own within a millisecond instead (worker_main), in case this call's caller does not wait.
-    if (t->req->driver_ < 0 || !w.callers_drive.load(std::memory_order_relaxed)) wake(w);
+    if (!driven || !w.callers_drive.load(std::memory_order_relaxed)) wake(w);
   }
 }
 

@@ -102,9 +102,9 @@ struct Run {
 std::vector<Run> small_runs(const Pieces& p, size_t small, size_t& staged) {
   std::vector<Run> runs;
   for (size_t i = 0; i < p.size();) {
-    size_t j = i, bytes = 0;
-    while (j < p.size() && p[j].second < small) bytes += p[j++].second;
-    if (j - i >= 2 && bytes) runs.push_back({i, j - i, staged, bytes}), staged += bytes;
+    size_t j = i, bytes = 0, filled = 0;  // empty entries join a run but do not make one: they cost no piece
+    for (; j < p.size() && p[j].second < small; ++j) bytes += p[j].second, filled += p[j].second > 0;
+    if (filled >= 2) runs.push_back({i, j - i, staged, bytes}), staged += bytes;
     i = j > i ? j : i + 1;
   }
   return runs;
@@ -168,7 +168,6 @@ std::shared_ptr<Request> Communicator::submit_list(Call call, const Pieces& in, 
     views->all.push_back(view(out));
     if (!in.empty()) views->all.push_back(view(in));
   } else {
-    staged_bytes_.fetch_add(staged, std::memory_order_relaxed);
     char* base = views->staging.emplace(engine_->pool(), staged).data();
     copy_runs(in.empty() ? out : in, in.empty() ? out_runs : in_runs, base, true);
     views->all.push_back(view(restaged(out, out_runs, base)));
@@ -176,7 +175,9 @@ std::shared_ptr<Request> Communicator::submit_list(Call call, const Pieces& in, 
     if (!out_runs.empty()) views->after = [out, out_runs, base] { copy_runs(out, out_runs, base, false); };
   }
   const coll::Segmented &out_view = *views->all.front(), &in_view = *views->all.back();
-  return submit(call, in_view.base(), out_view.base(), std::move(views));
+  auto req = submit(call, in_view.base(), out_view.base(), std::move(views));
+  staged_bytes_.fetch_add(staged, std::memory_order_relaxed);
+  return req;
 }
 
 std::shared_ptr<Request> Communicator::allreduce(std::span<void* const> bufs, std::span<const size_t> counts,
@@ -238,7 +239,8 @@ void check_alltoallv_counts(std::initializer_list<std::pair<const char*, std::sp
               std::to_string(recvcounts[me]) + " (sendcounts[rank] must equal recvcounts[rank])");
 }
 
-// The first input and output (by rank) whose bytes overlap, if any: both lists sorted by address, walked once.
+// An input and an output (by their index in the lists) whose bytes overlap, if any: the lowest-addressed such
+// pair, found by walking both lists sorted by address once.
 std::optional<std::pair<size_t, size_t>> overlap(const Pieces& ins, const Pieces& outs) {
   struct Range {
     uintptr_t begin, end;

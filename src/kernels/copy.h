@@ -1,7 +1,8 @@
 // Gather and scatter of many pieces by one core: COPA's inline gather (pieces -> one contiguous buffer) and
 // lookaside scatter (the reverse), as the one-sided server runs them (a getv's pieces into its answer, a putv's
-// message into the pieces, the codec paths' packing) and `smartcoll bench gather|scatter` measures them. List
-// collectives copy nothing: their pieces go to sendmsg/recvmsg as iovecs.
+// message into the pieces, the codec paths' packing, list calls' runs of tiny entries into one staging piece
+// and back) and `smartcoll bench gather|scatter` measures them. Every other piece of a list collective is
+// copied by nothing but the kernel: it goes to sendmsg/recvmsg as an iovec.
 //
 // A loop of memcpy calls loses to one memcpy of the same bytes for two reasons this file removes:
 // - Reads of pieces at scattered addresses: the hardware prefetchers follow streams, not lists, so each piece

@@ -121,6 +121,9 @@ def train_predictions(args: argparse.Namespace, profile: str, measured: Optional
     if args.compute == "measured" and not runs:
         raise ValueError("--compute measured takes each variant's phases from a --measured file with runs that "
                          "finished; pass one")
+    if args.compute == "measured" and args.compute_scale != 1:
+        raise ValueError("--compute-scale stretches the GEMM model's compute; with --compute measured the compute "
+                         "is as measured: leave one of them out")
     out["compute"] = args.compute
     for name in names:
         v = VARIANTS[name]
@@ -153,7 +156,8 @@ def print_train(pred: dict) -> None:
     variants = pred["variants"]
     print(f"{pred['layers']}-layer MLP {pred['width']}x{pred['width']}, batch {pred['batch']} per worker: "
           "predicted ms per iteration (throughput relative to one worker; ideal = N)"
-          + ("; forward, backward and update as measured" if pred["compute"] == "measured" else ""))
+          + ("; forward, backward and update as measured at N workers, one worker's taken as the same"
+             if pred["compute"] == "measured" else ""))
     headers = ["N", *variants, "ideal"]
     table = []
     for i, n in enumerate(pred["nodes"]):
