@@ -105,6 +105,16 @@ void bind_codec(nb::module_& m) {
       },
       "name"_a, "buf"_a.noconvert(), "addend"_a.noconvert(), "out"_a.noconvert());
   m.def(
+      "codec_feedback_step",
+      [](const std::string& name, FloatOut x, FloatOut residual) {
+        const Codec c = Codec::parse(name);
+        require_count(residual, x.size(), "residual");
+        nb::gil_scoped_release release;
+        c.feedback_step(x.data(), residual.data(), x.size());
+      },
+      "name"_a, "x"_a.noconvert(), "residual"_a.noconvert(),
+      "x += residual; residual = x - decode(encode(x)), non-finite residuals stored as 0: one pass, in place.");
+  m.def(
       "codec_decode_add_encode",
       [](const std::string& name, ByteIn buf, FloatIn addend, ByteOut out, std::optional<FloatOut> sum) {
         const Codec c = Codec::parse(name);

@@ -71,6 +71,9 @@ class Codec {
   // out = encode(addend + decode(in)); if sum is not null it receives addend + decode(in) (float32). out may alias
   // in exactly (re-encoding in place), sum may alias addend.
   void decode_add_encode(const uint8_t* in, size_t count, const float* addend, uint8_t* out, float* sum) const;
+  // Error feedback's step (smartcoll.codec.ErrorFeedback.step, the DDP hook's): x += residual, then residual =
+  // x - decode(encode(x)), a non-finite residual stored as 0 (float32, the bits of those steps one by one).
+  void feedback_step(float* x, float* residual, size_t count) const;
 
   // Parameters (meaningful for bfp; MX formats report their element format's bits: mxint8 has exp 0, mant 7).
   int block() const { return block_; }

@@ -266,7 +266,8 @@ class ErrorFeedback:
             res[bad] = 0.0
 
     def step(self, x: Any) -> Any:
-        """Before a compressed collective: ``x += residual`` in place, then ``update(x)``; returns ``x``."""
-        self.compensate(x, inplace=True)
-        self.update(x)
+        """Before a compressed collective: ``x += residual`` in place, then ``update(x)``; returns ``x``. One pass
+        of the core over ``x`` and the residual (an L1-sized piece at a time), with the bits of those two calls."""
+        view = self._writable_view(x, "x")
+        _core.codec_feedback_step(self.fmt, view, self.residual(self._shape(x)).reshape(-1))
         return x

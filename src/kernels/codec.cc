@@ -750,6 +750,25 @@ void Codec::decode_add(const uint8_t* in, size_t count, const float* addend, flo
   }
 }
 
+void Codec::feedback_step(float* x, float* residual, size_t count) const {
+  const size_t chunk = chunk_elems(block_elems());
+  std::array<float, kChunkFloats> decoded;
+  std::array<uint8_t, 4 * kChunkFloats> encoded;  // no format takes more than 4 bytes per element
+  for (size_t i = 0; i < count; i += chunk) {
+    const size_t n = std::min(chunk, count - i);
+    float* xs = x + i;
+    float* rs = residual + i;
+    reduce(DataType::f32, ReduceOp::sum, xs, xs, rs, n);
+    encode(xs, n, encoded.data());
+    decode(encoded.data(), n, decoded.data());
+    // Written on the bits (an all-ones exponent is inf or NaN) so that the loop vectorizes.
+    for (size_t k = 0; k < n; ++k) {
+      const float r = xs[k] - decoded[k];
+      rs[k] = (std::bit_cast<uint32_t>(r) & 0x7f800000u) == 0x7f800000u ? 0.0f : r;
+    }
+  }
+}
+
 void Codec::decode_add_encode(const uint8_t* in, size_t count, const float* addend, uint8_t* out, float* sum) const {
   const size_t chunk = chunk_elems(block_elems());
   std::array<float, kChunkFloats> scratch;

@@ -142,6 +142,33 @@ TEST(CodecNames, RejectsBadNames) {
   }
 }
 
+TEST(CodecFeedback, StepIsAddEncodeDecodeSubtractInFloat32) {
+  // x += r; r = x - decode(encode(x)), non-finite r stored as 0: against those steps on the whole buffer, at sizes
+  // on both sides of the step's pieces, with values beyond fp16's range and non-finite ones.
+  std::mt19937 gen(3);
+  std::normal_distribution<float> dist(0.0f, 100.0f);
+  for (const char* name : {"bfp16", "mxfp8_e4m3", "fp16", "bfp:block=7,mant=5,exp=6"})
+    for (size_t n : {size_t{1}, size_t{2047}, size_t{2048}, size_t{5000}}) {
+      const Codec c = Codec::parse(name);
+      std::vector<float> x(n), r(n);
+      for (size_t i = 0; i < n; ++i) x[i] = dist(gen), r[i] = dist(gen) / 1000;
+      x[n / 2] = n > 2 ? std::numeric_limits<float>::infinity() : x[n / 2];
+      if (n > 3) x[n / 3] = 1e30f;
+      std::vector<float> want_x(x), want_r(n), decoded(n);
+      for (size_t i = 0; i < n; ++i) want_x[i] += r[i];
+      std::vector<uint8_t> enc(c.encoded_size(n));
+      c.encode(want_x.data(), n, enc.data());
+      c.decode(enc.data(), n, decoded.data());
+      for (size_t i = 0; i < n; ++i) {
+        want_r[i] = want_x[i] - decoded[i];
+        if (!std::isfinite(want_r[i])) want_r[i] = 0;
+      }
+      c.feedback_step(x.data(), r.data(), n);
+      EXPECT_EQ(std::memcmp(x.data(), want_x.data(), n * 4), 0) << name << " n=" << n;
+      EXPECT_EQ(std::memcmp(r.data(), want_r.data(), n * 4), 0) << name << " n=" << n;
+    }
+}
+
 TEST(CodecSizes, ExactBytes) {
   struct Case {
     const char* name;

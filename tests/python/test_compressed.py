@@ -437,6 +437,25 @@ def test_error_feedback_api_numpy():
     assert not ef.residual((7, 33)).any()
 
 
+@pytest.mark.parametrize("fmt", ["bfp16", "mxfp8_e4m3", "mxint8", "fp16", "bf16", "bfp:block=7,mant=5,exp=6"])
+def test_error_feedback_step_is_compensate_then_update_bit_for_bit(fmt):
+    """step() runs in one pass of the core, an L1-sized piece at a time: the same bits as the two NumPy calls, at
+    sizes on both sides of a piece and of a block, with values beyond the format and non-finite ones."""
+    rng = np.random.default_rng(11)
+    for size in (1, 31, 2048, 2049, 10007):
+        fast, slow = codec.ErrorFeedback(fmt), codec.ErrorFeedback(fmt)
+        for step in range(3):
+            v = (rng.standard_normal(size) * 10.0 ** rng.integers(-6, 6, size)).astype(np.float32)
+            special = np.array([np.inf, np.nan, 3e38], np.float32)  # 3e38: far beyond fp16's range
+            v[rng.integers(0, size, 3)] = special if size >= 3 else np.nan
+            a, b = v.copy(), v.copy()
+            fast.step(a)
+            slow.update(slow.compensate(b, inplace=True))
+            assert a.tobytes() == b.tobytes(), (fmt, size, step)
+            assert fast.residual(size).tobytes() == slow.residual(size).tobytes(), (fmt, size, step)
+            assert np.all(np.isfinite(fast.residual(size)))
+
+
 def test_error_feedback_api_torch():
     torch = pytest.importorskip("torch")
     ef = codec.ErrorFeedback("bfp16")
