@@ -167,7 +167,8 @@ class Communicator {
                                      std::span<const size_t> sdispls, void* out, std::span<const size_t> recvcounts,
                                      std::span<const size_t> rdispls, DataType dt);
   // The list form: ins[j] (sendcounts[j] elements) goes to rank j, and rank j's block to this rank lands in
-  // outs[j] (recvcounts[j]); no buffer is copied into or out of one. No input may overlap an output.
+  // outs[j] (recvcounts[j]); no buffer is copied into or out of one. No output may overlap an input or another
+  // output (both forms check their blocks; InvalidArgument names the pair).
   std::shared_ptr<Request> alltoallv(std::span<const void* const> ins, std::span<const size_t> sendcounts,
                                      std::span<void* const> outs, std::span<const size_t> recvcounts, DataType dt);
 

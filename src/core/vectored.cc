@@ -239,9 +239,10 @@ void check_alltoallv_counts(std::initializer_list<std::pair<const char*, std::sp
               std::to_string(recvcounts[me]) + " (sendcounts[rank] must equal recvcounts[rank])");
 }
 
-// An input and an output (by their index in the lists) whose bytes overlap, if any: the lowest-addressed such
-// pair, found by walking both lists sorted by address once.
-std::optional<std::pair<size_t, size_t>> overlap(const Pieces& ins, const Pieces& outs) {
+// Blocks that alltoallv cannot run with: an output block overlapping an input block or another output block
+// (inputs may share memory: they are only read). Both lists are walked once, sorted by address; the answer names
+// the lowest-addressed such pair ("input 1 overlaps output 0", "outputs 0 and 2 overlap"), empty if none.
+std::string overlapping_blocks(const Pieces& ins, const Pieces& outs) {
   struct Range {
     uintptr_t begin, end;
     size_t index;
@@ -253,14 +254,18 @@ std::optional<std::pair<size_t, size_t>> overlap(const Pieces& ins, const Pieces
       if (const auto& [at, bytes] = (*list)[i]; bytes)
         all.push_back({reinterpret_cast<uintptr_t>(at), reinterpret_cast<uintptr_t>(at) + bytes, i, list == &outs});
   std::sort(all.begin(), all.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
-  // The range reaching furthest so far of each kind: a range of the other kind that starts before its end overlaps.
+  // The range reaching furthest so far of each kind: one that starts before its end overlaps it.
   std::optional<Range> reach[2];
   for (const Range& r : all) {
-    if (const auto& other = reach[!r.output]; other && r.begin < other->end)
-      return r.output ? std::pair{other->index, r.index} : std::pair{r.index, other->index};
+    if (const auto& out = reach[1]; out && r.begin < out->end)
+      return r.output ? "outputs " + std::to_string(std::min(out->index, r.index)) + " and " +
+                            std::to_string(std::max(out->index, r.index)) + " overlap"
+                      : "input " + std::to_string(r.index) + " overlaps output " + std::to_string(out->index);
+    if (const auto& in = reach[0]; r.output && in && r.begin < in->end)
+      return "input " + std::to_string(in->index) + " overlaps output " + std::to_string(r.index);
     if (auto& mine = reach[r.output]; !mine || r.end > mine->end) mine = r;
   }
-  return std::nullopt;
+  return "";
 }
 
 std::vector<size_t> packed(std::span<const size_t> counts) {
@@ -282,9 +287,8 @@ std::shared_ptr<Request> Communicator::alltoallv(std::span<const void* const> in
   check_list(Collective::alltoallv, ins, sendcounts, "input");
   check_list(Collective::alltoallv, as_const(outs), recvcounts, "output");
   const Pieces in = concat(ins, sendcounts, esize), out = concat(as_const(outs), recvcounts, esize);
-  if (const auto both = overlap(in, out))
-    throw InvalidArgument("alltoallv cannot run in place: input " + std::to_string(both->first) +
-                          " overlaps output " + std::to_string(both->second) + "; pass separate output buffers");
+  if (const std::string clash = overlapping_blocks(in, out); !clash.empty())
+    throw InvalidArgument("alltoallv: " + clash + "; every output needs memory of its own, apart from the inputs");
   const std::vector<size_t> sdispls = packed(sendcounts), rdispls = packed(recvcounts);
   const coll::Displacements displs{sendcounts, sdispls, recvcounts, rdispls};
   // count: the world size, as for one buffer (the counts are checked pair by pair as the blocks arrive).
@@ -303,6 +307,17 @@ std::shared_ptr<Request> Communicator::alltoallv(const void* in, std::span<const
   for (size_t j = 0; j < n; ++j) moved += sendcounts[j] + recvcounts[j];
   require(moved == 0 || (in && out), "alltoallv: a null buffer with elements to move");
   require(!moved || in != out, "alltoallv cannot run in place: pass a separate output buffer");
+  if (moved) {  // blocks by rank, as the list form sees them
+    const size_t esize = dtype_size(dt);
+    Pieces in_blocks, out_blocks;
+    for (size_t j = 0; j < n; ++j) {
+      in_blocks.emplace_back(static_cast<const char*>(in) + sdispls[j] * esize, sendcounts[j] * esize);
+      out_blocks.emplace_back(static_cast<const char*>(out) + rdispls[j] * esize, recvcounts[j] * esize);
+    }
+    if (const std::string clash = overlapping_blocks(in_blocks, out_blocks); !clash.empty())
+      throw InvalidArgument("alltoallv: " + clash + " (the blocks by rank of in and out, from the counts and "
+                            "displacements); every receive block needs memory of its own, apart from the send blocks");
+  }
   check_usable();
   if (size_ == 1) {
     const size_t esize = dtype_size(dt);

@@ -706,8 +706,23 @@ TEST(Alltoallv, ListFormRefusesOverlapsAndWrongLengths) {
         EXPECT_NE(std::string(e.what()).find(error), std::string::npos) << e.what();
       }
     };
-    refused({a.data(), b.data()}, {c.data(), a.data() + 2}, counts,
-            "alltoallv cannot run in place: input 0 overlaps output 1");
+    refused({a.data(), b.data()}, {c.data(), a.data() + 2}, counts, "alltoallv: input 0 overlaps output 1");
+    refused({a.data(), a.data()}, {c.data(), c.data() + 3}, counts, "alltoallv: outputs 0 and 1 overlap");
+    // One buffer each way: receive blocks that overlap, and a send block inside the output.
+    const std::vector<size_t> two = {2, 2}, packed = {0, 2}, crossed = {0, 1};
+    try {
+      comm.alltoallv(a.data(), two, packed, b.data(), two, crossed, DataType::f32);
+      ADD_FAILURE() << "overlapping receive blocks accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("alltoallv: outputs 0 and 1 overlap (the blocks by rank"),
+                std::string::npos) << e.what();
+    }
+    try {
+      comm.alltoallv(c.data() + 2, two, packed, c.data(), two, packed, DataType::f32);
+      ADD_FAILURE() << "a send block inside a receive block accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("alltoallv: input 0 overlaps output 1"), std::string::npos) << e.what();
+    }
     refused({a.data()}, {b.data(), c.data()}, counts, "1 input and 2 output buffers; the list form takes one of each");
     refused({a.data(), b.data()}, {c.data(), c.data() + 4}, {4, 4, 4}, "sendcounts has 3 entries");
     refused({a.data(), b.data()}, {c.data(), c.data() + 4}, {comm.rank() == 0 ? 3u : 4u, comm.rank() == 1 ? 3u : 4u},
