@@ -139,6 +139,7 @@ struct Engine::Worker {
   std::atomic<int> pending{0};  // lanes queued or running here; read without the drive lock
   std::atomic<bool> callers_drive{false};  // the last call was driven by its waiting caller
   std::atomic<int64_t> caller_done_at{0};   // when (Clock ticks)
+  std::atomic<bool> handed_over{false};     // a caller left work of other calls here for the thread
   net::Fd epfd, wakefd;
   bool stop = false;  // under inbox_mu
   // Driver-only state.
@@ -547,16 +548,24 @@ void Engine::drive(Worker& w, const std::function<bool()>& enough, std::optional
 }
 
 void Engine::worker_main(Worker& w) {
+  int64_t seen_done_at = 0;  // caller_done_at at this thread's last look
   for (;;) {
     {
       std::lock_guard il(w.inbox_mu);
       if (w.stop && w.pending.load() == 0) return;
     }
-    if (w.pending.load() == 0 || !w.drive_mu.try_lock()) {
+    // While callers drive their calls, work found queued here is most likely a call whose caller is between
+    // posting it and waiting on it: taking it would make that caller sleep and be woken (a thread hand-off per
+    // call, and a third busy thread per rank where cores are few). It is taken only once no caller finished a
+    // call since the last look: a call posted and not waited on.
+    const bool callers = w.callers_drive.load();
+    const int64_t done_at = w.caller_done_at.load();
+    const bool leave_to_callers = callers && done_at != seen_done_at && !w.handed_over.exchange(false);
+    seen_done_at = done_at;
+    if (w.pending.load() == 0 || leave_to_callers || !w.drive_mu.try_lock()) {
       // Idle, or a waiting caller drives: sleep until a submission (or that caller, leaving work behind) wakes
       // us; with work queued, look again soon, and while callers drive, now and then (a call posted then does
-      // not wake us: it waits at most 10 ms if its caller does not wait on it).
-      const bool callers = w.callers_drive.load();
+      // not wake us: it waits at most 10 ms, and a millisecond more, if its caller does not wait on it).
       pollfd p{w.wakefd.get(), POLLIN, 0};
       ::poll(&p, 1, w.pending.load() > 0 ? 1 : callers ? 10 : 1000);
       // Callers that stopped calling for a while: wake-ups go back to waking this thread.
@@ -583,7 +592,10 @@ bool Engine::wait(Request& req, std::optional<Clock::time_point> deadline) {
     w.callers_drive = true;
   }
   w.drive_mu.unlock();
-  if (w.pending.load() > 0) wake(w);  // work of other calls is left: hand it to the worker's thread
+  if (w.pending.load() > 0) {  // work of other calls is left: hand it to the worker's thread
+    w.handed_over = true;
+    wake(w);
+  }
   return req.test();
 }
 

@@ -17,6 +17,9 @@ namespace {
 // (2 cores, a core each) stopped polling most of the time and took 53-180 us per 8 B-4 KiB call against 32-67 us
 // polling; with 200 us, 37-71 against 40-98 (docs/latency.md).
 constexpr auto kGaveAway = std::chrono::microseconds(200);
+// How many late yields in a row mean that: another thread that wants the core (a busy process, a rank sharing it)
+// makes every yield late, while a single late one is the host's hiccup.
+constexpr int kLateInARow = 2;
 // How long waiters then sleep instead of polling before they try again.
 constexpr auto kQuiet = std::chrono::milliseconds(100);
 
@@ -47,8 +50,17 @@ Spinner::Spinner(SpinMode mode, double spin_us, bool core_per_rank)
 bool Spinner::again(Clock::time_point now, Clock::time_point idle_since) {
   if (!enabled_ || now - idle_since >= limit_ || now < quiet_until_) return false;
   std::this_thread::yield();  // ranks that share cores: let the peer this rank waits for run
-  if (watch_ && Clock::now() - now > kGaveAway) quiet_until_ = now + kQuiet;
+  yielded(now, Clock::now() - now);
   return true;
+}
+
+void Spinner::yielded(Clock::time_point now, Clock::duration took) {
+  if (!watch_) return;
+  late_ = took > kGaveAway ? late_ + 1 : 0;
+  if (late_ >= kLateInARow) {
+    quiet_until_ = now + kQuiet;
+    late_ = 0;
+  }
 }
 
 }  // namespace smartcoll

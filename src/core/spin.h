@@ -30,11 +30,16 @@ class Spinner {
   // should sleep. `idle_since`: when the last progress or wake-up was.
   bool again(Clock::time_point now, Clock::time_point idle_since);
 
+  // What `again` learns from a yield that began at `now` and took `took` (auto): yields that come back late
+  // twice in a row stop polling for a while.
+  void yielded(Clock::time_point now, Clock::duration took);
+
  private:
   bool enabled_;
   bool watch_;  // automatic: a yield that gives the core away stops polling for a while
   Clock::duration limit_;
   Clock::time_point quiet_until_{};
+  int late_ = 0;  // yields in a row that came back late
 };
 
 }  // namespace smartcoll

@@ -161,9 +161,10 @@ std::shared_ptr<Request> Communicator::submit_list(Call call, const Pieces& in, 
   }
   // In place (in empty), out's runs are both gathered and scattered back; else in's are gathered, out's scattered.
   size_t staged = 0;
-  const std::vector<Run> in_runs = in.empty() || nicd_ ? std::vector<Run>{}
-                                                       : small_runs(in, config_->list_stage_bytes, staged);
-  const std::vector<Run> out_runs = nicd_ ? std::vector<Run>{} : small_runs(out, config_->list_stage_bytes, staged);
+  // The daemon is handed the pieces as they are: a threshold of 0 stages nothing.
+  const size_t small = nicd_ ? 0 : config_->list_stage_bytes;
+  const std::vector<Run> in_runs = in.empty() ? std::vector<Run>{} : small_runs(in, small, staged);
+  const std::vector<Run> out_runs = small_runs(out, small, staged);
   if (staged == 0) {
     views->all.push_back(view(out));
     if (!in.empty()) views->all.push_back(view(in));

@@ -40,13 +40,28 @@ TEST(Spin, AutoPollsOnlyWithACorePerRank) {
   EXPECT_TRUE(Spinner(SpinMode::automatic, 1000, true).again(Clock::now(), Clock::now()));
 }
 
-TEST(Spin, AutoStopsOnceAYieldGivesTheCoreAway) {
+TEST(Spin, AutoStopsOnceYieldsGiveTheCoreAway) {
   // A `now` far in the past reads as a yield that took long: another thread had the core.
   Spinner s(SpinMode::automatic, 1e9, true);
   const auto past = Clock::now() - std::chrono::milliseconds(1);
-  EXPECT_TRUE(s.again(past, past));
-  EXPECT_FALSE(s.again(past + std::chrono::microseconds(1), past)) << "polls on after giving the core away";
+  s.yielded(past, std::chrono::milliseconds(1));
+  EXPECT_TRUE(s.again(past, past)) << "stopped after one late yield";  // its own yield is late too: the second
+  EXPECT_FALSE(s.again(past + std::chrono::microseconds(1), past)) << "polls on after giving the core away twice";
   EXPECT_TRUE(s.again(past + std::chrono::milliseconds(101), past)) << "never tries polling again";
+}
+
+TEST(Spin, AutoPollsOnAfterSingleLateYields) {
+  // A late yield between prompt ones is the host's hiccup, not a thread that wants the core.
+  Spinner s(SpinMode::automatic, 1e9, true);
+  const auto t = Clock::now();
+  for (int i = 0; i < 5; ++i) {
+    s.yielded(t, std::chrono::milliseconds(1));
+    s.yielded(t, std::chrono::microseconds(5));
+  }
+  EXPECT_TRUE(s.again(t, t)) << "single late yields stopped the polling";
+  Spinner on(SpinMode::on, 1e9, true);  // on watches nothing
+  for (int i = 0; i < 3; ++i) on.yielded(t, std::chrono::milliseconds(1));
+  EXPECT_TRUE(on.again(t, t));
 }
 
 TEST(Spin, CorePerRankCountsTheRanksOfThisHost) {
