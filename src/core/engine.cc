@@ -140,6 +140,7 @@ struct Engine::Worker {
   std::atomic<bool> callers_drive{false};  // the last call was driven by its waiting caller
   std::atomic<int64_t> caller_done_at{0};   // when (Clock ticks)
   std::atomic<bool> handed_over{false};     // a caller left work of other calls here for the thread
+  std::atomic<bool> sleeping_long{false};   // the thread sleeps until woken (up to a second)
   net::Fd epfd, wakefd;
   bool stop = false;  // under inbox_mu
   // Driver-only state.
@@ -275,8 +276,8 @@ void Engine::dispatch(Task* t) {
     }
     ++w.pending;
     // While callers drive their own calls, a wake-up would only find the drive lock taken: the worker's thread
-    // looks on its own within a millisecond instead (worker_main), in case this call's caller does not wait.
-    if (!driven || !w.callers_drive.load(std::memory_order_relaxed)) wake(w);
+    // looks on its own within two milliseconds instead (worker_main), in case this call's caller does not wait.
+    if (!driven || !w.callers_drive.load() || w.sleeping_long.load()) wake(w);
   }
 }
 
@@ -564,10 +565,18 @@ void Engine::worker_main(Worker& w) {
     seen_done_at = done_at;
     if (w.pending.load() == 0 || leave_to_callers || !w.drive_mu.try_lock()) {
       // Idle, or a waiting caller drives: sleep until a submission (or that caller, leaving work behind) wakes
-      // us; with work queued, look again soon, and while callers drive, now and then (a call posted then does
-      // not wake us: it waits at most 10 ms, and a millisecond more, if its caller does not wait on it).
+      // us; with work queued, or while callers drive, look again within a millisecond (a call posted then does
+      // not wake us: if its caller does not wait on it, it is taken at the second look).
+      int ms = 1;
+      if (w.pending.load() == 0 && !w.callers_drive.load()) {
+        // A long sleep is announced, then checked once more: a call posted meanwhile either sees the
+        // announcement and wakes us (dispatch), or is seen here.
+        w.sleeping_long = true;
+        if (w.pending.load() == 0 && !w.callers_drive.load()) ms = 1000;
+      }
       pollfd p{w.wakefd.get(), POLLIN, 0};
-      ::poll(&p, 1, w.pending.load() > 0 ? 1 : callers ? 10 : 1000);
+      ::poll(&p, 1, ms);
+      w.sleeping_long = false;
       // Callers that stopped calling for a while: wake-ups go back to waking this thread.
       if (callers && w.pending.load() == 0 &&
           Clock::now().time_since_epoch().count() - w.caller_done_at.load() > kCallerModeNs)

@@ -21,6 +21,20 @@ def main() -> int:
             assert comm.allreduce(x, out=y) is y
             comm.barrier()
         assert np.array_equal(y, want), f"count {count}: {y[:4]} != {want[:4]}"
+    # A call posted and not waited on (right after blocking calls, which its caller drove) is still carried out
+    # by the engine's thread: the peer's blocking call returns long before the poster waits.
+    hold = 2.0
+    w = np.full(2, float(rank + 1), np.float32)
+    if rank == 0:
+        req = comm.iallreduce(w)
+        time.sleep(hold)
+        req.wait()
+    else:
+        start = time.perf_counter()
+        comm.allreduce(w)
+        took = time.perf_counter() - start
+        assert took < hold / 2, f"the posted call waited for its caller: the peer's call took {took:.3f} s"
+    assert w.tolist() == [n * (n + 1) / 2] * 2, w
     # A call that outlasts the first wait slice (a late peer) still returns its result, through a Request.
     if rank == 1:
         time.sleep(float(os.environ["LATE_SECONDS"]))
