@@ -139,7 +139,7 @@ struct Engine::Worker {
   std::atomic<int> pending{0};  // lanes queued or running here; read without the drive lock
   std::atomic<bool> callers_drive{false};  // the last call was driven by its waiting caller
   std::atomic<int64_t> caller_done_at{0};   // when (Clock ticks)
-  std::atomic<bool> handed_over{false};     // a caller left work of other calls here for the thread
+  std::atomic<bool> take_now{false};        // work queued here that no caller drives: the thread takes it at once
   std::atomic<bool> sleeping_long{false};   // the thread sleeps until woken (up to a second)
   net::Fd epfd, wakefd;
   bool stop = false;  // under inbox_mu
@@ -277,7 +277,12 @@ void Engine::dispatch(Task* t) {
     ++w.pending;
     // While callers drive their own calls, a wake-up would only find the drive lock taken: the worker's thread
     // looks on its own within two milliseconds instead (worker_main), in case this call's caller does not wait.
-    if (!driven || !w.callers_drive.load() || w.sleeping_long.load()) wake(w);
+    if (!driven) {
+      w.take_now = true;
+      wake(w);
+    } else if (!w.callers_drive.load() || w.sleeping_long.load()) {
+      wake(w);
+    }
   }
 }
 
@@ -561,7 +566,8 @@ void Engine::worker_main(Worker& w) {
     // call since the last look: a call posted and not waited on.
     const bool callers = w.callers_drive.load();
     const int64_t done_at = w.caller_done_at.load();
-    const bool leave_to_callers = callers && done_at != seen_done_at && !w.handed_over.exchange(false);
+    const bool take_now = w.take_now.exchange(false);
+    const bool leave_to_callers = callers && done_at != seen_done_at && !take_now;
     seen_done_at = done_at;
     if (w.pending.load() == 0 || leave_to_callers || !w.drive_mu.try_lock()) {
       // Idle, or a waiting caller drives: sleep until a submission (or that caller, leaving work behind) wakes
@@ -602,7 +608,7 @@ bool Engine::wait(Request& req, std::optional<Clock::time_point> deadline) {
   }
   w.drive_mu.unlock();
   if (w.pending.load() > 0) {  // work of other calls is left: hand it to the worker's thread
-    w.handed_over = true;
+    w.take_now = true;
     wake(w);
   }
   return req.test();

@@ -227,22 +227,19 @@ size_t TcpTransport::send(int peer, int stream, const iovec* iov, int iovcnt) {
 }
 
 size_t TcpTransport::recv(int peer, int stream, const iovec* iov, int iovcnt) {
-  Channel& c = chan(peer, stream);
-  const int fd = c.fd.load();
+  const int fd = pollable(peer, stream);
   // A rank that polls for a message calls this in a loop. recvmsg takes the socket's lock each time, the same
   // lock the kernel takes to deliver into the socket on another core: the two contend, and in a virtual
   // machine a contended kernel lock can stop the vCPU until the holder wakes it (tens of microseconds on a
-  // small message's path). poll reads the receive queue without that lock.
-  if (c.dry) {
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, 0) == 0) return 0;
-  }
+  // small message's path). poll reads the receive queue without that lock, so it looks first (one more system
+  // call per receive: nothing against a large message's copy).
+  pollfd p{fd, POLLIN, 0};
+  if (::poll(&p, 1, 0) == 0) return 0;
   msghdr m{};
   m.msg_iov = const_cast<iovec*>(iov);
   m.msg_iovlen = static_cast<size_t>(iovcnt);
   for (;;) {
     const ssize_t n = ::recvmsg(fd, &m, MSG_DONTWAIT);
-    c.dry = true;
     if (n > 0) return static_cast<size_t>(n);
     if (n == 0) fail_peer(peer, "was closed");
     if (errno == EINTR) continue;

@@ -54,9 +54,6 @@ class TcpTransport final : public Transport {
     std::atomic<int> fd{-1};
     net::Fd owned;
     net::Clock::time_point waiting_since{};  // accepting side: when this rank first needed it
-    // The last receive found nothing: look with poll before the next one (recv). Only the worker that owns
-    // the channel's stream, or the caller driving it, touches it.
-    bool dry = false;
   };
   struct Pending;  // an accepted connection whose hello has not fully arrived
 
