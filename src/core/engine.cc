@@ -583,10 +583,13 @@ void Engine::worker_main(Worker& w) {
       pollfd p{w.wakefd.get(), POLLIN, 0};
       ::poll(&p, 1, ms);
       w.sleeping_long = false;
-      // Callers that stopped calling for a while: wake-ups go back to waking this thread.
-      if (callers && w.pending.load() == 0 &&
-          Clock::now().time_since_epoch().count() - w.caller_done_at.load() > kCallerModeNs)
+      // Callers that stopped calling for a while: wake-ups go back to waking this thread (unless a caller
+      // finished a call meanwhile and set the mode again).
+      const int64_t last = w.caller_done_at.load();
+      if (callers && w.pending.load() == 0 && Clock::now().time_since_epoch().count() - last > kCallerModeNs) {
         w.callers_drive = false;
+        if (w.caller_done_at.load() != last) w.callers_drive = true;
+      }
       uint64_t count;
       [[maybe_unused]] ssize_t r = ::read(w.wakefd.get(), &count, sizeof count);
       continue;

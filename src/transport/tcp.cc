@@ -228,6 +228,7 @@ size_t TcpTransport::send(int peer, int stream, const iovec* iov, int iovcnt) {
 
 size_t TcpTransport::recv(int peer, int stream, const iovec* iov, int iovcnt) {
   const int fd = pollable(peer, stream);
+  if (fd < 0) fail_peer(peer, "is not connected");  // poll would skip it and report nothing, for ever
   // A rank that polls for a message calls this in a loop. recvmsg takes the socket's lock each time, the same
   // lock the kernel takes to deliver into the socket on another core: the two contend, and in a virtual
   // machine a contended kernel lock can stop the vCPU until the holder wakes it (tens of microseconds on a
