@@ -109,6 +109,10 @@ struct ChannelQueue {
 constexpr size_t kHeader = sizeof(Descriptor);
 // How long after a caller last drove its own call the worker still expects callers to drive the next ones.
 constexpr int64_t kCallerModeNs = 20'000'000;
+// Work posted this recently, while callers drive their calls, is most likely a call whose caller is between
+// posting it and waiting on it (microseconds, unless the scheduler takes its core): the worker's thread leaves it
+// to that caller.
+constexpr int64_t kPostToWaitNs = 1'000'000;
 
 bool ready(const Lane& lane, const Op& op) {
   for (int32_t d : op.deps)
@@ -139,6 +143,7 @@ struct Engine::Worker {
   std::atomic<int> pending{0};  // lanes queued or running here; read without the drive lock
   std::atomic<bool> callers_drive{false};  // the last call was driven by its waiting caller
   std::atomic<int64_t> caller_done_at{0};   // when (Clock ticks)
+  std::atomic<int64_t> posted_at{0};        // when a call with a waiting driver was last queued here
   std::atomic<bool> take_now{false};        // work queued here that no caller drives: the thread takes it at once
   std::atomic<bool> sleeping_long{false};   // the thread sleeps until woken (up to a second)
   net::Fd epfd, wakefd;
@@ -274,6 +279,7 @@ void Engine::dispatch(Task* t) {
       std::lock_guard il(w.inbox_mu);
       w.inbox.emplace_back(t, &lanes[k]);
     }
+    if (driven) w.posted_at = Clock::now().time_since_epoch().count();
     ++w.pending;
     // While callers drive their own calls, a wake-up would only find the drive lock taken: the worker's thread
     // looks on its own within two milliseconds instead (worker_main), in case this call's caller does not wait.
@@ -554,26 +560,23 @@ void Engine::drive(Worker& w, const std::function<bool()>& enough, std::optional
 }
 
 void Engine::worker_main(Worker& w) {
-  int64_t seen_done_at = 0;  // caller_done_at at this thread's last look
   for (;;) {
     {
       std::lock_guard il(w.inbox_mu);
       if (w.stop && w.pending.load() == 0) return;
     }
-    // While callers drive their calls, work found queued here is most likely a call whose caller is between
-    // posting it and waiting on it: taking it would make that caller sleep and be woken (a thread hand-off per
-    // call, and a third busy thread per rank where cores are few). It is taken only once no caller finished a
-    // call since the last look: a call posted and not waited on.
+    // While callers drive their calls, work just posted here is most likely a call whose caller is about to
+    // wait on it: taking it would make that caller sleep and be woken (a thread hand-off per call, and a third
+    // busy thread per rank where cores are few). Work older than that is a call posted and not waited on.
     const bool callers = w.callers_drive.load();
-    const int64_t done_at = w.caller_done_at.load();
     const bool take_now = w.take_now.exchange(false);
-    const bool leave_to_callers = callers && done_at != seen_done_at && !take_now;
-    seen_done_at = done_at;
+    const bool leave_to_callers =
+        callers && !take_now && Clock::now().time_since_epoch().count() - w.posted_at.load() < kPostToWaitNs;
     if (w.pending.load() == 0 || leave_to_callers || !w.drive_mu.try_lock()) {
       // Idle, or a waiting caller drives: sleep until a submission (or that caller, leaving work behind) wakes
-      // us; with work queued, or while callers drive, look again within a millisecond (a call posted then does
-      // not wake us: if its caller does not wait on it, it is taken at the second look).
-      int ms = 1;
+      // us. With work queued, look again within a millisecond; while callers drive, within two (a call posted
+      // then does not wake us: if its caller does not wait on it, the next look takes it).
+      int ms = w.pending.load() > 0 ? 1 : 2;
       if (w.pending.load() == 0 && !w.callers_drive.load()) {
         // A long sleep is announced, then checked once more: a call posted meanwhile either sees the
         // announcement and wakes us (dispatch), or is seen here.
