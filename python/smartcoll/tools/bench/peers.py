@@ -338,6 +338,11 @@ def mpirun_cluster_command(
         # Rank i on the i-th host of the hostfile (one slot each).
         "--map-by",
         "slot",
+        # The rsh launcher by name, with the agent in place of ssh: an environment's OMPI_MCA_plm (images set
+        # "isolated", which starts every rank on the local node and refuses a second host) must not win.
+        "--mca",
+        "plm",
+        "rsh",
         "--mca",
         "plm_rsh_agent",
         str(agent),

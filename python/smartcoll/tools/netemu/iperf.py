@@ -16,16 +16,26 @@ from .namespaces import ClusterError, Ref, _nsexec
 # Measuring what the emulation carries
 
 
+def _listening_ports(ns: str) -> set[int]:
+    """TCP ports in LISTEN state inside namespace `ns`, from the kernel's socket tables as a process there sees
+    them (no `ss`: machines that bring iproute2's ip and tc alone lack it)."""
+    out = _nsexec(ns, "cat", "/proc/net/tcp", "/proc/net/tcp6", check=False).stdout
+    ports = set()
+    for line in out.splitlines():
+        fields = line.split()
+        # sl local_address rem_address st ...: local_address is ADDR:PORT in hex, st 0A is LISTEN.
+        if len(fields) > 3 and fields[3] == "0A" and ":" in fields[1]:
+            ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def _wait_listening(ns: str, ports: Sequence[int], timeout: float = 10.0) -> None:
-    want = {str(p) for p in ports}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        out = _nsexec(ns, "ss", "-Hltn", check=False).stdout
-        have = {line.split()[3].rsplit(":", 1)[-1] for line in out.splitlines() if len(line.split()) > 3}
-        if want <= have:
+        if set(ports) <= _listening_ports(ns):
             return
         time.sleep(0.05)
-    raise ClusterError(f"iperf3 servers in {ns} did not start listening on {sorted(want)} in {timeout:g} s")
+    raise ClusterError(f"iperf3 servers in {ns} did not start listening on {sorted(ports)} in {timeout:g} s")
 
 
 def measure_iperf(ref: Ref, pattern: str = "ring", seconds: float = 3.0, omit: float = 1.0,
