@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import clean_env
 
-from smartcoll.tools.bench.overlap import overlap_pct
+from smartcoll.tools.bench.overlap import aggregate, overlap_pct
 
 
 @pytest.mark.parametrize("t_pure, t_compute, t_total, expected", [
@@ -20,6 +20,25 @@ from smartcoll.tools.bench.overlap import overlap_pct
 ])
 def test_overlap_formula(t_pure, t_compute, t_total, expected):
     assert overlap_pct(t_pure, t_compute, t_total) == pytest.approx(expected)
+
+
+def test_overlap_aggregate_takes_each_ranks_own_times(tmp_path):
+    """A rank that waited less in the call (it left the barrier last) has a shorter t_pure and a compute
+    calibrated to it; mixing another rank's t_pure with its compute would report 80% for two ranks that each hid
+    all of the collective. The row is the rank with the least overlap, by its own times; slowdown the most."""
+    def row(t_pure, t_compute, t_total, during):
+        return {"count": 16, "t_pure": t_pure, "t_compute": t_compute, "t_total": t_total,
+                "t_compute_during": during}
+    ranks = [[row(1.00, 1.00, 1.00, 1.02), row(1.0, 1.0, 1.5, 1.0)],
+             [row(0.80, 0.80, 0.80, 0.90), row(1.0, 1.0, 1.2, 1.1)]]
+    for r, results in enumerate(ranks):
+        (tmp_path / f"x.rank{r}.json").write_text(json.dumps({"results": results}))
+    first, second = aggregate(tmp_path, "x", 2)
+    assert first["overlap_pct"] == pytest.approx(100.0)
+    assert first["slowdown_pct"] == pytest.approx(12.5)  # rank 1: 0.90 / 0.80
+    assert second["overlap_pct"] == pytest.approx(50.0) and second["t_total"] == 1.5  # rank 0's row
+    assert second["slowdown_pct"] == pytest.approx(10.0)
+    assert aggregate(tmp_path, "missing", 2) is None
 
 
 def test_overlap_run_reports_every_size(tmp_path):
