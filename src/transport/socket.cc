@@ -8,11 +8,13 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "smartcoll/types.h"
@@ -202,6 +204,16 @@ void recv_all(int fd, void* buf, size_t len, Clock::time_point deadline, const s
       throw CommError("receiving " + what + " failed: " + errno_text(errno));
     }
   }
+}
+
+void raise_descriptor_limit() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    rlimit r{};
+    if (::getrlimit(RLIMIT_NOFILE, &r) != 0 || r.rlim_cur >= r.rlim_max) return;
+    r.rlim_cur = r.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &r);  // failure leaves the old limit: EMFILE then names the cause where it hits
+  });
 }
 
 void set_nonblocking(int fd, bool on) {

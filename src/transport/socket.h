@@ -56,6 +56,10 @@ Fd accept_from(int listen_fd, Clock::time_point deadline);
 void send_all(int fd, const void* buf, size_t len, Clock::time_point deadline, const std::string& what);
 void recv_all(int fd, void* buf, size_t len, Clock::time_point deadline, const std::string& what);
 
+// Raises this process's soft limit on open descriptors to its hard limit, once: a rank holds a connection per
+// peer and stream, and the common soft limit of 1024 is below what a few hundred peers with several streams need.
+void raise_descriptor_limit();
+
 void set_nonblocking(int fd, bool on);
 void set_nodelay(int fd);
 void set_buffer_sizes(int fd, int bytes);

@@ -68,6 +68,7 @@ TcpTransport::TcpTransport(int rank, int size, std::shared_ptr<Store> store, con
       chans_(new Channel[static_cast<size_t>(size) * config.streams]), addrs_(size) {
   timeout = std::chrono::duration<double>(config.timeout);
   if (size == 1) return;
+  net::raise_descriptor_limit();
   const std::string host = listen_host(config, route_hint);
   listener_ = net::listen_on(host, 0, 4096);
   net::set_nonblocking(listener_.get(), true);
