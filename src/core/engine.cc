@@ -161,7 +161,9 @@ struct Engine::Worker {
 };
 
 Engine::Engine(Transport& transport, const Config& config, int rank)
-    : transport_(transport), config_(config), rank_(rank) {
+    : transport_(transport), config_(config), rank_(rank),
+      failfd_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+  if (!failfd_) throw CommError("cannot create the engine's eventfd: " + std::string(std::strerror(errno)));
   std::vector<int> epfds;
   for (int i = 0; i < config.engine_threads; ++i) {
     auto w = std::make_unique<Worker>();
@@ -171,10 +173,13 @@ Engine::Engine(Transport& transport, const Config& config, int rank)
     w->wakefd = net::Fd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!w->epfd || !w->wakefd) throw CommError("cannot create the engine's epoll or eventfd: " +
                                                 std::string(std::strerror(errno)));
-    epoll_event ev{};
-    ev.events = EPOLLIN;
-    ev.data.fd = w->wakefd.get();
-    epoll_ctl(w->epfd.get(), EPOLL_CTL_ADD, w->wakefd.get(), &ev);
+    for (const int fd : {w->wakefd.get(), failfd_.get()}) {
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.fd = fd;
+      if (epoll_ctl(w->epfd.get(), EPOLL_CTL_ADD, fd, &ev) != 0)
+        throw CommError("epoll_ctl(engine eventfd) failed: " + std::string(std::strerror(errno)));
+    }
     w->chans.resize(static_cast<size_t>(transport.size()) * transport.streams());
     for (int p = 0; p < transport.size(); ++p)
       for (int s = 0; s < transport.streams(); ++s) {
@@ -329,6 +334,8 @@ void Engine::fail(const std::string& error) {
     failure_ = final_error;
   }
   failed_ = true;
+  const uint64_t one = 1;
+  [[maybe_unused]] ssize_t n = ::write(failfd_.get(), &one, sizeof one);
   for (auto& w : workers_) wake(*w);
 }
 

@@ -97,6 +97,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::condition_variable idle_cv_;
 
   std::atomic<bool> failing_{false}, failed_{false};
+  // Written once by fail() and never read: it stays readable in every worker's epoll set, so a driver's sleep
+  // ends at once after a failure. (A worker's wake descriptor is read by whoever wakes first: a caller driving
+  // that worker could sleep on after the worker's own thread took fail()'s wake-up.)
+  net::Fd failfd_;
   std::mutex failure_mu_;
   std::string failure_;
 };
