@@ -7,6 +7,8 @@
 #   latency   small-message rows (8 B, 1 KiB, 64 KiB; loopback and the cluster) against Open MPI over TCP and gloo
 #   overlap   overlap% of the in-process engine, the offload daemon and Open MPI, 4 hosts on 1 Gbit/s links
 #   samehost  every collective, 4 ranks on one host, against Open MPI's shared memory and gloo
+#   defaults  (not run unless named) the ring stage's cluster with the default workers and streams
+#   shm       (not run unless named) the same-host allreduce paths (shm, cma, auto) from 256 KiB to 4 MiB
 #
 # Made for a machine that has a compiler, CMake, nanobind, numpy and torch but no package registry and perhaps no
 # iproute2: it builds the extension with CMake in build-fast/ (no pip), runs the tree's Python package from
@@ -120,6 +122,30 @@ stage_samehost() {
   for coll in allreduce allgather alltoall reduce_scatter broadcast reduce; do
     log "same host, $coll, 4 ranks: against Open MPI's shared memory and gloo"
     bench "samehost-$coll" "$coll" -n 4 --sizes "$SH_SIZES" --iter-bytes 256M "${mpi[@]}" --vs gloo
+  done
+}
+
+# The defaults (engine_threads chosen from the cores, 4 streams) on the ring stage's cluster, uncompressed and
+# bfp16: they should match the ring stage's best rows.
+stage_defaults() {
+  up --hosts "$HOSTS" --link "$LINK" || return 1
+  local codec
+  for codec in identity bfp16; do
+    log "ring allreduce, $HOSTS hosts on $LINK, default engine_threads and streams, codec $codec"
+    bench "defaults-$codec" allreduce --cluster "$NAME" --sizes "$SIZES" --algo ring --codec "$codec" \
+      --iter-bytes 1G
+  done
+}
+
+# The same-host allreduce paths side by side around the sizes where auto moves between them, 4 ranks.
+stage_shm() {
+  local algo room
+  for algo in shm cma auto; do
+    room=()
+    [ "$algo" = shm ] && room=(--shm-bytes 4194304)  # room for 4 MiB; auto keeps the default
+    log "same host, allreduce, 4 ranks, algo $algo"
+    bench "shm-$algo" allreduce -n 4 --sizes 256K,512K,1M,2M,4M --algo "$algo" --iters 200 --warmup 20 \
+      "${room[@]}" "${mpi[@]}"
   done
 }
 
