@@ -208,6 +208,36 @@ def test_a_forked_child_gets_a_clear_error_and_exits():
     assert "hung" not in out and "parent: 1.0" in out, out
 
 
+DESCRIPTOR_SCRIPT = """
+import json, resource, smartcoll
+before = resource.getrlimit(resource.RLIMIT_NOFILE)
+with smartcoll.init() as comm:
+    print(json.dumps({{"before": before, "after": resource.getrlimit(resource.RLIMIT_NOFILE)}}))
+"""
+
+
+def test_a_rank_raises_its_soft_descriptor_limit_to_the_hard_one(tmp_path):
+    """A rank holds a connection per peer and stream: a soft limit of 1024 (or, here, 256) would run out with a
+    few hundred peers, so init lifts it to the hard limit."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    soft = 256 if hard == resource.RLIM_INFINITY or hard > 256 else hard
+    if soft == hard:
+        pytest.skip("the hard limit is 256 descriptors or fewer: nothing to raise")
+    script = tmp_path / "limit.py"
+    script.write_text(DESCRIPTOR_SCRIPT.format())
+    cmd = [sys.executable, "-m", "smartcoll.tools.cli", "run", "-n", "2", "--", sys.executable, str(script)]
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    reports = reports_by_rank(proc.stdout + proc.stderr)
+    assert sorted(reports) == [0, 1], proc.stdout + proc.stderr
+    for rank, report in reports.items():
+        assert report["before"] == [soft, hard], (rank, report)
+        assert report["after"] == [hard, hard], (rank, report)
+
+
 @pytest.fixture(scope="module")
 def solo():
     with smartcoll.init(rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}") as comm:
