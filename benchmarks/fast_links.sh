@@ -49,29 +49,6 @@ if ! command -v ip >/dev/null || ! command -v iperf3 >/dev/null; then
   source "$NETEMU/setup.sh"
 fi
 
-log "building the extension ($(nproc) CPUs)"
-{ cmake -S . -B build-fast -DPython_EXECUTABLE="$(command -v python3)" -DCMAKE_BUILD_TYPE=Release \
-    -DSMARTCOLL_BUILD_TESTS=OFF -DSMARTCOLL_BUILD_PYTHON=ON &&
-  cmake --build build-fast -j "$(nproc)"; } >"$OUT/build.log" 2>&1 || { log "build failed: $OUT/build.log"; exit 1; }
-rm -rf build-fast/pkg && mkdir -p build-fast/pkg
-cp -r python/smartcoll build-fast/pkg/
-cp build-fast/_core*.so build-fast/pkg/smartcoll/
-export PYTHONPATH="$PWD/build-fast/pkg${PYTHONPATH:+:$PYTHONPATH}"
-sc() { timeout "$1" python3 -m smartcoll.tools.cli "${@:2}"; }
-# One bench run: its table goes to the log, its JSON to $OUT/NAME.json.
-bench() { local name=$1; shift; sc 300 bench "$@" --json "$OUT/$name.json" 2>&1 | tee -a "$OUT/log.txt"; }
-log "smartcoll $(python3 -c 'import smartcoll; print(smartcoll.__version__, smartcoll.build_info()["simd"])')"
-mpi=()
-if python3 -c "import mpi4py" 2>/dev/null && command -v mpirun >/dev/null; then mpi=(--vs mpi)
-else log "no mpi4py: Open MPI skipped"; fi
-# Settings of the environment that change Open MPI's figures (a single-copy mechanism of none slows its shared
-# memory at large sizes), in the log beside them.
-log "Open MPI: $(mpirun --version 2>/dev/null | head -1); environment: $(env | grep -E '^OMPI_MCA_' | tr '\n' ' ')"
-
-up() { sc 120 cluster up --name "$NAME" "$@" | tee -a "$OUT/log.txt"; }
-down() { sc 120 cluster down --name "$NAME" >/dev/null 2>&1 || true; }
-trap down EXIT
-
 stage_switch() {
   local sw=(--algo switch --switch-packet 1408 --switch-slots 128 --no-iperf --sizes "$SIZES" --iters 3 --warmup 1)
   up --hosts "$SW_N" --link 1gbit --topology switch --aggregator --aggregator-threads 4 || return 1
@@ -101,8 +78,10 @@ stage_latency() {
   for n in $LAT_RANKS; do
     log "latency, $n ranks on loopback and on the cluster"
     bench "lat-loop-n$n" allreduce -n "$n" --sizes 8,1K,64K --latency --vs gloo "${mpi[@]}" --mpi-transport tcp
-    [ "$n" -le "$HOSTS" ] && bench "lat-cluster-n$n" allreduce --cluster "$NAME" -n "$n" --sizes 8,1K,64K \
-      --latency --no-iperf --vs gloo "${mpi[@]}"
+    if [ "$n" -le "$HOSTS" ]; then
+      bench "lat-cluster-n$n" allreduce --cluster "$NAME" -n "$n" --sizes 8,1K,64K --latency --no-iperf --vs gloo \
+        "${mpi[@]}"
+    fi
   done
 }
 
@@ -125,8 +104,8 @@ stage_samehost() {
   done
 }
 
-# The defaults (engine_threads chosen from the cores, 4 streams) on the ring stage's cluster, uncompressed and
-# bfp16: they should match the ring stage's best rows.
+# What users get without settings (engine_threads chosen from the cores, one stream) on the ring stage's cluster,
+# uncompressed and bfp16, next to the ring stage's rows.
 stage_defaults() {
   up --hosts "$HOSTS" --link "$LINK" || return 1
   local codec
@@ -150,8 +129,42 @@ stage_shm() {
 }
 
 for stage in $STAGES; do
+  declare -F "stage_$stage" >/dev/null || { echo "no stage '$stage' (stages: $(declare -F | sed -n 's/.* stage_//p' |
+    tr '\n' ' '))" >&2; exit 2; }
+done
+log "building the extension ($(nproc) CPUs)"
+{ cmake -S . -B build-fast -DPython_EXECUTABLE="$(command -v python3)" -DCMAKE_BUILD_TYPE=Release \
+    -DSMARTCOLL_BUILD_TESTS=OFF -DSMARTCOLL_BUILD_PYTHON=ON &&
+  cmake --build build-fast -j "$(nproc)"; } >"$OUT/build.log" 2>&1 || { log "build failed: $OUT/build.log"; exit 1; }
+rm -rf build-fast/pkg && mkdir -p build-fast/pkg
+cp -r python/smartcoll build-fast/pkg/
+cp build-fast/_core*.so build-fast/pkg/smartcoll/
+export PYTHONPATH="$PWD/build-fast/pkg${PYTHONPATH:+:$PYTHONPATH}"
+sc() { timeout "$1" python3 -m smartcoll.tools.cli "${@:2}"; }
+# One bench run: its table goes to the log, its JSON to $OUT/NAME.json; a failure is counted for its stage.
+failures=0
+bench() {
+  local name=$1
+  shift
+  sc 300 bench "$@" --json "$OUT/$name.json" 2>&1 | tee -a "$OUT/log.txt" || failures=$((failures + 1))
+}
+log "smartcoll $(python3 -c 'import smartcoll; print(smartcoll.__version__, smartcoll.build_info()["simd"])')"
+mpi=()
+if python3 -c "import mpi4py" 2>/dev/null && command -v mpirun >/dev/null; then mpi=(--vs mpi)
+else log "no mpi4py: Open MPI skipped"; fi
+# Settings of the environment that change Open MPI's figures (a single-copy mechanism of none slows its shared
+# memory at large sizes), in the log beside them.
+log "Open MPI: $(mpirun --version 2>/dev/null | head -1); environment: $(env | grep -E '^OMPI_MCA_' | tr '\n' ' ')"
+
+up() { sc 120 cluster up --name "$NAME" "$@" | tee -a "$OUT/log.txt"; }
+down() { sc 120 cluster down --name "$NAME" >/dev/null 2>&1 || true; }
+trap down EXIT
+
+for stage in $STAGES; do
   start=$SECONDS
-  "stage_$stage" || log "stage $stage failed"
+  failures=0
+  "stage_$stage" || failures=$((failures + 1))
+  [ "$failures" = 0 ] || log "stage $stage: $failures step(s) failed"
   down
   log "stage $stage took $((SECONDS - start)) s"
 done

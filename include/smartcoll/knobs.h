@@ -52,11 +52,12 @@ inline constexpr Knob kKnobs[] = {
      "staging piece before the call (and the results back after it), so that the wire, the reductions and the "
      "same-host reads see one piece instead of many tiny ones (a piece costs each of them a fixed amount of work "
      "that for tiny entries exceeds two copies). 0: never stage"},
-    {"streams", "4", "int", 1, 64, true,
+    {"streams", "1", "int", 1, 64, true,
      "TCP connections per peer (lanes); pipeline segments are striped across them and each one is served by "
      "engine worker (stream mod engine_threads), so a large call's I/O, reductions and codec work spread over "
-     "min(streams, engine_threads) cores. Calls of one segment use the first alone; the others connect on first "
-     "use"},
+     "min(streams, engine_threads) cores: on fast links with a codec, set both to 4. Calls of one segment use the "
+     "first alone; the others connect on first use. Several flows per peer can overflow shallow switch queues "
+     "(losses, 200 ms retransmission stalls)"},
     {"engine_threads", "0", "int", 0, 64, false,
      "engine worker threads per rank; each owns its own connections and does their I/O, reductions and codec "
      "work. 0: chosen from the CPUs this process may use and LOCAL_WORLD_SIZE (at most 4). Results are bitwise "

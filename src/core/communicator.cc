@@ -509,10 +509,14 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
     task->epilogue = views->after;
   }
   req->engine_ = engine_;
-  // A call on one worker may run on its waiting caller's thread (Engine::wait); an exclusive one runs on worker 0.
-  req->driver_ = task->exclusive            ? engine_->worker_of(0)
-                 : task->lanes.size() == 1 ? engine_->worker_of(task->lanes[0].stream)
-                                           : -1;
+  // A call whose lanes all run on one worker may run on its waiting caller's thread (Engine::wait); an exclusive
+  // one runs on worker 0.
+  req->driver_ = task->exclusive ? engine_->worker_of(0) : -1;
+  if (!task->exclusive && !task->lanes.empty()) {
+    req->driver_ = engine_->worker_of(task->lanes[0].stream);
+    for (const auto& lane : task->lanes)
+      if (engine_->worker_of(lane.stream) != req->driver_) req->driver_ = -1;
+  }
   std::lock_guard lock(submit_mu_);  // numbers and queue order agree
   check_one_poster();
   last_posted_ = req;

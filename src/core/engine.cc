@@ -386,6 +386,7 @@ bool Engine::progress(Worker& w) {
       if (--task->lanes_left == 0) complete(task);
     }
     w.lanes.clear();
+    w.timers.clear();  // nothing runs on a failed communicator; a timer left would keep drive() looping
     return moved;
   }
 

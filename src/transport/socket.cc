@@ -12,6 +12,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
@@ -210,8 +211,10 @@ void raise_descriptor_limit() {
   static std::once_flag once;
   std::call_once(once, [] {
     rlimit r{};
-    if (::getrlimit(RLIMIT_NOFILE, &r) != 0 || r.rlim_cur >= r.rlim_max) return;
-    r.rlim_cur = r.rlim_max;
+    if (::getrlimit(RLIMIT_NOFILE, &r) != 0) return;
+    const rlim_t want = r.rlim_max == RLIM_INFINITY ? kDescriptorLimit : std::min(r.rlim_max, kDescriptorLimit);
+    if (r.rlim_cur >= want) return;
+    r.rlim_cur = want;
     ::setrlimit(RLIMIT_NOFILE, &r);  // failure leaves the old limit: EMFILE then names the cause where it hits
   });
 }

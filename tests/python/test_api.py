@@ -351,7 +351,7 @@ def test_knobs_table():
     by_name = {k.name: k for k in table}
     assert by_name["algo"].default == "auto" and by_name["algo"].type == "choice:auto|ring|rhd|rd|cma|shm|hier|switch"
     assert by_name["segment_size"].default == "262144"
-    assert by_name["streams"].default == "4"
+    assert by_name["streams"].default == "1"
 
 
 def test_options_defaults_env_and_explicit(monkeypatch, comm):
