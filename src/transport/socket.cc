@@ -208,6 +208,9 @@ void recv_all(int fd, void* buf, size_t len, Clock::time_point deadline, const s
 }
 
 void raise_descriptor_limit() {
+  // Not the hard limit itself: in containers it can be 2^30, and programs that walk every descriptor up to the
+  // limit (children that close them all) would crawl.
+  static constexpr rlim_t kDescriptorLimit = 65536;
   static std::once_flag once;
   std::call_once(once, [] {
     rlimit r{};

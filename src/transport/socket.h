@@ -2,7 +2,6 @@
 #pragma once
 
 #include <netinet/in.h>
-#include <sys/resource.h>
 
 #include <chrono>
 #include <cstddef>
@@ -57,12 +56,9 @@ Fd accept_from(int listen_fd, Clock::time_point deadline);
 void send_all(int fd, const void* buf, size_t len, Clock::time_point deadline, const std::string& what);
 void recv_all(int fd, void* buf, size_t len, Clock::time_point deadline, const std::string& what);
 
-// Raises this process's soft limit on open descriptors to kDescriptorLimit (or the hard limit, if lower), once;
-// a higher soft limit is left alone. A rank may hold a connection to every peer (alltoall) and more streams to
-// its ring neighbours: a few hundred peers pass the common soft limit of 1024. Not the hard limit itself: in
-// containers it can be 2^30, and programs that walk every descriptor up to the limit (children that close
-// them all) would crawl.
-constexpr rlim_t kDescriptorLimit = 65536;
+// Raises this process's soft limit on open descriptors to 65536 (or the hard limit, if lower), once; a higher
+// soft limit is left alone. A rank may hold a connection to every peer (alltoall) and more streams to its ring
+// neighbours: a few hundred peers pass the common soft limit of 1024.
 void raise_descriptor_limit();
 
 void set_nonblocking(int fd, bool on);
