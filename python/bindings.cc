@@ -272,7 +272,11 @@ NB_MODULE(_core, m) {
         new (self) TcpStore(host, p, serve, std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000)),
                             std::move(secret));
       }, "host"_a, "port"_a, "serve"_a, "timeout"_a, "secret"_a = "")
-      .def_prop_ro("port", &TcpStore::port);
+      .def_prop_ro("port", &TcpStore::port)
+      .def("close", [](TcpStore& s) {
+        nb::gil_scoped_release release;  // a serving store waits for its clients, which may need this lock to leave
+        s.close();
+      });
   nb::class_<FileStore, Store>(m, "FileStore").def(nb::init<std::string>(), "path"_a);
 
   // The aggregation switch (`smartcoll switch`): serves on its own threads; the CLI polls stats().

@@ -121,6 +121,10 @@ class TcpStore : public Store {
   TcpStore(const std::string& host, int port, bool serve, std::chrono::milliseconds connect_timeout,
            std::string secret = "", const StoreLimits& limits = {});
   ~TcpStore() override;
+  // Leaves the store now: drops this client's connection and, when serving, stops the server (which goes on
+  // answering the other ranks for up to a few seconds while they are connected). Later calls throw CommError.
+  // The destructor does the same; a binding calls this first so that the wait happens without its interpreter lock.
+  void close();
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key, std::chrono::milliseconds timeout) override;
   std::optional<std::string> check(const std::string& key) override;
@@ -144,6 +148,7 @@ class TcpStore : public Store {
   StoreLimits limits_;
   std::unique_ptr<store::Server> server_;
   int fd_ = -1;
+  bool closed_ = false;
   std::mutex mu_;
 };
 

@@ -148,8 +148,12 @@ def _finish(core_request: Any, result: Any, keepalive: tuple, comm: Any) -> Any:
 class Communicator:
     """A group of ranks. Collectives run in call order on one engine thread; every rank must make the same calls."""
 
-    def __init__(self, core: Any):
+    def __init__(self, core: Any, store: Any = None):
         self._core = core
+        # The rendezvous store made for this communicator alone. Closed here, without the interpreter lock: as the
+        # engine's last reference it would close while taking that lock, and rank 0's store waits up to seconds
+        # for ranks that may be threads of this process needing the lock to leave it.
+        self._store = store
 
     @property
     def rank(self) -> int:
@@ -191,6 +195,9 @@ class Communicator:
     def close(self) -> None:
         """Finishes submitted collectives, stops the engine and closes connections."""
         self._core.close()
+        store = getattr(self, "_store", None)
+        if store is not None and hasattr(store, "close"):
+            store.close()
 
     def abort(self, reason: str = "aborted by the application") -> None:
         """Fails every pending and later collective of this communicator, here at once and on the peers within
@@ -201,7 +208,7 @@ class Communicator:
         # Closing here releases the GIL while the engine drains; the C++ destructor would hold it.
         core = getattr(self, "_core", None)
         if core is not None:
-            core.close()
+            self.close()
 
     def __repr__(self) -> str:
         return f"<smartcoll.Communicator rank {self.rank} of {self.size}>"
@@ -529,4 +536,4 @@ def init(
         core_store, route_hint = _core.FileStore(url.path), ""
     else:
         raise ValueError(f"unknown init_method {init_method!r}; use env://, tcp://HOST:PORT or file:///path")
-    return Communicator(_core.Communicator(rank, world_size, core_store, resolved, route_hint))
+    return Communicator(_core.Communicator(rank, world_size, core_store, resolved, route_hint), core_store)

@@ -157,9 +157,17 @@ std::shared_ptr<Store> open_store(const std::string& locator, std::chrono::milli
                         "': expected 'tcp IP PORT SECRET' or 'file DIR'");
 }
 
-TcpStore::~TcpStore() {
-  disconnect();
-  server_.reset();
+TcpStore::~TcpStore() { close(); }
+
+void TcpStore::close() {
+  std::unique_ptr<store::Server> server;
+  {
+    std::lock_guard lock(mu_);
+    closed_ = true;
+    disconnect();
+    server = std::move(server_);
+  }
+  server.reset();  // outside the lock: its linger must not hold up a concurrent call's error
 }
 
 std::string TcpStore::where() const { return ip_ + ":" + std::to_string(port_); }
@@ -210,6 +218,8 @@ int TcpStore::connect_and_greet(net::Clock::time_point deadline) const {
 }
 
 int TcpStore::connection(net::Clock::time_point deadline) {
+  if (closed_) throw CommError("the store at " + where() + " is closed: this process closed it (a communicator "
+                               "that used it was closed); create a new communicator");
   if (fd_ >= 0 && !unusable(fd_)) return fd_;
   disconnect();
   fd_ = connect_and_greet(std::min(deadline, net::Clock::now() + kReconnectWindow));

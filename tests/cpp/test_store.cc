@@ -470,6 +470,29 @@ TEST(TcpStoreServer, LingersForConnectedClients) {
   EXPECT_LT(ms_since(t0), 1500);
 }
 
+// close() leaves the store at once: later calls name the cause instead of reconnecting, the destructor after it has
+// nothing left to do, and a second close is harmless.
+TEST(TcpStore, ClosedStoreRefusesLaterCallsByName) {
+  TcpStore server("127.0.0.1", 0, true, kConnect);
+  auto client = std::make_unique<TcpStore>("127.0.0.1", server.port(), false, kConnect);
+  client->set("k", "v");
+  client->close();
+  try {
+    client->set("k", "w");
+    FAIL() << "a closed store took a set";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("is closed"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(client->get("k", 100ms), CommError);
+  client->close();
+  client.reset();
+  EXPECT_EQ(server.get("k", 1s), "v");
+  const auto t0 = Clock::now();
+  server.close();  // no client is connected any more: no linger
+  EXPECT_LT(ms_since(t0), 1000);
+  EXPECT_EQ(server.server_stats().keys, 0u);  // the server is gone
+}
+
 // ---- the shared secret ----
 
 std::string expect_comm_error(const std::function<void()>& f) {
