@@ -66,6 +66,9 @@ class Codec {
 
   void encode(const float* in, size_t count, uint8_t* out) const;
   void decode(const uint8_t* in, size_t count, float* out) const;
+  // encode, and decoded (when not null; it may alias `in` exactly) receives decode(out): one pass where the format
+  // has a fused kernel.
+  void encode(const float* in, size_t count, uint8_t* out, float* decoded) const;
   // out[i] = addend[i] + decode(in)[i] (float32 add; out may alias addend).
   void decode_add(const uint8_t* in, size_t count, const float* addend, float* out) const;
   // out = encode(addend + decode(in)); if sum is not null it receives addend + decode(in) (float32). out may alias

@@ -131,8 +131,7 @@ void reduce_share(const ReduceSpec& spec, const uint8_t* wire, const float* loca
     const size_t n = std::min(chunk, elems - i), at = codec.encoded_size(i);
     codec.decode_add(wire + at, n, local + i, dst + i);
     if (divide) scale_divide(DataType::f32, dst + i, n, spec.divisor);
-    codec.encode(dst + i, n, enc + at);
-    codec.decode(enc + at, n, dst + i);
+    codec.encode(dst + i, n, enc + at, dst + i);
   }
 }
 

@@ -20,6 +20,7 @@
 #include <string>
 #include <type_traits>
 
+#include "kernels/combine.h"
 #include "kernels/elems.h"
 #include "kernels/isa.h"
 #include "smartcoll/reduce.h"
@@ -323,9 +324,15 @@ SMARTCOLL_INLINE void decode_block_scalar(const BlockLayout& l, const ElemFormat
 // Whole blocks (the caller encodes a partial last block with encode_block_scalar).
 using BlockEncodeFn = void (*)(const BlockLayout&, const float*, size_t nblocks, uint8_t*);
 using BlockDecodeFn = void (*)(const BlockLayout&, const uint8_t*, size_t nblocks, float*);
+// Fused forms (null where a layout has none; the callers then run the steps one by one): encode that also writes
+// decode(out) to `back`, and decode whose values are added to `addend` (reduce()'s float32 sum) on the way out.
+using BlockEncodeBackFn = void (*)(const BlockLayout&, const float*, size_t nblocks, uint8_t*, float* back);
+using BlockDecodeAddFn = void (*)(const BlockLayout&, const uint8_t*, size_t nblocks, const float* addend, float*);
 struct BlockKernels {
   BlockEncodeFn encode;
   BlockDecodeFn decode;
+  BlockEncodeBackFn encode_back = nullptr;
+  BlockDecodeAddFn decode_add = nullptr;
 };
 
 // The scalar kernels, for the preset element formats (E) and for any other (l.elem at run time).
@@ -422,8 +429,10 @@ SMARTCOLL_INLINE void quantize_block(const float* x, size_t block, const typenam
 template <ElemFormat E>
 constexpr int32_t fixed_min_c = E.mbits - 1;  // so that the factor 2^(mbits + 126 - C) is at most 2^127
 
-template <class Isa, ElemFormat E>
-SMARTCOLL_INLINE void quantize_block_fixed(const float* x, size_t block, int32_t C, uint8_t* out) {
+// With kBack, back[i] also receives the code's value as decoding gives it (element_value, the same steps).
+template <class Isa, ElemFormat E, bool kBack>
+SMARTCOLL_INLINE void quantize_block_fixed(const float* x, size_t block, int32_t C, uint8_t* out, float* back,
+                                           const typename Isa::F& scale) {
   using I = typename Isa::I;
   using F = typename Isa::F;
   const F factor = lanes_as<F>(Isa::splat(std::bit_cast<int32_t>(pow2f(E.mbits + 126 - C))));
@@ -431,7 +440,9 @@ SMARTCOLL_INLINE void quantize_block_fixed(const float* x, size_t block, int32_t
   auto code_at = [&](size_t i) __attribute__((always_inline)) {
     const I u = load<I>(x + i);
     const F scaled = lanes_as<F>(u & 0x7fffffff) * factor;
-    return signed_code(Isa::round_even(scaled < cap ? scaled : cap), u, E);
+    const I code = signed_code(Isa::round_even(scaled < cap ? scaled : cap), u, E);
+    if constexpr (kBack) store(back + i, element_value(code, scale, E));
+    return code;
   };
   if constexpr (E.bits == 8 && requires { Isa::store_u8_pair; }) {
     if (block % (2 * Isa::W) == 0) {
@@ -442,33 +453,62 @@ SMARTCOLL_INLINE void quantize_block_fixed(const float* x, size_t block, int32_t
   for (size_t i = 0; i < block; i += Isa::W) store_codes<Isa, E.bits>(out + i * E.bits / 8, code_at(i));
 }
 
+// One block's values from its codes (in: the block's scale byte), added to addend's when kAdd.
+template <class Isa, ElemFormat E, bool kAdd>
+SMARTCOLL_INLINE void decode_block(const BlockLayout& l, size_t block, const uint8_t* in, const float* addend,
+                                   float* out) {
+  using F = typename Isa::F;
+  auto finish = [&](size_t i, const F& v) __attribute__((always_inline)) {
+    if constexpr (kAdd) {
+      store(out + i, combine<Isa, ReduceOp::sum>(load<F>(addend + i), v));
+    } else {
+      store(out + i, v);
+    }
+  };
+  if (in[0] >= l.nan_field) {
+    const F nan = lanes_as<F>(Isa::splat(static_cast<int32_t>(kQuietNaN)));
+    for (size_t i = 0; i < block; i += Isa::W) finish(i, nan);
+    return;
+  }
+  const F scale = lanes_as<F>(Isa::splat(std::bit_cast<int32_t>(pow2f(in[0] - l.scale_bias))));
+  for (size_t i = 0; i < block; i += Isa::W) {
+    finish(i, element_value(load_codes<Isa, E.bits>(in + 1 + i * E.bits / 8), scale, E));
+  }
+}
+
 // Whole blocks, block a multiple of W: the same steps as encode_block_scalar / decode_block_scalar. kBlock is the
 // block length when it is known at compile time (the presets' 16 and 32: the loops over a block then unroll and
 // every constant stays in a register), 0 to take it from the layout.
-template <ElemFormat E, size_t kBlock>
+template <ElemFormat E, size_t kBlock, bool kBack>
 struct EncodeBlocks {
   template <class Isa>
-  SMARTCOLL_INLINE static void run(const BlockLayout& layout, const float* x, size_t nblocks, uint8_t* out) {
+  SMARTCOLL_INLINE static void run(const BlockLayout& layout, const float* x, size_t nblocks, uint8_t* out,
+                                   float* back) {
     using I = typename Isa::I;
+    using F = typename Isa::F;
     constexpr size_t W = Isa::W;
     const BlockLayout l = layout;  // a local copy: the byte stores below cannot alias it
     const size_t block = kBlock != 0 ? kBlock : l.block;
     const size_t stride = l.full_bytes();
     for (size_t b = 0; b < nblocks; ++b, x += block, out += stride) {
+      float* const back_b = kBack ? back + b * block : nullptr;
       I m = load<I>(x) & 0x7fffffff;
       for (size_t i = W; i < block; i += W) m = vmax(m, load<I>(x + i) & 0x7fffffff);
       const int32_t amax = Isa::hmax(m);
       if (amax >= 0x7f800000) {
         out[0] = static_cast<uint8_t>(l.nan_field);
         std::memset(out + 1, 0, stride - 1);
+        if constexpr (kBack) decode_block<Isa, E, false>(l, block, out, nullptr, back_b);
         continue;
       }
       const int s = l.scale_for(amax);
       out[0] = static_cast<uint8_t>(s + l.scale_bias);
       const int32_t c = s + 127 - E.bias;
       if constexpr (E.ebits == 0) {
-        if (c >= fixed_min_c<E>) {
-          quantize_block_fixed<Isa, E>(x, block, c, out + 1);
+        // A block of zeros gives every element magnitude 0 at any factor: it takes the fast path too.
+        if (c >= fixed_min_c<E> || amax == 0) {
+          const F scale = lanes_as<F>(Isa::splat(std::bit_cast<int32_t>(pow2f(s))));
+          quantize_block_fixed<Isa, E, kBack>(x, block, std::max(c, fixed_min_c<E>), out + 1, back_b, scale);
           continue;
         }
       }
@@ -477,36 +517,42 @@ struct EncodeBlocks {
       } else {
         quantize_block<Isa, E, false>(x, block, Isa::splat(c), out + 1);
       }
+      if constexpr (kBack) decode_block<Isa, E, false>(l, block, out, nullptr, back_b);
     }
+  }
+  template <class Isa>
+  SMARTCOLL_INLINE static void run(const BlockLayout& layout, const float* x, size_t nblocks, uint8_t* out) {
+    run<Isa>(layout, x, nblocks, out, nullptr);
   }
 };
 
-template <ElemFormat E, size_t kBlock>
+template <ElemFormat E, size_t kBlock, bool kAdd>
 struct DecodeBlocks {
   template <class Isa>
-  SMARTCOLL_INLINE static void run(const BlockLayout& layout, const uint8_t* in, size_t nblocks, float* out) {
-    using F = typename Isa::F;
+  SMARTCOLL_INLINE static void run(const BlockLayout& layout, const uint8_t* in, size_t nblocks, const float* addend,
+                                   float* out) {
     const BlockLayout l = layout;
     const size_t block = kBlock != 0 ? kBlock : l.block;
     const size_t stride = l.full_bytes();
     for (size_t b = 0; b < nblocks; ++b, in += stride, out += block) {
-      if (in[0] >= l.nan_field) {
-        std::fill_n(out, block, std::bit_cast<float>(kQuietNaN));
-        continue;
-      }
-      const F scale = lanes_as<F>(Isa::splat(std::bit_cast<int32_t>(pow2f(in[0] - l.scale_bias))));
-      for (size_t i = 0; i < block; i += Isa::W) {
-        store(out + i, element_value(load_codes<Isa, E.bits>(in + 1 + i * E.bits / 8), scale, E));
-      }
+      decode_block<Isa, E, kAdd>(l, block, in, kAdd ? addend + b * block : nullptr, out);
     }
+  }
+  template <class Isa>
+  SMARTCOLL_INLINE static void run(const BlockLayout& layout, const uint8_t* in, size_t nblocks, float* out) {
+    run<Isa>(layout, in, nblocks, nullptr, out);
   }
 };
 
 #if SMARTCOLL_X86
 template <class Isa, ElemFormat E, size_t kBlock>
 constexpr BlockKernels kSimdBlocks{
-    Entry<Isa>::template run<EncodeBlocks<E, kBlock>, const BlockLayout&, const float*, size_t, uint8_t*>,
-    Entry<Isa>::template run<DecodeBlocks<E, kBlock>, const BlockLayout&, const uint8_t*, size_t, float*>};
+    Entry<Isa>::template run<EncodeBlocks<E, kBlock, false>, const BlockLayout&, const float*, size_t, uint8_t*>,
+    Entry<Isa>::template run<DecodeBlocks<E, kBlock, false>, const BlockLayout&, const uint8_t*, size_t, float*>,
+    Entry<Isa>::template run<EncodeBlocks<E, kBlock, true>, const BlockLayout&, const float*, size_t, uint8_t*,
+                             float*>,
+    Entry<Isa>::template run<DecodeBlocks<E, kBlock, true>, const BlockLayout&, const uint8_t*, size_t,
+                             const float*, float*>};
 
 // Isa's kernels for element format E and this block length (a multiple of Isa::W).
 template <class Isa, ElemFormat E>
@@ -732,6 +778,20 @@ void Codec::encode(const float* in, size_t count, uint8_t* out) const {
   encode_elems(kind_, in, count, out);
 }
 
+void Codec::encode(const float* in, size_t count, uint8_t* out, float* decoded) const {
+  if (decoded == nullptr) return encode(in, count, out);
+  size_t done = 0;
+  if (is_block_kind(kind_)) {
+    const BlockLayout l = layout_of(*this);
+    if (const BlockKernels& k = block_kernels(l); k.encode_back != nullptr) {
+      done = count / l.block * l.block;
+      k.encode_back(l, in, done / l.block, out, decoded);
+    }
+  }
+  encode(in + done, count - done, out + encoded_size(done));
+  decode(out + encoded_size(done), count - done, decoded + done);
+}
+
 void Codec::decode(const uint8_t* in, size_t count, float* out) const {
   if (count == 0) return;
   if (is_block_kind(kind_)) return decode_blocks(layout_of(*this), in, count, out);
@@ -741,9 +801,17 @@ void Codec::decode(const uint8_t* in, size_t count, float* out) const {
 // The fused calls run the unfused kernels chunk by chunk through an L1-resident buffer, so they give exactly the
 // unfused bits (the add is reduce()'s float32 sum) while touching main memory once per operand.
 void Codec::decode_add(const uint8_t* in, size_t count, const float* addend, float* out) const {
+  size_t i = 0;
+  if (is_block_kind(kind_)) {
+    const BlockLayout l = layout_of(*this);
+    if (const BlockKernels& k = block_kernels(l); k.decode_add != nullptr) {
+      i = count / l.block * l.block;
+      k.decode_add(l, in, i / l.block, addend, out);
+    }
+  }
   const size_t chunk = chunk_elems(block_elems());
   std::array<float, kChunkFloats> decoded;
-  for (size_t i = 0; i < count; i += chunk) {
+  for (; i < count; i += chunk) {
     const size_t n = std::min(chunk, count - i);
     decode(in + encoded_size(i), n, decoded.data());
     reduce(DataType::f32, ReduceOp::sum, out + i, addend + i, decoded.data(), n);
@@ -759,8 +827,7 @@ void Codec::feedback_step(float* x, float* residual, size_t count) const {
     float* xs = x + i;
     float* rs = residual + i;
     reduce(DataType::f32, ReduceOp::sum, xs, xs, rs, n);
-    encode(xs, n, encoded.data());
-    decode(encoded.data(), n, decoded.data());
+    encode(xs, n, encoded.data(), decoded.data());
     // Written on the bits (an all-ones exponent is inf or NaN) so that the loop vectorizes.
     for (size_t k = 0; k < n; ++k) {
       const float r = xs[k] - decoded[k];
@@ -776,8 +843,7 @@ void Codec::decode_add_encode(const uint8_t* in, size_t count, const float* adde
     const size_t n = std::min(chunk, count - i);
     const size_t offset = encoded_size(i);
     float* s = sum != nullptr ? sum + i : scratch.data();
-    decode(in + offset, n, scratch.data());
-    reduce(DataType::f32, ReduceOp::sum, s, addend + i, scratch.data(), n);
+    decode_add(in + offset, n, addend + i, s);  // reads the chunk's codes before encode overwrites them in place
     encode(s, n, out + offset);
   }
 }
