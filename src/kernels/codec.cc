@@ -430,17 +430,17 @@ template <ElemFormat E>
 constexpr int32_t fixed_min_c = E.mbits - 1;  // so that the factor 2^(mbits + 126 - C) is at most 2^127
 
 // With kBack, back[i] also receives the code's value as decoding gives it (element_value, the same steps).
+// `factor` holds 2^(mbits + 126 - C) in every lane, `scale` 2^s (used with kBack only).
 template <class Isa, ElemFormat E, bool kBack>
-SMARTCOLL_INLINE void quantize_block_fixed(const float* x, size_t block, int32_t C, uint8_t* out, float* back,
-                                           const typename Isa::F& scale) {
+SMARTCOLL_INLINE void quantize_block_fixed(const float* x, size_t block, const typename Isa::F& factor, uint8_t* out,
+                                           float* back, const typename Isa::F& scale) {
   using I = typename Isa::I;
   using F = typename Isa::F;
-  const F factor = lanes_as<F>(Isa::splat(std::bit_cast<int32_t>(pow2f(E.mbits + 126 - C))));
   const F cap = lanes_as<F>(Isa::splat(std::bit_cast<int32_t>(static_cast<float>(E.max_code))));
   auto code_at = [&](size_t i) __attribute__((always_inline)) {
     const I u = load<I>(x + i);
-    const F scaled = lanes_as<F>(u & 0x7fffffff) * factor;
-    const I code = signed_code(Isa::round_even(scaled < cap ? scaled : cap), u, E);
+    const F scaled = lanes_as<F>(u & 0x7fffffff) * factor;  // finite: the block's maximum is
+    const I code = signed_code(Isa::round_even(Isa::min_number(scaled, cap)), u, E);
     if constexpr (kBack) store(back + i, element_value(code, scale, E));
     return code;
   };
@@ -490,35 +490,74 @@ struct EncodeBlocks {
     const BlockLayout l = layout;  // a local copy: the byte stores below cannot alias it
     const size_t block = kBlock != 0 ? kBlock : l.block;
     const size_t stride = l.full_bytes();
-    for (size_t b = 0; b < nblocks; ++b, x += block, out += stride) {
-      float* const back_b = kBack ? back + b * block : nullptr;
-      I m = load<I>(x) & 0x7fffffff;
-      for (size_t i = W; i < block; i += W) m = vmax(m, load<I>(x + i) & 0x7fffffff);
-      const int32_t amax = Isa::hmax(m);
+    auto magnitudes_max = [&](const float* xb) __attribute__((always_inline)) {
+      I m = load<I>(xb) & 0x7fffffff;
+      for (size_t i = W; i < block; i += W) m = vmax(m, load<I>(xb + i) & 0x7fffffff);
+      return m;
+    };
+    auto splat_float = [](float f) __attribute__((always_inline)) {
+      return lanes_as<F>(Isa::splat(std::bit_cast<int32_t>(f)));
+    };
+    // Block b on its own: the scale from its largest magnitude, then the fixed-point codes where they apply.
+    auto one = [&](size_t b) __attribute__((always_inline)) {
+      const float* xb = x + b * block;
+      uint8_t* ob = out + b * stride;
+      float* const bb = kBack ? back + b * block : nullptr;
+      const int32_t amax = Isa::hmax(magnitudes_max(xb));
       if (amax >= 0x7f800000) {
-        out[0] = static_cast<uint8_t>(l.nan_field);
-        std::memset(out + 1, 0, stride - 1);
-        if constexpr (kBack) decode_block<Isa, E, false>(l, block, out, nullptr, back_b);
-        continue;
+        ob[0] = static_cast<uint8_t>(l.nan_field);
+        std::memset(ob + 1, 0, stride - 1);
+        if constexpr (kBack) decode_block<Isa, E, false>(l, block, ob, nullptr, bb);
+        return;
       }
       const int s = l.scale_for(amax);
-      out[0] = static_cast<uint8_t>(s + l.scale_bias);
+      ob[0] = static_cast<uint8_t>(s + l.scale_bias);
       const int32_t c = s + 127 - E.bias;
       if constexpr (E.ebits == 0) {
         // A block of zeros gives every element magnitude 0 at any factor: it takes the fast path too.
         if (c >= fixed_min_c<E> || amax == 0) {
-          const F scale = lanes_as<F>(Isa::splat(std::bit_cast<int32_t>(pow2f(s))));
-          quantize_block_fixed<Isa, E, kBack>(x, block, std::max(c, fixed_min_c<E>), out + 1, back_b, scale);
-          continue;
+          const int32_t cf = std::max(c, fixed_min_c<E>);
+          quantize_block_fixed<Isa, E, kBack>(xb, block, splat_float(pow2f(E.mbits + 126 - cf)), ob + 1, bb,
+                                              splat_float(pow2f(s)));
+          return;
         }
       }
       if (c < 0) {
-        quantize_block<Isa, E, true>(x, block, Isa::splat(c), out + 1);
+        quantize_block<Isa, E, true>(xb, block, Isa::splat(c), ob + 1);
       } else {
-        quantize_block<Isa, E, false>(x, block, Isa::splat(c), out + 1);
+        quantize_block<Isa, E, false>(xb, block, Isa::splat(c), ob + 1);
       }
-      if constexpr (kBack) decode_block<Isa, E, false>(l, block, out, nullptr, back_b);
+      if constexpr (kBack) decode_block<Isa, E, false>(l, block, ob, nullptr, bb);
+    };
+    size_t b = 0;
+    if constexpr (E.ebits == 0 && kBlock != 0 && requires { Isa::hmax4; }) {
+      // Four blocks at a time: their maxima, scales and factors in one vector each. Where one of them is not
+      // finite or needs the general path, the four go one by one.
+      for (; b + 4 <= nblocks; b += 4) {
+        const float* xb = x + b * block;
+        const i32x4 amax = Isa::hmax4(magnitudes_max(xb), magnitudes_max(xb + block),
+                                      magnitudes_max(xb + 2 * block), magnitudes_max(xb + 3 * block));
+        const i32x4 s = vmin(vmax((amax >> 23) - (127 + E.emax), i32x4{} + l.s_min), i32x4{} + l.s_max);
+        const i32x4 c = s + (127 - E.bias);
+        const i32x4 general = (amax >= 0x7f800000) | ((c < fixed_min_c<E>) & (amax != 0));
+        if (Isa::any4(general)) {
+          for (size_t k = 0; k < 4; ++k) one(b + k);
+          continue;
+        }
+        // pow2f's normal range suffices: s >= fixed_min_c - 127 + bias >= -126 here, except in blocks of zeros,
+        // whose products are zeros whatever the scale.
+        const i32x4 factor = (vmax(c, i32x4{} + fixed_min_c<E>) * -1 + (E.mbits + 126 + 127)) << 23;
+        const i32x4 scale = (s + 127) << 23;
+        for (size_t k = 0; k < 4; ++k) {
+          uint8_t* ob = out + (b + k) * stride;
+          ob[0] = static_cast<uint8_t>(s[k] + l.scale_bias);
+          quantize_block_fixed<Isa, E, kBack>(xb + k * block, block, lanes_as<F>(Isa::splat(factor[k])), ob + 1,
+                                              kBack ? back + (b + k) * block : nullptr,
+                                              lanes_as<F>(Isa::splat(scale[k])));
+        }
+      }
     }
+    for (; b < nblocks; ++b) one(b);
   }
   template <class Isa>
   SMARTCOLL_INLINE static void run(const BlockLayout& layout, const float* x, size_t nblocks, uint8_t* out) {

@@ -126,6 +126,7 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef double f64x8 __attribute__((vector_size(64)));
+typedef int32_t i32x4 __attribute__((vector_size(16)));
 
 // Narrowing stores keep the low 8 or 16 bits of each lane; narrow_u8 and widen_u8 move W byte lanes to and from
 // W / 8 64-bit words in registers. splat() broadcasts a run-time value (GCC 12 builds a generic vector splat of a
@@ -147,6 +148,19 @@ struct Avx2 {
     m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0xb1));
     return _mm_cvtsi128_si32(m);
   }
+  // Lane k: the largest lane of the k-th argument (a transpose of maxima: 11 instructions for four, against 7 for
+  // one with hmax).
+  SMARTCOLL_AVX2 static i32x4 hmax4(I a, I b, I c, I d) {
+    const __m256i ab = _mm256_max_epi32(_mm256_unpacklo_epi32((__m256i)a, (__m256i)b),
+                                        _mm256_unpackhi_epi32((__m256i)a, (__m256i)b));  // a b a b per half
+    const __m256i cd = _mm256_max_epi32(_mm256_unpacklo_epi32((__m256i)c, (__m256i)d),
+                                        _mm256_unpackhi_epi32((__m256i)c, (__m256i)d));
+    const __m256i abcd = _mm256_max_epi32(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));
+    return (i32x4)_mm_max_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
+  }
+  SMARTCOLL_AVX2 static bool any4(i32x4 v) { return !_mm_testz_si128((__m128i)v, (__m128i)v); }
+  // min(a, b) for lanes that are never NaN (one instruction, where a < b ? a : b is a compare and a blend).
+  SMARTCOLL_AVX2 static F min_number(F a, F b) { return (F)_mm256_min_ps((__m256)a, (__m256)b); }
   // Float lanes to int32, rounded to nearest even whatever the MXCSR's rounding mode.
   SMARTCOLL_AVX2 static I round_even(F v) {
     return (I)_mm256_cvttps_epi32(_mm256_round_ps((__m256)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -206,6 +220,7 @@ struct Avx512 {
     return a < b;
   }
   SMARTCOLL_AVX512 static int32_t hmax(I v) { return _mm512_reduce_max_epi32((__m512i)v); }
+  SMARTCOLL_AVX512 static F min_number(F a, F b) { return (F)_mm512_min_ps((__m512)a, (__m512)b); }
   SMARTCOLL_AVX512 static I round_even(F v) {
     return (I)_mm512_cvt_roundps_epi32((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
