@@ -1,5 +1,6 @@
-"""Per-core throughput of the wire codecs: encode, decode and the fused decode-add-encode of one ring step, in GB/s
-of float32 data (input for encode, output for decode), on one thread, next to plain float32 -> bf16/fp16
+"""Per-core throughput of the wire codecs: encode, decode, decode-and-add (a ring's last reduction), the fused
+decode-add-encode of one ring step and error feedback's step (ErrorFeedback.step: add the residual, encode, decode,
+keep the new residual), in GB/s of float32 data (input for encode, output for decode), on one thread, next to plain float32 -> bf16/fp16
 conversions and a float32 copy measured in the same run.
 
     smartcoll bench codec [--size 64M] [--repeat 5] [--formats bfp16,mxint8] [--simd avx2] [--json FILE]
@@ -74,12 +75,16 @@ def measure(fmt: str, x: np.ndarray, addend: np.ndarray, repeat: int) -> dict[st
     dec = np.zeros_like(x)
     fused = np.zeros_like(enc)
     codec.encode(x, fmt, out=enc)
+    feedback = codec.ErrorFeedback(fmt)
+    grad = x.copy()
     return {
         "ratio": codec.ratio(fmt),
         "encode": gb / best_seconds(lambda: codec.encode(x, fmt, out=enc), repeat),
         "decode": gb / best_seconds(lambda: codec.decode(enc, fmt, x.size, out=dec), repeat),
+        "decode_add": gb / best_seconds(lambda: codec.decode_add(enc, fmt, addend, out=dec), repeat),
         "decode_add_encode": gb
         / best_seconds(lambda: codec.decode_add_encode(enc, fmt, addend, out=fused), repeat),
+        "feedback_step": gb / best_seconds(lambda: feedback.step(grad), repeat),
     }
 
 
@@ -108,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{n * 4 / 2**20:.0f} MiB of float32 per array, one thread, SIMD {info['simd']}, best of {args.repeat}"
     )
     print()
-    print(f"{'codec':<28} {'ratio':>6} {'encode GB/s':>12} {'decode GB/s':>12} {'dec+add+enc GB/s':>17}")
+    columns = [("encode", "encode"), ("decode", "decode"), ("decode_add", "dec+add"),
+               ("decode_add_encode", "dec+add+enc"), ("feedback_step", "feedback")]
+    print(f"{'codec':<28} {'ratio':>6}" + "".join(f" {label:>12}" for _, label in columns) + "   (GB/s)")
     results = {}
     for fmt in formats:
         r = measure(fmt, x, addend, args.repeat)
         results[fmt] = r
-        print(
-            f"{fmt:<28} {r['ratio']:>6.2f} {r['encode']:>12.2f} {r['decode']:>12.2f} {r['decode_add_encode']:>17.2f}"
-        )
+        print(f"{fmt:<28} {r['ratio']:>6.2f}" + "".join(f" {r[key]:>12.2f}" for key, _ in columns))
     print()
     base = baselines(x, args.repeat)
     for name, gbps in base.items():
