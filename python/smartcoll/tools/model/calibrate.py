@@ -5,10 +5,8 @@
 What is measured, in this order (a progress bar on stderr):
 
   alpha_s, alpha_algo, link_Bps, link_efficiency, efficiency_algo
-        `smartcoll bench` with N ranks (one per host of --cluster, over its shaped links): allreduce with ring,
-        rhd and rd, broadcast with the binomial tree, allgather with Bruck and alltoall with pairwise exchange,
-        each at a small and a large size (rd, a small-message algorithm: 64 x the small one; the sizes of
-        allgather and alltoall are their whole output, as in `smartcoll bench`). Each
+        `smartcoll bench allreduce` with N ranks (one per host of --cluster, over its shaped links): ring, rhd
+        and rd, each at a small and a large size (rd, a small-message algorithm: 64 x the small one). Each
         algorithm's two points give its per-step latency and goodput (time = steps x alpha + bytes on the busiest
         link / goodput, steps and bytes from the algorithm table). A pair whose small call was not faster than
         its large one (load on a shared machine) is measured again, up to 3 runs, each size keeping its best
@@ -51,18 +49,11 @@ from smartcoll import _core
 from ..bench.codec import best_seconds, gradient_like
 from ..bench.codec import measure as measure_codec
 from ..bench.report import host_metadata
-from ..bench.runners import COLLECTIVES, ProgressBar, status
+from ..bench.runners import ProgressBar, status
 from ..bench.sizes import format_size, parse_size
 
 SUMMARY = "measure latency, link goodput, reduction, codec, memory and GEMM rates; save a profile JSON"
-# The algorithms fitted, each with the collective it is measured on. Algorithms whose steps wait for each other
-# (the binomial tree, Bruck, pairwise exchange) keep the link busy less than a pipeline does, so each gets its own
-# latency and efficiency instead of the ring's (BENCHMARKS.md, "The cost model against every collective and
-# algorithm": they ran 10-27% slower than the ring's terms predicted). A name keys the profile's per-algorithm
-# entries whatever the collective: the tree's fit serves broadcast and reduce, Bruck's allgather and alltoall.
-FIT_CALLS = {"ring": "allreduce", "rhd": "allreduce", "rd": "allreduce", "tree": "broadcast", "bruck": "allgather",
-             "pairwise": "alltoall", "switch": "allreduce"}
-FIT_ALGOS = ("ring", "rhd", "rd", "tree", "bruck", "pairwise")
+FIT_ALGOS = ("ring", "rhd", "rd")
 STALL_S = 20
 # rd sends the whole vector log2(n) times: a small-message algorithm, fitted on its own range (64 x --small).
 RD_LARGE = 64
@@ -126,7 +117,7 @@ def fit_times(algo: str, small: int, large: int, nranks: int, cluster: str | Non
     big = large_point(algo, small, large)
     best: dict[int, float] = {}
     for run in range(1, FIT_RUNS + 1):
-        got = bench_times(FIT_CALLS[algo], algo, [small, big], nranks, cluster, iters, limit)
+        got = bench_times("allreduce", algo, [small, big], nranks, cluster, iters, limit)
         best = {b: min(t, best.get(b, t)) for b, t in got.items()}
         if best[big] > best[small]:
             break
@@ -137,16 +128,14 @@ def fit_times(algo: str, small: int, large: int, nranks: int, cluster: str | Non
 
 
 def fit_link(nranks: int, small: int, large: int, times: dict[str, dict[int, float]]) -> dict:
-    """Per algorithm, the per-step latency and the goodput from its two times (time = steps x alpha + bytes on the
-    busiest link / goodput; the collective of FIT_CALLS): steps and bytes come from the core's table through
-    model_predict, so the fit uses the model's own terms."""
+    """Per algorithm, the per-step latency and the goodput from its two allreduce times (time = steps x alpha +
+    bytes on the busiest link / goodput): steps and bytes come from the core's table through model_predict, so
+    the fit uses the model's own terms."""
     base = _core.model_builtin_profile()
     alphas, goodputs = {}, {}
     for algo in times:
         big = large_point(algo, small, large)
-        coll = FIT_CALLS[algo]
-        split = nranks if COLLECTIVES[coll].split else 1  # the bench's size is the whole output; the model's a block
-        small_k, large_k = (_core.model_predict(coll, algo, nranks, b // split, base, switch=algo == "switch")
+        small_k, large_k = (_core.model_predict("allreduce", algo, nranks, b, base, switch=algo == "switch")
                             for b in (small, big))
         t_small, t_large = times[algo][small], times[algo][big]
         if t_large <= t_small:
@@ -234,7 +223,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         for algo in algos:
             times[algo] = fit_times(algo, small, large, nranks, args.cluster, iters, args.time_limit)
-            progress(f"{FIT_CALLS[algo]} {algo}")
+            progress(f"allreduce {algo}")
         fit = fit_link(nranks, small, large, times)
     except RuntimeError as e:
         bar.close()
