@@ -11,9 +11,10 @@ table shows the median and best of --iters, the algbw (bytes / median time) and 
 took the same-host path (cma). NumPy asks the kernel for transparent huge pages for arrays of 4 MiB and more,
 which the contiguous and fused buffers get and the list's smaller tensors do not; on one host, where every byte is
 read through process_vm_readv page by page, that alone makes the contiguous buffer faster. --small-pages
-allocates every buffer with base pages, for a comparison of the calls on the same kind of memory. --torch hands
-the calls torch tensors over the same memory (torch.from_numpy), as DDP's buckets and allreduce_coalesced do: a
-list's checks then cost what a tensor's attributes cost.
+allocates every buffer with base pages, for a comparison of the calls on the same kind of memory. --torch
+allocates every buffer as a torch tensor, as DDP's gradients and buckets are (torch's CPU allocator asks for no
+huge pages, so the four methods meet the same kind of memory), and fuses with torch.cat: a list's checks then
+cost what a tensor's attributes cost.
 
     smartcoll bench gather|scatter [--total 64M] [--sizes 32,64,...,4096] [--repeat 5] [--json FILE]
 
@@ -60,31 +61,38 @@ def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool 
     if small_pages:
         (getattr(np, "_core", None) or np.core).multiarray._set_madvise_hugepage(False)  # NumPy 2 renamed core
     comm = smartcoll.init()
-    xs = [np.ones(k, np.float32) for k in tensor_sizes(tensors, total)]
-    fused = np.empty(sum(x.size for x in xs), np.float32)
-    contiguous = np.ones_like(fused)
-    bounds = np.cumsum([0] + [x.size for x in xs])
-    # What the calls get: the arrays, or torch tensors over their memory (the copies stay NumPy's either way).
+    counts = tensor_sizes(tensors, total)
     if use_torch:
+        # Allocated by torch, as DDP's gradients and buckets are: torch's CPU allocator asks for no huge pages.
         import torch
 
-        calls_xs = [torch.from_numpy(x) for x in xs]
-        calls_fused, calls_contiguous = torch.from_numpy(fused), torch.from_numpy(contiguous)
+        torch.set_num_threads(1)  # ranks share this host's cores: torch's copies must not wait on idle pool threads
+        xs = [torch.ones(k) for k in counts]
+        fused, contiguous = torch.empty(sum(counts)), torch.ones(sum(counts))
+
+        def concatenate() -> None:
+            torch.cat(xs, out=fused)
     else:
-        calls_xs, calls_fused, calls_contiguous = xs, fused, contiguous
+        xs = [np.ones(k, np.float32) for k in counts]
+        fused = np.empty(sum(counts), np.float32)
+        contiguous = np.ones_like(fused)
+
+        def concatenate() -> None:
+            np.concatenate(xs, out=fused)
+    bounds = np.cumsum([0] + counts)
 
     def fuse_copy() -> None:
-        np.concatenate(xs, out=fused)
-        comm.allreduce(calls_fused)
+        concatenate()
+        comm.allreduce(fused)
         for x, lo, hi in zip(xs, bounds[:-1], bounds[1:]):
-            np.copyto(x, fused[lo:hi])
+            x[:] = fused[lo:hi]
 
     def separate() -> None:
-        for request in [comm.iallreduce(x) for x in calls_xs]:
+        for request in [comm.iallreduce(x) for x in xs]:
             request.wait()
 
-    run = {"list": lambda: comm.allreduce(calls_xs), "fuse-copy": fuse_copy, "separate": separate,
-           "contiguous": lambda: comm.allreduce(calls_contiguous)}
+    run = {"list": lambda: comm.allreduce(xs), "fuse-copy": fuse_copy, "separate": separate,
+           "contiguous": lambda: comm.allreduce(contiguous)}
     times: dict[str, list[float]] = {m: [] for m in METHODS}
     same_host: dict[str, int] = {}  # calls of one round that took the same-host path
     for it in range(iters + 1):  # the first round warms up connections and buffers
@@ -99,8 +107,8 @@ def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool 
     # Values stay exact (powers of the world size): each of the three list methods multiplies every element by
     # the world size, as every call does the contiguous buffer's.
     rounds = iters + 1
-    ok = all(bool(np.all(x == float(comm.size) ** (3 * rounds))) for x in xs) and bool(
-        np.all(contiguous == float(comm.size) ** rounds))
+    ok = all(bool(np.all(np.asarray(x) == float(comm.size) ** (3 * rounds))) for x in xs) and bool(
+        np.all(np.asarray(contiguous) == float(comm.size) ** rounds))
     if not ok:
         print(f"rank {comm.rank}: wrong results", file=sys.stderr)
     if comm.rank == 0:
@@ -124,7 +132,7 @@ def list_main(argv: Optional[list[str]] = None) -> int:
                     help="no transparent huge pages for any buffer (NumPy asks for them from 4 MiB on, which only "
                     "the contiguous and fused buffers reach)")
     ap.add_argument("--torch", action="store_true",
-                    help="the calls take torch tensors over the same memory (torch.from_numpy), as DDP does")
+                    help="torch tensors allocated by torch, as DDP's gradients and buckets are")
     add_launch_options(ap)
     args = ap.parse_args(argv)
     total = parse_size(args.total)
