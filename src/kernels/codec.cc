@@ -439,7 +439,7 @@ SMARTCOLL_INLINE void quantize_block_fixed(const float* x, size_t block, const t
   const F cap = lanes_as<F>(Isa::splat(std::bit_cast<int32_t>(static_cast<float>(E.max_code))));
   auto code_at = [&](size_t i) __attribute__((always_inline)) {
     const I u = load<I>(x + i);
-    const F scaled = lanes_as<F>(u & 0x7fffffff) * factor;  // finite: the block's maximum is
+    const F scaled = lanes_as<F>(u & 0x7fffffff) * factor;  // never NaN: the block's largest magnitude is finite
     const I code = signed_code(Isa::round_even(Isa::min_number(scaled, cap)), u, E);
     if constexpr (kBack) store(back + i, element_value(code, scale, E));
     return code;

@@ -98,6 +98,9 @@ struct Scalar {
   static void store_f16(void* p, F v) { store(p, f2h(v)); }
 };
 
+// Four int32 lanes: per-block values of four blocks at once (a policy's hmax4), on any target.
+typedef int32_t i32x4 __attribute__((vector_size(16)));
+
 // Runs K::run<Isa>(args...) for the policy's target (K::run being an always_inline template).
 template <class Isa>
 struct Entry;
@@ -126,7 +129,6 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef double f64x8 __attribute__((vector_size(64)));
-typedef int32_t i32x4 __attribute__((vector_size(16)));
 
 // Narrowing stores keep the low 8 or 16 bits of each lane; narrow_u8 and widen_u8 move W byte lanes to and from
 // W / 8 64-bit words in registers. splat() broadcasts a run-time value (GCC 12 builds a generic vector splat of a
