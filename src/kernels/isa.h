@@ -222,6 +222,17 @@ struct Avx512 {
     return a < b;
   }
   SMARTCOLL_AVX512 static int32_t hmax(I v) { return _mm512_reduce_max_epi32((__m512i)v); }
+  // Avx2::hmax4's transpose of maxima within each 128-bit lane, then the four lanes folded into one.
+  SMARTCOLL_AVX512 static i32x4 hmax4(I a, I b, I c, I d) {
+    const __m512i ab = _mm512_max_epi32(_mm512_unpacklo_epi32((__m512i)a, (__m512i)b),
+                                        _mm512_unpackhi_epi32((__m512i)a, (__m512i)b));
+    const __m512i cd = _mm512_max_epi32(_mm512_unpacklo_epi32((__m512i)c, (__m512i)d),
+                                        _mm512_unpackhi_epi32((__m512i)c, (__m512i)d));
+    const __m512i abcd = _mm512_max_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+    const __m256i half = _mm256_max_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
+    return (i32x4)_mm_max_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+  }
+  SMARTCOLL_AVX512 static bool any4(i32x4 v) { return !_mm_testz_si128((__m128i)v, (__m128i)v); }
   SMARTCOLL_AVX512 static F min_number(F a, F b) { return (F)_mm512_min_ps((__m512)a, (__m512)b); }
   SMARTCOLL_AVX512 static I round_even(F v) {
     return (I)_mm512_cvt_roundps_epi32((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
