@@ -124,7 +124,8 @@ def test_latency_table_has_peers_ratios_and_engine_cpu_per_GB(tmp_path, with_cpu
     text = bench.format_report(cfg, rows, ["gloo"])
     assert "bandwidth" not in text and "algbw" not in text  # --latency: the latency table alone
     header, body = _table(text, LATENCY_HEADER)
-    assert header == LATENCY_HEADER + ["gloo(us)", "gloo/smartcoll", "engine_cpu(s/GB)"]
+    assert header == LATENCY_HEADER + ["gloo(us)", "gloo/smartcoll", "engine_cpu(s/GB)", "cpu(s/GB)",
+                                       "gloo_cpu(s/GB)"]
     assert [line[:2] for line in body] == [["8", "4"], ["1048576", "4"]]
     for line, row in zip(body, rows):
         assert float(line[2]) == pytest.approx(row["smartcoll"]["latency_us"], abs=0.01)
@@ -134,10 +135,14 @@ def test_latency_table_has_peers_ratios_and_engine_cpu_per_GB(tmp_path, with_cpu
         for line, row in zip(body, rows):
             expected = 0.04 / (row["bytes"] * 4 / 1e9)
             assert row["smartcoll"]["engine_cpu_s_per_GB"] == pytest.approx(expected)
-            assert float(line[-1]) == pytest.approx(expected, rel=1e-3)
+            assert float(line[5]) == pytest.approx(expected, rel=1e-3)
     else:
-        assert all(line[-1] == "-" for line in body)
+        assert all(line[5] == "-" for line in body)
         assert all(row["smartcoll"]["engine_cpu_s_per_GB"] is None for row in rows)
+    # The process's CPU is every runner's, peers' included
+    for line, row in zip(body, rows):
+        for impl, cell in (("smartcoll", line[6]), ("gloo", line[7])):
+            assert row[impl]["cpu_s_per_GB"] >= 0 and float(cell) == pytest.approx(row[impl]["cpu_s_per_GB"], abs=1e-3)
     assert "above 1 means smartcoll is faster" in text
 
 
@@ -149,7 +154,7 @@ def test_bandwidth_report_is_followed_by_the_latency_table(tmp_path):
     text = bench.format_report(cfg, rows, [])
     assert text.index("busbw(GB/s)") < text.index("smartcoll(us)")
     header, body = _table(text, LATENCY_HEADER)
-    assert header == LATENCY_HEADER + ["engine_cpu(s/GB)"] and body[0][:2] == ["1024", "2"]
+    assert header == LATENCY_HEADER + ["engine_cpu(s/GB)", "cpu(s/GB)"] and body[0][:2] == ["1024", "2"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -164,12 +169,12 @@ def test_barrier_bench_on_two_ranks(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "# smartcoll bench: barrier, 2 ranks, 50 iterations after 5 warmup" in result.stdout
     header, body = _table(result.stdout, LATENCY_HEADER)
-    assert header == LATENCY_HEADER + ["engine_cpu(s/GB)"]
+    assert header == LATENCY_HEADER + ["engine_cpu(s/GB)", "cpu(s/GB)"]
     assert len(body) == 1
-    size, iters, latency, cpu = body[0]
+    size, iters, latency, cpu, process_cpu = body[0]
     assert size == "-" and iters == "50"
     assert float(latency) > 0
-    assert cpu == "-"  # a barrier moves no bytes: no CPU per GB
+    assert cpu == process_cpu == "-"  # a barrier moves no bytes: no CPU per GB
     report = json.loads(out.read_text())
     assert report["metadata"]["collective"] == "barrier" and report["metadata"]["latency"] is True
     (row,) = report["results"]
@@ -185,7 +190,7 @@ def test_latency_mode_json_has_latency_and_cpu_fields(tmp_path):
                      "--json", str(out), timeout=120)
     assert result.returncode == 0, result.stderr
     header, body = _table(result.stdout, LATENCY_HEADER)
-    assert header == LATENCY_HEADER + ["engine_cpu(s/GB)"]
+    assert header == LATENCY_HEADER + ["engine_cpu(s/GB)", "cpu(s/GB)"]
     assert [line[:2] for line in body] == [["8", "20"], ["4096", "20"]]
     assert all(float(line[2]) > 0 for line in body)
     rows = json.loads(out.read_text())["results"]
@@ -195,6 +200,9 @@ def test_latency_mode_json_has_latency_and_cpu_fields(tmp_path):
     for line, row in zip(body, rows):
         cpu = row["smartcoll"]["engine_cpu_s_per_GB"]
         if has_stats:
-            assert cpu is not None and cpu >= 0 and re.fullmatch(r"\d+\.\d{3}", line[-1])
+            assert cpu is not None and cpu >= 0 and re.fullmatch(r"\d+\.\d{3}", line[3])
         else:
-            assert cpu is None and line[-1] == "-"
+            assert cpu is None and line[3] == "-"
+        # The process's CPU: 20 calls cost it some, whoever ran them
+        assert row["smartcoll"]["cpu_s_per_GB"] > 0 and float(line[4]) == pytest.approx(
+            row["smartcoll"]["cpu_s_per_GB"], abs=1e-3)

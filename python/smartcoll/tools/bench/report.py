@@ -36,6 +36,7 @@ def aggregate(workdir: Path, impl: str, nranks: int) -> Optional[dict]:
             "wrong": sum(p["results"][i]["wrong"] for p in per_rank),
             "iters": per_rank[0]["results"][i].get("iters"),
             "rank_cpu_s": [p["results"][i].get("cpu_s") for p in per_rank],
+            "rank_process_cpu_s": [p["results"][i].get("process_cpu_s") for p in per_rank],
         }
         for i in range(measured)
     ]
@@ -44,8 +45,8 @@ def aggregate(workdir: Path, impl: str, nranks: int) -> Optional[dict]:
 
 
 def cpu_per_GB(rank_cpu_s: Optional[Sequence[Optional[float]]], nbytes: int, iters: int) -> Optional[float]:
-    """Engine CPU seconds per GB (1e9 bytes of the size column x timed calls), the mean over ranks of each
-    rank's; None where a rank has no CPU figure (the core lacks engine_stats(), or a peer) or nothing moved."""
+    """CPU seconds per GB (1e9 bytes of the size column x timed calls), the mean over ranks of each rank's; None
+    where a rank has no CPU figure (engine CPU: the core lacks engine_stats(), or a peer) or nothing moved."""
     if not rank_cpu_s or any(c is None for c in rank_cpu_s) or nbytes <= 0 or iters <= 0:
         return None
     gigabytes = nbytes * iters / 1e9
@@ -75,6 +76,7 @@ def build_rows(cfg: dict, measured: dict[str, dict], link_GBps: Optional[float] 
                 "rank_times_us": [t * 1e6 for t in r["rank_times_s"]],
                 "latency_us": 1e6 * sum(r["rank_times_s"]) / len(r["rank_times_s"]),
                 "engine_cpu_s_per_GB": cpu_per_GB(r.get("rank_cpu_s"), nbytes, r.get("iters") or iters),
+                "cpu_s_per_GB": cpu_per_GB(r.get("rank_process_cpu_s"), nbytes, r.get("iters") or iters),
             }
             if link_GBps:
                 row[impl]["pct_link"] = 100.0 * busbw / link_GBps
@@ -165,7 +167,12 @@ def latency_lines(cfg: dict, rows: list[dict], peers: Sequence[str]) -> list[str
     headers = ["size(B)", "iters", "smartcoll(us)"]
     for peer in peers:
         headers += [f"{peer}(us)", f"{peer}/smartcoll"]
-    headers.append("engine_cpu(s/GB)")
+    headers += ["engine_cpu(s/GB)", "cpu(s/GB)"] + [f"{peer}_cpu(s/GB)" for peer in peers]
+
+    def cpu_cell(impl: Optional[dict], key: str) -> str:
+        value = impl.get(key) if impl else None
+        return "-" if value is None else f"{value:.3f}"
+
     cells = []
     for row in rows:
         sc = row.get("smartcoll")
@@ -175,14 +182,17 @@ def latency_lines(cfg: dict, rows: list[dict], peers: Sequence[str]) -> list[str
             p = row.get(peer)
             line.append(f"{p['latency_us']:.2f}" if p else "-")
             line.append(f"{p['latency_us'] / sc['latency_us']:.2f}" if p and sc and sc["latency_us"] > 0 else "-")
-        cpu = sc.get("engine_cpu_s_per_GB") if sc else None
-        line.append("-" if cpu is None else f"{cpu:.3f}")
+        line += [cpu_cell(sc, "engine_cpu_s_per_GB"), cpu_cell(sc, "cpu_s_per_GB")]
+        line += [cpu_cell(row.get(peer), "cpu_s_per_GB") for peer in peers]
         cells.append(line)
     return [
         "# latency: mean time per call in us, averaged over the ranks (OSU's Avg Latency)"
         + ("; <peer>/smartcoll = peer latency / smartcoll latency: above 1 means smartcoll is faster" if peers else ""),
         "# engine_cpu(s/GB): CPU seconds of smartcoll's engine threads during the timed calls per GB (size x "
-        "calls / 1e9), mean over ranks; '-' where the core does not report it (Communicator.engine_stats)",
+        "calls / 1e9), mean over ranks; '-' where the core does not report it (Communicator.engine_stats); a call "
+        "its waiting caller drives (one lane) counts in cpu only",
+        "# cpu(s/GB), <peer>_cpu(s/GB): the same for the whole rank process (every thread, the kernel's work in its "
+        "system calls included), smartcoll's and each peer's",
         format_table(headers, cells),
     ]
 

@@ -207,23 +207,26 @@ class SmartcollRunner:
         return {"build_info": smartcoll.build_info(), "options": self.comm.options}
 
 
-def time_calls(runner, case: Case, iters: int, warmup: int) -> tuple[float, Optional[float]]:
-    """Mean seconds per call over `iters` timed calls, after `warmup` untimed ones and a barrier; and the CPU
-    seconds the runner's engine used during the timed calls (None for a runner without cpu_seconds(), or
-    whose cpu_seconds() returns None)."""
+def time_calls(runner, case: Case, iters: int, warmup: int) -> tuple[float, Optional[float], float]:
+    """Mean seconds per call over `iters` timed calls, after `warmup` untimed ones and a barrier; the CPU seconds
+    the runner's engine used during the timed calls (None for a runner without cpu_seconds(), or whose
+    cpu_seconds() returns None); and the CPU seconds the whole process used meanwhile (every thread, the kernel's
+    work in its system calls included: what the calls cost the host, for any library alike)."""
     call, _ = runner.bind(case)
     for _ in range(warmup):
         call()
     runner.barrier()
     cpu = getattr(runner, "cpu_seconds", lambda: None)
     cpu_before = cpu()
+    process_before = time.process_time()
     start = time.perf_counter()
     for _ in range(iters):
         call()
     elapsed = time.perf_counter() - start
+    process_used = time.process_time() - process_before
     cpu_after = cpu()
     used = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
-    return elapsed / iters, used
+    return elapsed / iters, used, process_used
 
 
 def check(runner, case: Case) -> int:
@@ -323,6 +326,7 @@ def run_sizes(runners: list, cfg: dict, rank: int, nranks: int, workdir: Path) -
         parts = split_rounds(iters, cfg.get("rounds", 1))
         totals = {runner.name: 0.0 for runner in active}
         cpu: dict[str, Optional[float]] = {runner.name: 0.0 for runner in active}
+        process_cpu = {runner.name: 0.0 for runner in active}
 
         def drop(runner, e: Exception) -> None:
             if runner.name == SmartcollRunner.name:
@@ -336,8 +340,9 @@ def run_sizes(runners: list, cfg: dict, rank: int, nranks: int, workdir: Path) -
                 try:
                     case.reset()  # a peer's in-place calls changed the input
                     first = warmup if k == 0 else min(warmup, 1)
-                    mean_s, cpu_s = time_calls(runner, case, part, first)
+                    mean_s, cpu_s, process_s = time_calls(runner, case, part, first)
                     totals[runner.name] += part * mean_s
+                    process_cpu[runner.name] += process_s
                     previous = cpu[runner.name]
                     cpu[runner.name] = None if previous is None or cpu_s is None else previous + cpu_s
                 except Exception as e:  # whatever a peer raises is reported the same way
@@ -352,7 +357,8 @@ def run_sizes(runners: list, cfg: dict, rank: int, nranks: int, workdir: Path) -
             elapsed = totals[runner.name] / iters
             results[runner.name]["results"].append(
                 {"count": count, "time_s": elapsed, "wrong": wrong, "iters": iters, "warmup": warmup,
-                 "rounds": len(parts), "cpu_s": cpu[runner.name]}
+                 "rounds": len(parts), "cpu_s": cpu[runner.name],
+                 "process_cpu_s": process_cpu[runner.name]}
             )
             timings.append(f"{runner.name} {elapsed * 1e6:.1f} us" + (f" ({wrong} wrong)" if wrong else ""))
         if rank == 0:
