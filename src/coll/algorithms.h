@@ -43,7 +43,10 @@ void allreduce_switch(Builder& b, const Args& a);
 void reduce_scatter_switch(Builder& b, const Args& a);
 void allgather_switch(Builder& b, const Args& a);
 void reduce_scatter_ring(Builder& b, const Args& a);
+// Several ranks per host: rings on each host and across hosts, so that a host's link carries k(H-1) blocks.
+void reduce_scatter_hier(Builder& b, const Args& a);
 void allgather_ring(Builder& b, const Args& a);
+void allgather_hier(Builder& b, const Args& a);
 void allgather_bruck(Builder& b, const Args& a);
 void broadcast_chain(Builder& b, const Args& a);
 void broadcast_tree(Builder& b, const Args& a);

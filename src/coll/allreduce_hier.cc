@@ -7,9 +7,8 @@
 namespace smartcoll::coll {
 
 void allreduce_hier(Builder& b, const Args& a) {
-  const Layout at = host_layout(*b.cx.hosts, b.cx.rank);
-  const int k = static_cast<int>(at.local.members.size()), hosts = static_cast<int>(at.cross.members.size());
-  const int i = at.local.pos, h = at.cross.pos;
+  const HostGrid grid = host_grid(*b.cx.hosts, b.cx.rank);
+  const auto& [at, by_host, k, hosts, i, h] = grid;
   const size_t esize = dtype_size(b.spec.dtype);
   const Chunks local = split_vector(a.count, k, esize, nullptr);
   const std::vector<char*> out = chunk_pointers(a.out, local, esize);

@@ -260,12 +260,21 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
       k.wire_bytes = 0;
       break;
     case Algorithm::hier: {
-      // Reduce-scatter and allgather among the h ranks of a host, then a ring across the H hosts: the host's
-      // link carries 2(H-1)/H of the vector whatever h is, and the phases follow one another.
       const double h = std::max(1, q.per_host), hosts = std::max(1, q.hosts);
-      k.steps = 2 * (h - 1) + 2 * (hosts - 1);
-      k.copy = 2 * (h - 1) / h * bytes / p.copy_Bps;
-      k.wire_bytes = 2 * (hosts - 1) / hosts * bytes;
+      if (c == Collective::allreduce) {
+        // Reduce-scatter and allgather among the h ranks of a host, then a ring across the H hosts: the host's
+        // link carries 2(H-1)/H of the vector whatever h is, and the phases follow one another.
+        k.steps = 2 * (h - 1) + 2 * (hosts - 1);
+        k.copy = 2 * (h - 1) / h * bytes / p.copy_Bps;
+        k.wire_bytes = 2 * (hosts - 1) / hosts * bytes;
+      } else {
+        // allgather, reduce_scatter (bytes: one rank's block): a ring across hosts, and one ring on the host per
+        // host, each moving h - 1 blocks through the host's own connections. The host's link carries the h(H-1)
+        // blocks its ranks exchange with the other hosts.
+        k.steps = (hosts - 1) + hosts * (h - 1);
+        k.copy = hosts * (h - 1) * bytes / p.copy_Bps;
+        k.wire_bytes = h * (hosts - 1) * bytes;
+      }
       k.link = k.wire_bytes / link;
       copy_overlaps = false;
       break;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <set>
 #include <string>
 
 #include "coll/segmented.h"
@@ -249,22 +250,58 @@ std::pair<int, int> host_layout_shape(const std::vector<int>& hosts) {
   return {static_cast<int>(count.size()), per_host};
 }
 
-Layout host_layout(const std::vector<int>& hosts, int rank) {
-  Layout l;
+bool hosts_interleaved(const std::vector<int>& hosts) {
+  std::set<int> left;  // hosts whose run of ranks has ended
+  for (size_t r = 1; r < hosts.size(); ++r) {
+    if (hosts[r] == hosts[r - 1]) continue;
+    left.insert(hosts[r - 1]);
+    if (left.count(hosts[r])) return true;
+  }
+  return false;
+}
+
+std::vector<std::vector<int>> ranks_by_host(const std::vector<int>& hosts) {
   std::map<int, std::vector<int>> by_host;  // host -> its ranks, ascending
   for (int r = 0; r < static_cast<int>(hosts.size()); ++r) by_host[hosts[static_cast<size_t>(r)]].push_back(r);
-  const std::vector<int>& mine = by_host[hosts[static_cast<size_t>(rank)]];
-  l.local.members = mine;
-  l.local.pos = static_cast<int>(std::find(mine.begin(), mine.end(), rank) - mine.begin());
-  for (const auto& [h, ranks] : by_host) {
-    if (h == hosts[static_cast<size_t>(rank)]) l.cross.pos = static_cast<int>(l.cross.members.size());
+  std::vector<std::vector<int>> out;
+  for (auto& [h, ranks] : by_host) out.push_back(std::move(ranks));
+  return out;
+}
+
+Layout host_layout(const std::vector<int>& hosts, int rank) {
+  Layout l;
+  const std::vector<std::vector<int>> by_host = ranks_by_host(hosts);
+  for (const std::vector<int>& ranks : by_host) {
+    const auto at = std::find(ranks.begin(), ranks.end(), rank);
+    if (at == ranks.end()) continue;
+    l.local.members = ranks;
+    l.local.pos = static_cast<int>(at - ranks.begin());
+  }
+  for (const std::vector<int>& ranks : by_host) {
+    if (ranks == l.local.members) l.cross.pos = static_cast<int>(l.cross.members.size());
     l.cross.members.push_back(ranks[static_cast<size_t>(l.local.pos)]);
   }
   return l;
 }
 
+HostGrid host_grid(const std::vector<int>& hosts, int rank) {
+  HostGrid g{host_layout(hosts, rank), ranks_by_host(hosts), 0, 0, 0, 0};
+  g.k = static_cast<int>(g.at.local.members.size()), g.hosts = static_cast<int>(g.at.cross.members.size());
+  g.i = g.at.local.pos, g.h = g.at.cross.pos;
+  return g;
+}
+
+std::vector<int32_t> RingOps::received(int c, int first, int n) const {
+  const int k = mod(first - 1 - c, n);  // the step whose receive is chunk first - k - 1
+  if (static_cast<size_t>(k) >= step_recvs.size()) return {};
+  const size_t end = static_cast<size_t>(k) + 1 < step_recvs.size() ? step_recvs[static_cast<size_t>(k) + 1] : recvs.size();
+  return {recvs.begin() + static_cast<std::ptrdiff_t>(step_recvs[static_cast<size_t>(k)]),
+          recvs.begin() + static_cast<std::ptrdiff_t>(end)};
+}
+
 RingOps ring(Builder& b, int steps, int first, const std::function<Step(int)>& kind_of, const Chunks& ch,
-             const RingBuffers& buf, int streams, int32_t ready, const Group& group) {
+             const RingBuffers& buf, int streams, int32_t ready, const Group& group,
+             const std::vector<int32_t>& step_ready) {
   const bool world = group.members.empty();
   const int n = world ? b.cx.size : static_cast<int>(group.members.size());
   const int r = world ? b.cx.rank : group.pos;
@@ -275,7 +312,7 @@ RingOps ring(Builder& b, int steps, int first, const std::function<Step(int)>& k
   const Codec* codec = b.spec.wire();
   const size_t seg = segment_elems(b.cx.segment_bytes, esize, codec);
   if (streams == 0) streams = b.cx.streams;
-  if (ready >= 0) streams = 1;  // `ready` is an op of lane 0
+  if (ready >= 0 || !step_ready.empty()) streams = 1;  // they are ops of lane 0
   auto wire_of = [&](size_t elems) { return codec ? codec->encoded_size(elems) : elems * esize; };
   // The receive of segment j at the previous step, per segment index (what the send of segment j forwards).
   std::vector<int32_t> prev_recv, this_recv;
@@ -326,9 +363,11 @@ RingOps ring(Builder& b, int steps, int first, const std::function<Step(int)>& k
                                                          : kCodecReduce;
       }
       const bool divide = kind == Step::last_reduce && b.spec.op == ReduceOp::avg;
-      this_recv.push_back(b.recv(s, prev, land, wire_of(len), {ready}, finish, dst, local, len, divide, enc));
+      const int32_t step_dep = static_cast<size_t>(k) < step_ready.size() ? step_ready[static_cast<size_t>(k)] : -1;
+      this_recv.push_back(b.recv(s, prev, land, wire_of(len), {ready, step_dep}, finish, dst, local, len, divide, enc));
       ++j;
     });
+    ops.step_recvs.push_back(ops.recvs.size());
     ops.recvs.insert(ops.recvs.end(), this_recv.begin(), this_recv.end());
     prev_recv.swap(this_recv);
   }

@@ -147,21 +147,42 @@ struct Layout {
   Group local, cross;
 };
 Layout host_layout(const std::vector<int>& hosts, int rank);
+// [g][j]: the j-th rank (ascending) of the g-th host (hosts in order of their numbers), as host_layout counts them.
+std::vector<std::vector<int>> ranks_by_host(const std::vector<int>& hosts);
+// The host layout as the hierarchical algorithms walk it: k ranks on each of `hosts` hosts; this rank is the i-th
+// of the h-th host; rank_at(g, j) is the j-th rank of host g.
+struct HostGrid {
+  Layout at;
+  std::vector<std::vector<int>> by_host;
+  int k, hosts, i, h;
+  int rank_at(int g, int j) const { return by_host[static_cast<size_t>(g)][static_cast<size_t>(j)]; }
+};
+HostGrid host_grid(const std::vector<int>& hosts, int rank);
 // Hosts and ranks per host when every host has the same number of ranks; {hosts, 0} otherwise.
 std::pair<int, int> host_layout_shape(const std::vector<int>& hosts);
+// Whether some host's ranks are not consecutive (round-robin placement, mpirun --map-by node): a ring over the
+// ranks in order then crosses the network at every hop.
+bool hosts_interleaved(const std::vector<int>& hosts);
 
-// The ops a ring added: what later steps of a call depend on.
+// The ops a ring added: what later steps of a call depend on. Step k's receives are recvs[step_recvs[k]] up to
+// recvs[step_recvs[k + 1]] (the last step's, to the end).
 struct RingOps {
   std::vector<int32_t> sends, recvs;
+  std::vector<size_t> step_recvs;
+  // The receives that brought chunk `c` (of a ring of n members starting at `first`): empty for the chunk sent
+  // first, which the ring never receives.
+  std::vector<int32_t> received(int c, int first, int n) const;
 };
 
 // Ring schedule: at step k this rank sends chunk first-k to the next member and receives chunk first-k-1 from the
 // previous one (chunks and `first` count members: one chunk per member); what it receives at step k it sends at
 // step k+1, so the whole schedule is one pipeline. Segment j of every chunk travels on stream j mod streams, so
 // each stream is an independent pipeline (one lane, one worker). `ready` (lane 0 only) must be done before
-// anything is sent or received; `streams` 0: all of cx.streams.
+// anything is sent or received; `streams` 0: all of cx.streams. `step_ready` (lane 0 only; -1 entries: none): op
+// step_ready[k] must be done before step k's receives finish (what their reductions read).
 RingOps ring(Builder& b, int steps, int first, const std::function<Step(int)>& kind_of, const Chunks& ch,
-             const RingBuffers& buf, int streams = 0, int32_t ready = -1, const Group& group = {});
+             const RingBuffers& buf, int streams = 0, int32_t ready = -1, const Group& group = {},
+             const std::vector<int32_t>& step_ready = {});
 
 // The finish step of a receive (Lane::after).
 void after_receive(const void* spec, const Op& op, const char* data);

@@ -101,6 +101,11 @@ constexpr AlgorithmInfo kReduceScatterAlgos[] = {
     {Algorithm::cma, kCmaReduceText, same_host_cma, needs_cma, [](int) { return 4.0; }, [](int n) { return n - 1.0; },
      [](int n) { return n - 1.0; }},
     shm_entry(needs_shm_blocks, all_n, [](int n) { return n - 1.0; }),
+    // Its cost depends on the hosts (predict's own case): the flat counts here are the ring's. Picked by choose()'s
+    // rule, for interleaved hosts only.
+    {Algorithm::hier, "hierarchical: reduce-scatter rings on each host, then a ring across hosts per local index",
+     reduce_scatter_hier, needs_hosts, [](int n) { return n - 1.0; }, [](int n) { return n - 1.0; },
+     [](int n) { return n - 1.0; }, AlgorithmInfo::Auto::never},
     // Each rank sends all n blocks and gets its own block's sums: more bytes out than the ring's n - 1.
     {Algorithm::switch_, "in-network aggregation: every rank sends every block, the switch sends each block's sums "
      "to its owner alone", reduce_scatter_switch, needs_switch_raw, [](int) { return 2.0; },
@@ -115,6 +120,8 @@ constexpr AlgorithmInfo kAllgatherAlgos[] = {
      [](int n) { return log2n(n); }, [](int n) { return n - 1.0; }, none, AlgorithmInfo::Auto::small_only},
     kCmaGather,
     shm_entry(needs_shm, all_n, none),
+    {Algorithm::hier, "hierarchical: a ring across hosts per local index, then rings on each host", allgather_hier,
+     needs_hosts, [](int n) { return n - 1.0; }, [](int n) { return n - 1.0; }, none, AlgorithmInfo::Auto::never},
     // Each rank sends its block once and receives the n - 1 others (and 48-byte headers of theirs).
     {Algorithm::switch_, "through the aggregation switches: each rank sends its block once, the switch forwards it "
      "to the others", allgather_switch, needs_switch_raw, [](int) { return 2.0; }, [](int n) { return n - 1.0; },
@@ -239,6 +246,13 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
     if (shm.unsupported(q).empty() && per_rank <= kShmRankBytes && q.n * per_rank <= kShmCallBytes)
       return Algorithm::shm;
   }
+  // allgather and reduce_scatter over hosts whose ranks are interleaved: a flat ring crosses the network at every
+  // hop, so each host's link carries about k times the k(H-1) blocks of the hierarchical rings. Where each host's
+  // ranks are consecutive the flat ring crosses each link once and carries kH-1 blocks: 4 hosts x 2 ranks on
+  // 1 Gbit/s links measured the two within this 2-core machine's noise (hier 0.77-1.07x the ring; BENCHMARKS.md,
+  // "Hierarchical allgather and reduce_scatter"), so there the ring stays.
+  const bool spread = c == Collective::allgather || c == Collective::reduce_scatter;
+  if (spread && q.interleaved && needs_hosts(q).empty() && call_bytes(c, q) > small_bytes) return Algorithm::hier;
   if (profile) return cheapest(c, q, *profile, small_bytes);
   const bool small = q.bytes <= small_bytes;
   const bool small_total = call_bytes(c, q) <= small_bytes;

@@ -22,6 +22,7 @@ struct Query {
   int hosts = 1, per_host = 0;  // the host layout; per_host 0: hosts have different numbers of ranks
   int switches = 1;             // aggregation switches the vector's chunks are spread over
   size_t shm_room = 0;          // bytes per rank a same-host call may put through the control segment (algo=shm)
+  bool interleaved = false;     // some host's ranks are not consecutive (hosts_interleaved)
 };
 
 struct AlgorithmInfo {

@@ -411,7 +411,7 @@ coll::Query Communicator::query(size_t bytes, bool compressed) const {
   const auto [hosts, per_host] = coll::host_layout_shape(hosts_);
   const int switches = 1 + static_cast<int>(std::count(config_->switches.begin(), config_->switches.end(), ','));
   return {size_,    bytes,    compressed, cma_usable_, switch_ != nullptr, hosts,
-          per_host, switches, cma_usable_ ? cma_->segment_room() : 0};
+          per_host, switches, cma_usable_ ? cma_->segment_room() : 0, coll::hosts_interleaved(hosts_)};
 }
 
 void Communicator::check_usable() {

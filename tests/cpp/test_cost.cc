@@ -43,6 +43,29 @@ TEST(CostModel, RingAllreduceHandWorked) {
   EXPECT_EQ(predict(Collective::allreduce, Algorithm::ring, call(1, kMiB), p).total, 0);
 }
 
+TEST(CostModel, HierarchicalHandWorked) {
+  Profile p = link_only(1e-4, 1e8);
+  p.copy_Bps = 1e9;
+  Query q = call(8, 4 * kMiB);  // 4 hosts x 2 ranks
+  q.hosts = 4, q.per_host = 2;
+  // allreduce: 2(k-1) + 2(H-1) = 8 steps; the host's link carries 2(H-1)/H = 1.5 vectors; each rank copies
+  // 2(k-1)/k of the vector through the host's connections first, not overlapped with the link.
+  const Cost ar = predict(Collective::allreduce, Algorithm::hier, q, p);
+  EXPECT_DOUBLE_EQ(ar.steps, 8);
+  EXPECT_DOUBLE_EQ(ar.wire_bytes, 1.5 * 4 * kMiB);
+  EXPECT_NEAR(ar.total, 8e-4 + 1.5 * 4 * kMiB / 1e8 + 4 * kMiB / 1e9, 1e-12);
+  // allgather and reduce_scatter (4 MiB per rank's block): (H-1) + H(k-1) = 7 steps; the link carries the
+  // k(H-1) = 6 blocks the host's ranks get from (or send to) the other hosts, against the flat ring's n-1 = 7;
+  // H(k-1) = 4 blocks go through the host's connections.
+  for (Collective c : {Collective::allgather, Collective::reduce_scatter}) {
+    const Cost k = predict(c, Algorithm::hier, q, p);
+    EXPECT_DOUBLE_EQ(k.steps, 7) << collective_name(c);
+    EXPECT_DOUBLE_EQ(k.wire_bytes, 6 * 4 * kMiB) << collective_name(c);
+    EXPECT_NEAR(k.total, 7e-4 + 6 * 4 * kMiB / 1e8 + 4 * 4 * kMiB / 1e9, 1e-12) << collective_name(c);
+    EXPECT_DOUBLE_EQ(predict(c, Algorithm::ring, q, p).wire_bytes, 7 * 4 * kMiB) << collective_name(c);
+  }
+}
+
 TEST(CostModel, FoldOnlyOffPowersOfTwo) {
   // rhd and rd run among the largest power of two p <= n; n - p extra ranks fold in: 2 more steps, 1 more vector.
   const Profile p = link_only(1, 1e30);

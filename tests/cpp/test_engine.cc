@@ -206,6 +206,92 @@ TEST(Hierarchy, FloatSumsAreIdenticalOnEveryRank) {
   for (int r = 1; r < n; ++r) EXPECT_EQ(got[static_cast<size_t>(r)], got[0]) << "rank " << r;
 }
 
+// Interleaved ranks (0,2,4 on one host), blocks of hosts (x,x,y,y,z,z) and 2 hosts of 3.
+const std::vector<std::vector<std::string>> kLayouts = {
+    {"a", "b", "a", "b", "a", "b"}, {"x", "x", "y", "y", "z", "z"}, {"p", "p", "p", "q", "q", "q"}};
+
+TEST(Hierarchy, AllgatherExactAndLikeTheRing) {
+  for (const auto& layout : kLayouts) {
+    const int n = static_cast<int>(layout.size());
+    run_on_hosts(layout, [n](Communicator& c) {
+      EXPECT_EQ(c.choose(Collective::allgather, 1 << 20, DataType::f32, Algorithm::hier), Algorithm::hier);
+      for (size_t count : {size_t{1}, size_t{7}, size_t{300007}}) {
+        std::vector<int64_t> mine(count), hier(count * static_cast<size_t>(n)), flat(hier.size());
+        for (size_t e = 0; e < count; ++e) mine[e] = static_cast<int64_t>(e * 131 + static_cast<size_t>(c.rank()) * 7919);
+        c.allgather(mine.data(), hier.data(), count, DataType::i64, std::nullopt, Algorithm::hier)->wait();
+        c.allgather(mine.data(), flat.data(), count, DataType::i64, std::nullopt, Algorithm::ring)->wait();
+        ASSERT_EQ(hier, flat) << "count " << count;
+        for (int r = 0; r < n; ++r)
+          ASSERT_EQ(hier[static_cast<size_t>(r) * count + count - 1],
+                    static_cast<int64_t>((count - 1) * 131 + static_cast<size_t>(r) * 7919)) << "block of rank " << r;
+        // In place: this rank's block already sits in the output.
+        std::vector<int64_t> inplace(hier.size(), -1);
+        std::copy(mine.begin(), mine.end(), inplace.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(c.rank()) * count));
+        c.allgather(inplace.data() + static_cast<size_t>(c.rank()) * count, inplace.data(), count, DataType::i64,
+                    std::nullopt, Algorithm::hier)->wait();
+        ASSERT_EQ(inplace, flat) << "in place, count " << count;
+      }
+    }, {{"segment_size", "65536"}});
+  }
+}
+
+TEST(Hierarchy, ReduceScatterExactAndWithinFloatBounds) {
+  for (const auto& layout : kLayouts) {
+    const int n = static_cast<int>(layout.size());
+    run_on_hosts(layout, [n](Communicator& c) {
+      for (size_t count : {size_t{1}, size_t{5}, size_t{200003}}) {
+        const size_t all = count * static_cast<size_t>(n);
+        std::vector<int64_t> x(all), hier(count), flat(count);
+        for (size_t e = 0; e < all; ++e) x[e] = static_cast<int64_t>(e * 3 + static_cast<size_t>(c.rank()) * 100003);
+        c.reduce_scatter(x.data(), hier.data(), count, DataType::i64, ReduceOp::sum, std::nullopt, Algorithm::hier)->wait();
+        c.reduce_scatter(x.data(), flat.data(), count, DataType::i64, ReduceOp::sum, std::nullopt, Algorithm::ring)->wait();
+        ASSERT_EQ(hier, flat) << "count " << count;
+        for (size_t e = 0; e < count; ++e) {
+          const size_t at = static_cast<size_t>(c.rank()) * count + e;
+          ASSERT_EQ(hier[e], static_cast<int64_t>(at * 3 * static_cast<size_t>(n)) + 100003 * (n * (n - 1) / 2))
+              << "element " << e;
+        }
+        // avg divides once, by the world size; sums of floats against float64.
+        std::vector<float> y(all), got(count);
+        for (size_t e = 0; e < all; ++e) y[e] = std::sin(static_cast<float>(e) * 0.01f + static_cast<float>(c.rank()));
+        c.reduce_scatter(y.data(), got.data(), count, DataType::f32, ReduceOp::avg, std::nullopt, Algorithm::hier)->wait();
+        for (size_t e = 0; e < count; e += 997) {
+          const size_t at = static_cast<size_t>(c.rank()) * count + e;
+          double ref = 0;
+          for (int r = 0; r < n; ++r) ref += std::sin(static_cast<float>(at) * 0.01f + static_cast<float>(r));  // the inputs, in float
+          ASSERT_NEAR(got[e], ref / n, 1e-6) << "element " << e;
+        }
+      }
+    }, {{"segment_size", "65536"}});
+  }
+}
+
+TEST(Hierarchy, AutoGoesHierarchicalForAllgatherAndReduceScatterOnInterleavedHostsOnly) {
+  for (const auto& layout : kLayouts) {
+    const bool interleaved = layout == kLayouts[0];
+    run_on_hosts(layout, [interleaved](Communicator& c) {
+      for (Collective coll : {Collective::allgather, Collective::reduce_scatter}) {
+        EXPECT_EQ(c.choose(coll, 1 << 20, DataType::f32), interleaved ? Algorithm::hier : Algorithm::ring)
+            << collective_name(coll);
+        EXPECT_NE(c.choose(coll, 16, DataType::f32), Algorithm::hier) << "small " << collective_name(coll);
+      }
+    });
+  }
+}
+
+TEST(Hierarchy, UnevenHostsRefuseAllgatherAndReduceScatter) {
+  run_on_hosts({"a", "a", "b"}, [](Communicator& c) {
+    for (Collective coll : {Collective::allgather, Collective::reduce_scatter}) {
+      try {
+        c.choose(coll, 1 << 20, DataType::f32, Algorithm::hier);
+        ADD_FAILURE() << "hier accepted on uneven hosts";
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find("same number"), std::string::npos) << e.what();
+      }
+    }
+  });
+}
+
 }  // namespace hier
 
 }  // namespace

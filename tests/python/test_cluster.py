@@ -461,28 +461,36 @@ def test_parse_rate_and_tbf_params():
 HIER = r"""
 import os, sys, time, numpy as np, smartcoll
 with smartcoll.init(timeout=30) as comm:
+    coll = sys.argv[3]
     x = np.full(int(sys.argv[1]), comm.rank + 1, dtype=np.int32)
+    out = np.zeros(x.size * comm.size, dtype=np.int32)
     comm.barrier()
     print("READY", comm.hosts, comm.allreduce_algorithm(x.size, "int32"), flush=True)
     for _ in range(1200):  # the test reads the links' counters, then creates the file
         if os.path.exists(sys.argv[2]):
             break
         time.sleep(0.05)
-    comm.allreduce(x)
+    if coll == "allreduce":
+        comm.allreduce(x)
+        ok = bool((x == comm.size * (comm.size + 1) // 2).all())
+    else:
+        comm.allgather(x, out, algo="hier")
+        ok = bool((out == np.repeat(np.arange(1, comm.size + 1, dtype=np.int32), x.size)).all())
     comm.barrier()
-    ok = bool((x == comm.size * (comm.size + 1) // 2).all())
     print("HIER", "OK" if ok else "WRONG", flush=True)
 """
 
 
-def test_hierarchical_allreduce_two_ranks_per_host(cluster4, tmp_path):
-    """8 ranks, 2 per host (smartcoll run --ranks-per-host): the layout is learned, allreduce goes hierarchical,
-    results are exact, and each host sends about 2(H-1)/H of the vector across its link, not k times that."""
+@pytest.mark.parametrize("coll", ["allreduce", "allgather"])
+def test_hierarchical_two_ranks_per_host(cluster4, tmp_path, coll):
+    """8 ranks, 2 per host (smartcoll run --ranks-per-host): the layout is learned, allreduce goes hierarchical
+    (allgather is asked to), results are exact, and each host sends what one host must across its link: 2(H-1)/H
+    of allreduce's vector, the k(H-1) blocks of allgather (a flat ring: kH-1 from the host's last rank)."""
     count = 2 << 20
     script = tmp_path / "hier.py"
     script.write_text(HIER)
     cmd = [sys.executable, "-m", "smartcoll.tools.cli", "run", "--cluster", cluster4.name, "--ranks-per-host", "2",
-           "--timeout", "120", "--", sys.executable, str(script), str(count), str(tmp_path / "go")]
+           "--timeout", "120", "--", sys.executable, str(script), str(count), str(tmp_path / "go"), coll]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
@@ -502,6 +510,7 @@ def test_hierarchical_allreduce_two_ranks_per_host(cluster4, tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 0 and out.count("HIER OK") == 8, out
-    share = 2 * (4 - 1) / 4 * count * 4  # bytes one host must send: 2(H-1)/H of the vector
+    hosts, per_host = 4, 2
+    share = (2 * (hosts - 1) / hosts if coll == "allreduce" else per_host * (hosts - 1)) * count * 4
     for h, (b, a) in enumerate(zip(before, after)):
         assert share <= a - b <= 1.1 * share, f"host {h} sent {a - b} bytes, one host's share is {share:.0f}"
