@@ -50,6 +50,8 @@ void allgather_hier(Builder& b, const Args& a);
 void allgather_bruck(Builder& b, const Args& a);
 void broadcast_chain(Builder& b, const Args& a);
 void broadcast_tree(Builder& b, const Args& a);
+// Several ranks per host: a chain across hosts, then a chain on each host, segment by segment.
+void broadcast_hier(Builder& b, const Args& a);
 void reduce_chain(Builder& b, const Args& a);
 void reduce_tree(Builder& b, const Args& a);
 void alltoall_direct(Builder& b, const Args& a);

@@ -135,6 +135,10 @@ constexpr AlgorithmInfo kBroadcastAlgos[] = {
     {Algorithm::cma, "same host: every rank reads the root's buffer once", same_host_cma, needs_cma,
      [](int) { return 3.0; }, [](int) { return 1.0; }, none},
     shm_entry(needs_shm, one, none),
+    // Steps as the chain's (the two chains fill one after the other); picked by choose()'s rule, for interleaved
+    // hosts only.
+    {Algorithm::hier, "hierarchical: a pipelined chain across hosts, then a chain on each host", broadcast_hier,
+     needs_hosts, [](int n) { return n - 1.0; }, [](int) { return 1.0; }, none, AlgorithmInfo::Auto::never},
 };
 constexpr AlgorithmInfo kReduceAlgos[] = {
     {Algorithm::tree, "binomial tree: log2(n) steps", reduce_tree, raw_only, [](int n) { return log2n(n); },
@@ -246,12 +250,13 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
     if (shm.unsupported(q).empty() && per_rank <= kShmRankBytes && q.n * per_rank <= kShmCallBytes)
       return Algorithm::shm;
   }
-  // allgather and reduce_scatter over hosts whose ranks are interleaved: a flat ring crosses the network at every
-  // hop, so each host's link carries about k times the k(H-1) blocks of the hierarchical rings. Where each host's
+  // allgather, reduce_scatter and broadcast over hosts whose ranks are interleaved: a flat ring (or chain) crosses
+  // the network at every hop, so each host's link carries about k times what the hierarchical rings (chains) put
+  // on it. Where each host's
   // ranks are consecutive the flat ring crosses each link once and carries kH-1 blocks: 4 hosts x 2 ranks on
   // 1 Gbit/s links measured the two within this 2-core machine's noise (hier 0.77-1.07x the ring; BENCHMARKS.md,
-  // "Hierarchical allgather and reduce_scatter"), so there the ring stays.
-  const bool spread = c == Collective::allgather || c == Collective::reduce_scatter;
+  // "Hierarchical allgather, reduce_scatter and broadcast"), so there the ring stays.
+  const bool spread = c == Collective::allgather || c == Collective::reduce_scatter || c == Collective::broadcast;
   if (spread && q.interleaved && needs_hosts(q).empty() && call_bytes(c, q) > small_bytes) return Algorithm::hier;
   if (profile) return cheapest(c, q, *profile, small_bytes);
   const bool small = q.bytes <= small_bytes;

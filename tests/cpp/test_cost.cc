@@ -64,6 +64,12 @@ TEST(CostModel, HierarchicalHandWorked) {
     EXPECT_NEAR(k.total, 7e-4 + 6 * 4 * kMiB / 1e8 + 4 * 4 * kMiB / 1e9, 1e-12) << collective_name(c);
     EXPECT_DOUBLE_EQ(predict(c, Algorithm::ring, q, p).wire_bytes, 7 * 4 * kMiB) << collective_name(c);
   }
+  // broadcast: two chains, (H-1) + (k-1) = 4 steps to fill; the vector crosses the link once, and the copies on
+  // the host overlap it.
+  const Cost bc = predict(Collective::broadcast, Algorithm::hier, q, p);
+  EXPECT_DOUBLE_EQ(bc.steps, 4);
+  EXPECT_DOUBLE_EQ(bc.wire_bytes, 4 * kMiB);
+  EXPECT_NEAR(bc.total, 4e-4 + 4 * kMiB / 1e8, 1e-12);
 }
 
 TEST(CostModel, FoldOnlyOffPowersOfTwo) {

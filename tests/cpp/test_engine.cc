@@ -266,12 +266,31 @@ TEST(Hierarchy, ReduceScatterExactAndWithinFloatBounds) {
   }
 }
 
-TEST(Hierarchy, AutoGoesHierarchicalForAllgatherAndReduceScatterOnInterleavedHostsOnly) {
+TEST(Hierarchy, BroadcastFromEveryRoot) {
+  for (const auto& layout : kLayouts) {
+    const int n = static_cast<int>(layout.size());
+    run_on_hosts(layout, [n](Communicator& c) {
+      for (size_t count : {size_t{3}, size_t{250001}}) {
+        for (int root = 0; root < n; ++root) {
+          std::vector<int32_t> x(count, -1);
+          if (c.rank() == root)
+            for (size_t e = 0; e < count; ++e) x[e] = static_cast<int32_t>(e * 13 + static_cast<size_t>(root));
+          c.broadcast(x.data(), count, DataType::i32, root, Algorithm::hier)->wait();
+          for (size_t e = 0; e < count; ++e)
+            ASSERT_EQ(x[e], static_cast<int32_t>(e * 13 + static_cast<size_t>(root))) << "root " << root << " element " << e;
+        }
+      }
+    }, {{"segment_size", "65536"}, {"streams", "2"}});
+  }
+}
+
+TEST(Hierarchy, AutoGoesHierarchicalOnInterleavedHostsOnly) {
   for (const auto& layout : kLayouts) {
     const bool interleaved = layout == kLayouts[0];
     run_on_hosts(layout, [interleaved](Communicator& c) {
-      for (Collective coll : {Collective::allgather, Collective::reduce_scatter}) {
-        EXPECT_EQ(c.choose(coll, 1 << 20, DataType::f32), interleaved ? Algorithm::hier : Algorithm::ring)
+      for (Collective coll : {Collective::allgather, Collective::reduce_scatter, Collective::broadcast}) {
+        const Algorithm flat = coll == Collective::broadcast ? Algorithm::chain : Algorithm::ring;
+        EXPECT_EQ(c.choose(coll, 1 << 20, DataType::f32), interleaved ? Algorithm::hier : flat)
             << collective_name(coll);
         EXPECT_NE(c.choose(coll, 16, DataType::f32), Algorithm::hier) << "small " << collective_name(coll);
       }
