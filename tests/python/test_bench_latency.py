@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 
+import time
+
 import pytest
 from conftest import needs_core, run_cli
 from smartcoll.tools import bench
@@ -144,6 +146,36 @@ def test_latency_table_has_peers_ratios_and_engine_cpu_per_GB(tmp_path, with_cpu
         for impl, cell in (("smartcoll", line[6]), ("gloo", line[7])):
             assert row[impl]["cpu_s_per_GB"] >= 0 and float(cell) == pytest.approx(row[impl]["cpu_s_per_GB"], abs=1e-3)
     assert "above 1 means smartcoll is faster" in text
+
+
+class _StallingRunner(_CountingRunner):
+    """A fake smartcoll whose third timed call stalls for 50 ms, as a TCP retransmission timeout would."""
+
+    def bind(self, case):
+        call, out = super().bind(case)
+        calls = [0]
+
+        def stalling():
+            calls[0] += 1
+            if calls[0] == 3:
+                time.sleep(0.05)
+            call()
+
+        return stalling, out
+
+
+@pytest.mark.parametrize("median", [False, True])
+def test_median_leaves_a_rare_stall_out(tmp_path, median):
+    cfg = {"collective": "allreduce", "counts": [256], "dtype": "float32", "op": "sum", "algo": "auto", "root": 0,
+           "iters": 5, "warmup": 0, "world_size": 1, "median": median}
+    bench.run_sizes([_StallingRunner("smartcoll", False)], cfg, 0, 1, tmp_path)
+    rows = bench.build_rows(cfg, {"smartcoll": bench.aggregate(tmp_path, "smartcoll", 1)})
+    seconds = rows[0]["smartcoll"]["time_us"] * 1e-6
+    if median:
+        assert seconds < 0.005  # the four quick calls
+    else:
+        assert seconds >= 0.05 / 5  # the stall, spread over the mean
+    assert ("median time per call" in bench.format_report(cfg, rows, [])) == median
 
 
 def test_bandwidth_report_is_followed_by_the_latency_table(tmp_path):

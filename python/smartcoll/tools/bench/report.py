@@ -152,7 +152,8 @@ def format_report(cfg: dict, rows: list[dict], peers: Sequence[str], link: Optio
     if latency_only:
         return "\n".join(lines + latency_lines(cfg, rows, peers) + notes)
     lines.append(
-        "# time: max over ranks of the mean time per call; busbw = algbw x " + _factor_text(cfg["collective"])
+        f"# time: max over ranks of the {'median' if cfg.get('median') else 'mean'} time per call; busbw = algbw x "
+        + _factor_text(cfg["collective"])
     )
     if peers:
         lines.append("# smartcoll/<peer> = smartcoll busbw / peer busbw: above 1 means smartcoll is faster")
@@ -186,7 +187,8 @@ def latency_lines(cfg: dict, rows: list[dict], peers: Sequence[str]) -> list[str
         line += [cpu_cell(row.get(peer), "cpu_s_per_GB") for peer in peers]
         cells.append(line)
     return [
-        "# latency: mean time per call in us, averaged over the ranks (OSU's Avg Latency)"
+        ("# latency: median time per call in us (--median), averaged over the ranks" if cfg.get("median") else
+         "# latency: mean time per call in us, averaged over the ranks (OSU's Avg Latency)")
         + ("; <peer>/smartcoll = peer latency / smartcoll latency: above 1 means smartcoll is faster" if peers else ""),
         "# engine_cpu(s/GB): CPU seconds of smartcoll's engine threads during the timed calls per GB (size x "
         "calls / 1e9), mean over ranks; '-' where the core does not report it (Communicator.engine_stats); a call "

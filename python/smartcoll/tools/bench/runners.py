@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -207,11 +208,13 @@ class SmartcollRunner:
         return {"build_info": smartcoll.build_info(), "options": self.comm.options}
 
 
-def time_calls(runner, case: Case, iters: int, warmup: int) -> tuple[float, Optional[float], float]:
+def time_calls(runner, case: Case, iters: int, warmup: int,
+               each: Optional[list] = None) -> tuple[float, Optional[float], float]:
     """Mean seconds per call over `iters` timed calls, after `warmup` untimed ones and a barrier; the CPU seconds
     the runner's engine used during the timed calls (None for a runner without cpu_seconds(), or whose
     cpu_seconds() returns None); and the CPU seconds the whole process used meanwhile (every thread, the kernel's
-    work in its system calls included: what the calls cost the host, for any library alike)."""
+    work in its system calls included: what the calls cost the host, for any library alike). With `each`, every
+    call is timed on its own and its seconds appended there (else the loop is timed as a whole, as OSU does)."""
     call, _ = runner.bind(case)
     for _ in range(warmup):
         call()
@@ -220,8 +223,14 @@ def time_calls(runner, case: Case, iters: int, warmup: int) -> tuple[float, Opti
     cpu_before = cpu()
     process_before = time.process_time()
     start = time.perf_counter()
-    for _ in range(iters):
-        call()
+    if each is None:
+        for _ in range(iters):
+            call()
+    else:
+        for _ in range(iters):
+            t = time.perf_counter()
+            call()
+            each.append(time.perf_counter() - t)
     elapsed = time.perf_counter() - start
     process_used = time.process_time() - process_before
     cpu_after = cpu()
@@ -327,6 +336,7 @@ def run_sizes(runners: list, cfg: dict, rank: int, nranks: int, workdir: Path) -
         totals = {runner.name: 0.0 for runner in active}
         cpu: dict[str, Optional[float]] = {runner.name: 0.0 for runner in active}
         process_cpu = {runner.name: 0.0 for runner in active}
+        each: dict[str, Optional[list]] = {runner.name: [] if cfg.get("median") else None for runner in active}
 
         def drop(runner, e: Exception) -> None:
             if runner.name == SmartcollRunner.name:
@@ -340,7 +350,7 @@ def run_sizes(runners: list, cfg: dict, rank: int, nranks: int, workdir: Path) -
                 try:
                     case.reset()  # a peer's in-place calls changed the input
                     first = warmup if k == 0 else min(warmup, 1)
-                    mean_s, cpu_s, process_s = time_calls(runner, case, part, first)
+                    mean_s, cpu_s, process_s = time_calls(runner, case, part, first, each[runner.name])
                     totals[runner.name] += part * mean_s
                     process_cpu[runner.name] += process_s
                     previous = cpu[runner.name]
@@ -354,7 +364,8 @@ def run_sizes(runners: list, cfg: dict, rank: int, nranks: int, workdir: Path) -
             except Exception as e:
                 drop(runner, e)
                 continue
-            elapsed = totals[runner.name] / iters
+            calls = each[runner.name]
+            elapsed = statistics.median(calls) if calls else totals[runner.name] / iters
             results[runner.name]["results"].append(
                 {"count": count, "time_s": elapsed, "wrong": wrong, "iters": iters, "warmup": warmup,
                  "rounds": len(parts), "cpu_s": cpu[runner.name],

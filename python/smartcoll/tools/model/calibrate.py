@@ -83,11 +83,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def bench_times(collective: str, algo: str, sizes: list[int], nranks: int, cluster: str | None, iters: int,
                 limit: float) -> dict[int, float]:
-    """Seconds per call (max over ranks of the mean) of `smartcoll bench` at each size."""
+    """Seconds per call of `smartcoll bench` at each size: the max over ranks of each rank's median call. A mean
+    of 20 calls took in the TCP retransmission timeouts (200 ms) that a shaped link's short queue causes now and
+    then, and put a fitted efficiency off by 14-71% (BENCHMARKS.md, "The cost model against every collective and
+    algorithm"); the median leaves those stalls out, which the model does not predict anyway."""
     with tempfile.TemporaryDirectory(prefix="smartcoll-calibrate-") as d:
         out = Path(d) / "bench.json"
         cmd = [sys.executable, "-m", "smartcoll.tools.cli", "bench", collective, "-n", str(nranks), "--algo", algo,
-               "--sizes", ",".join(str(s) for s in sizes), "--iters", str(iters), "--json", str(out)]
+               "--sizes", ",".join(str(s) for s in sizes), "--iters", str(iters), "--median", "--json", str(out)]
         if cluster:
             cmd += ["--cluster", cluster, "--no-iperf"]
         # A call that makes no progress fails after STALL_S rather than the default minute; it is retried once.
