@@ -160,6 +160,41 @@ TEST(ListCollectives, HierarchicalAllreduceMatchesFusedCall) {
   });
 }
 
+TEST(ListCollectives, HierarchicalReduceScatterAllgatherBroadcastMatchTheRing) {
+  // 2 hosts x 2 ranks, interleaved: the list forms of the hierarchical algorithms against the ring's (the chain's).
+  const std::vector<std::string> host_of = {"a", "b", "a", "b"};
+  const int n = 4;
+  harness::run_threads(n, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, n, std::move(store),
+                      test_options({{"host", host_of[static_cast<size_t>(r)]}, {"segment_size", "256"}}));
+    auto name = [&](const char* what) { return std::string(what) + " rank " + std::to_string(r); };
+    // Integers: reduce_scatter's sums are exact in any order.
+    const auto ins = random_list<int32_t>(kCounts, static_cast<size_t>(n), 7 + r);
+    std::vector<const void*> in_ptrs;
+    for (auto& v : ins) in_ptrs.push_back(v.data());
+    auto hier_out = random_list<int32_t>(kCounts, 1, 0), ring_out = hier_out;
+    std::vector<void*> hier_ptrs = pointers(hier_out), ring_ptrs = pointers(ring_out);
+    comm.reduce_scatter(in_ptrs, hier_ptrs, kCounts, DataType::i32, ReduceOp::sum, Algorithm::hier)->wait();
+    comm.reduce_scatter(in_ptrs, ring_ptrs, kCounts, DataType::i32, ReduceOp::sum, Algorithm::ring)->wait();
+    expect_bitwise(concat(hier_out), concat(ring_out), name("reduce_scatter"));
+
+    const auto mine = random_list<float>(kCounts, 1, 50 + r);
+    std::vector<const void*> mine_ptrs;
+    for (auto& v : mine) mine_ptrs.push_back(v.data());
+    auto hier_all = random_list<float>(kCounts, static_cast<size_t>(n), 0), ring_all = hier_all;
+    std::vector<void*> hier_all_ptrs = pointers(hier_all), ring_all_ptrs = pointers(ring_all);
+    comm.allgather(mine_ptrs, hier_all_ptrs, kCounts, DataType::f32, Algorithm::hier)->wait();
+    comm.allgather(mine_ptrs, ring_all_ptrs, kCounts, DataType::f32, Algorithm::ring)->wait();
+    expect_bitwise(concat(hier_all), concat(ring_all), name("allgather"));
+
+    auto buf = random_list<double>(kCounts, 1, 90 + r);
+    const std::vector<double> root_data = concat(random_list<double>(kCounts, 1, 90 + 1));
+    std::vector<void*> buf_ptrs = pointers(buf);
+    comm.broadcast(buf_ptrs, kCounts, DataType::f64, 1, Algorithm::hier)->wait();
+    expect_bitwise(concat(buf), root_data, name("broadcast"));
+  });
+}
+
 TEST(ListCollectives, CodecsMatchFusedCalls) {
   // Codec blocks (32 floats) straddle the list's buffers: those steps go through a segment's staging.
   for (int n : {2, 3})
