@@ -461,7 +461,7 @@ def test_parse_rate_and_tbf_params():
 HIER = r"""
 import os, sys, time, numpy as np, smartcoll
 with smartcoll.init(timeout=30) as comm:
-    coll = sys.argv[3]
+    coll, algo = sys.argv[3], sys.argv[4]
     x = np.full(int(sys.argv[1]), comm.rank + 1, dtype=np.int32)
     out = np.zeros(x.size * comm.size, dtype=np.int32)
     comm.barrier()
@@ -474,23 +474,26 @@ with smartcoll.init(timeout=30) as comm:
         comm.allreduce(x)
         ok = bool((x == comm.size * (comm.size + 1) // 2).all())
     else:
-        comm.allgather(x, out, algo="hier")
+        comm.allgather(x, out, algo=algo)
         ok = bool((out == np.repeat(np.arange(1, comm.size + 1, dtype=np.int32), x.size)).all())
     comm.barrier()
     print("HIER", "OK" if ok else "WRONG", flush=True)
 """
 
 
-@pytest.mark.parametrize("coll", ["allreduce", "allgather"])
-def test_hierarchical_two_ranks_per_host(cluster4, tmp_path, coll):
-    """8 ranks, 2 per host (smartcoll run --ranks-per-host): the layout is learned, allreduce goes hierarchical
-    (allgather is asked to), results are exact, and each host sends what one host must across its link: 2(H-1)/H
-    of allreduce's vector, the k(H-1) blocks of allgather (a flat ring: kH-1 from the host's last rank)."""
+@pytest.mark.parametrize("coll, cyclic, algo", [("allreduce", False, "auto"), ("allgather", False, "hier"),
+                                                ("allgather", True, "auto")])
+def test_hierarchical_two_ranks_per_host(cluster4, tmp_path, coll, cyclic, algo):
+    """8 ranks, 2 per host (smartcoll run --ranks-per-host, in blocks or with --cyclic round robin): the layout is
+    learned, allreduce goes hierarchical, and so does allgather where it is asked to or the ranks are interleaved;
+    results are exact, and each host sends what one host must across its link: 2(H-1)/H of allreduce's vector,
+    the k(H-1) blocks of allgather (a flat ring: kH-1 from the host's last rank, or about k(kH-1) interleaved)."""
     count = 2 << 20
     script = tmp_path / "hier.py"
     script.write_text(HIER)
     cmd = [sys.executable, "-m", "smartcoll.tools.cli", "run", "--cluster", cluster4.name, "--ranks-per-host", "2",
-           "--timeout", "120", "--", sys.executable, str(script), str(count), str(tmp_path / "go"), coll]
+           "--timeout", "120"] + (["--cyclic"] if cyclic else []) + [
+               "--", sys.executable, str(script), str(count), str(tmp_path / "go"), coll, algo]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
@@ -498,7 +501,8 @@ def test_hierarchical_two_ranks_per_host(cluster4, tmp_path, coll):
             line = proc.stdout.readline()
             assert line, "".join(lines)
             lines.append(line)
-        assert all("[0, 0, 1, 1, 2, 2, 3, 3] hier" in line for line in lines if "READY" in line), "".join(lines)
+        layout = "[0, 1, 2, 3, 0, 1, 2, 3]" if cyclic else "[0, 0, 1, 1, 2, 2, 3, 3]"
+        assert all(f"{layout} hier" in line for line in lines if "READY" in line), "".join(lines)
         def sent() -> list[int]:
             counters = cluster4.counters()
             return [counters[h]["host"]["tx_bytes"] for h in sorted(counters)]

@@ -44,8 +44,9 @@ RankPrefix = Callable[[int], Sequence[str]]
 RankEnv = Callable[[int], Mapping[str, str]]
 
 
-def cluster_hooks(name: str, nprocs: int, ranks_per_host: int = 1) -> tuple[RankPrefix, RankEnv]:
-    """(rank_prefix, rank_env) that run rank i on host i // ranks_per_host of the emulated cluster `name`.
+def cluster_hooks(name: str, nprocs: int, ranks_per_host: int = 1, cyclic: bool = False) -> tuple[RankPrefix, RankEnv]:
+    """(rank_prefix, rank_env) that run rank i on host i // ranks_per_host of the emulated cluster `name`, or with
+    `cyclic` on host i mod H of the H hosts the ranks fill (round robin, as mpirun --map-by node places them).
 
     rank_env(i) is the cluster's env of that host (SMARTCOLL_IFNAME, MASTER_ADDR = host 0's address, ...) plus
     GLOO_SOCKET_IFNAME, so that torch's gloo in the rank also uses the host's link, and LOCAL_RANK and
@@ -64,14 +65,29 @@ def cluster_hooks(name: str, nprocs: int, ranks_per_host: int = 1) -> tuple[Rank
             f"more --ranks-per-host, or a bigger cluster: smartcoll cluster up -n HOSTS --name {name})"
         )
 
+    hosts = -(-nprocs // ranks_per_host)
+
+    def host_of(rank: int) -> int:
+        return rank % hosts if cyclic else rank // ranks_per_host
+
     def rank_env(rank: int) -> dict[str, str]:
-        env = c.env(rank // ranks_per_host)
+        env = c.env(host_of(rank))
         env["GLOO_SOCKET_IFNAME"] = env["SMARTCOLL_IFNAME"]
-        env["LOCAL_RANK"] = str(rank % ranks_per_host)
+        env["LOCAL_RANK"] = str(rank // hosts if cyclic else rank % ranks_per_host)
         env["LOCAL_WORLD_SIZE"] = str(ranks_per_host)
         return env
 
-    return (lambda rank: c.exec_prefix(rank // ranks_per_host)), rank_env
+    return (lambda rank: c.exec_prefix(host_of(rank))), rank_env
+
+
+def add_cyclic_argument(parser: argparse.ArgumentParser) -> None:
+    """--cyclic, which `smartcoll run` and `smartcoll bench` share."""
+    parser.add_argument(
+        "--cyclic",
+        action="store_true",
+        help="with --cluster and --ranks-per-host: rank i on host i mod H (round robin, as mpirun --map-by node "
+        "places ranks) instead of in blocks; a host's ranks are then interleaved (not with --nicd)",
+    )
 
 
 def free_port(host: str = MASTER_ADDR, count: int = 1, tries: int = 100) -> int:
@@ -484,6 +500,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --cluster: K ranks per host (ranks 0..K-1 on host 0, K..2K-1 on host 1, ...), each told "
         "LOCAL_RANK and LOCAL_WORLD_SIZE (default: %(default)s); -n defaults to hosts x K",
     )
+    add_cyclic_argument(parser)
     parser.add_argument(
         "--nicd",
         action="store_true",
@@ -543,7 +560,10 @@ def main(args: argparse.Namespace) -> int:
         try:
             if nprocs is None:
                 nprocs = netemu.get(args.cluster).size * args.ranks_per_host
-            hooks["rank_prefix"], hooks["rank_env"] = cluster_hooks(args.cluster, nprocs, args.ranks_per_host)
+            if args.cyclic and args.nicd:
+                raise ValueError("--cyclic and --nicd cannot be combined: the daemons serve blocks of ranks")
+            hooks["rank_prefix"], hooks["rank_env"] = cluster_hooks(args.cluster, nprocs, args.ranks_per_host,
+                                                                    args.cyclic)
         except (ValueError, netemu.ClusterError) as e:
             _message(str(e))
             return 2

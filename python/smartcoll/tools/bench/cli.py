@@ -106,6 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --cluster: K ranks per host for smartcoll and gloo (Open MPI's part keeps one per host and "
         "is skipped when K > 1); -n defaults to hosts x K",
     )
+    launcher.add_cyclic_argument(parser)
     parser.add_argument(
         "--no-iperf",
         dest="iperf",
@@ -275,7 +276,7 @@ def measure_link(c, iperf: bool = True) -> dict:
 
 
 def place_ranks(
-    cluster_name: Optional[str], nprocs: Optional[int], default: int, ranks_per_host: int = 1
+    cluster_name: Optional[str], nprocs: Optional[int], default: int, ranks_per_host: int = 1, cyclic: bool = False
 ) -> tuple:
     """(cluster or None, rank count, launcher hooks) for a bench run: with `cluster_name`, `ranks_per_host` ranks
     on each host of that emulated cluster (launcher.cluster_hooks), filling every host unless `nprocs` says fewer;
@@ -289,7 +290,7 @@ def place_ranks(
         c = netemu.get(cluster_name)
         nprocs = c.size * ranks_per_host if nprocs is None else nprocs
         hooks = dict(zip(("rank_prefix", "rank_env"),
-                         launcher.cluster_hooks(cluster_name, nprocs, ranks_per_host)))
+                         launcher.cluster_hooks(cluster_name, nprocs, ranks_per_host, cyclic)))
     except netemu.ClusterError as e:
         raise ValueError(str(e)) from e
     return c, nprocs, hooks
@@ -336,8 +337,10 @@ def main(args: argparse.Namespace) -> int:
     from . import peers
 
     try:
+        if getattr(args, "cyclic", False) and getattr(args, "nicd", False):
+            raise ValueError("--cyclic and --nicd cannot be combined: the daemons serve blocks of ranks")
         c, args.nprocs, hooks = place_ranks(getattr(args, "cluster", None), args.nprocs, 2,
-                                            getattr(args, "ranks_per_host", 1))
+                                            getattr(args, "ranks_per_host", 1), getattr(args, "cyclic", False))
     except ValueError as e:
         print(f"smartcoll bench: {e}", file=sys.stderr)
         return 2
