@@ -171,8 +171,8 @@ class Communicator:
     @property
     def hosts(self) -> list[int]:
         """The host of every rank, numbered from 0 in order of first appearance (the `host` knob, or detected).
-        With several hosts of as many ranks each, allreduce goes hierarchical (algo "hier"), and so do allgather and
-        reduce_scatter where each host's ranks are not consecutive."""
+        With several hosts of as many ranks each, allreduce goes hierarchical (algo "hier"), and so do allgather,
+        reduce_scatter, broadcast and reduce where each host's ranks are not consecutive."""
         return list(self._core.hosts)
 
     @property

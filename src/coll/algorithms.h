@@ -54,6 +54,8 @@ void broadcast_tree(Builder& b, const Args& a);
 void broadcast_hier(Builder& b, const Args& a);
 void reduce_chain(Builder& b, const Args& a);
 void reduce_tree(Builder& b, const Args& a);
+// Several ranks per host: a chain on each host, then a chain across hosts, segment by segment.
+void reduce_hier(Builder& b, const Args& a);
 void alltoall_direct(Builder& b, const Args& a);
 void alltoall_bruck(Builder& b, const Args& a);
 // n-1 rounds, one peer each way per round: no incast at a receiver.

@@ -9,12 +9,7 @@ namespace smartcoll::coll {
 void broadcast_hier(Builder& b, const Args& a) {
   const HostGrid grid = host_grid(*b.cx.hosts, b.cx.rank);
   const auto& [at, by_host, k, hosts, i, h] = grid;
-  int g0 = 0, i0 = 0;  // the root's host and local index
-  for (int g = 0; g < hosts; ++g)
-    for (int j = 0; j < k; ++j)
-      if (grid.rank_at(g, j) == a.root) g0 = g, i0 = j;
-  const bool across = i == i0;  // in the chain across hosts
-  const int cpos = mod(h - g0, hosts), lpos = mod(i - i0, k);
+  const auto [g0, i0, across, cpos, lpos] = grid.chains(a.root);
   const size_t esize = dtype_size(b.spec.dtype);
   size_t seg = 0;
   for_each_segment(a.count, segment_elems(b.cx.segment_bytes, esize, nullptr), [&](size_t off, size_t len) {

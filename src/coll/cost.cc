@@ -267,7 +267,7 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
         k.steps = 2 * (h - 1) + 2 * (hosts - 1);
         k.copy = 2 * (h - 1) / h * bytes / p.copy_Bps;
         k.wire_bytes = 2 * (hosts - 1) / hosts * bytes;
-      } else if (c == Collective::broadcast) {
+      } else if (c == Collective::broadcast || c == Collective::reduce) {
         // Two pipelined chains, across hosts and on each host: the vector crosses each host's link once, and its
         // segments flow on through the host's own connections as they arrive.
         k.steps = (hosts - 1) + (h - 1);

@@ -291,6 +291,16 @@ HostGrid host_grid(const std::vector<int>& hosts, int rank) {
   return g;
 }
 
+HostGrid::Chains HostGrid::chains(int root) const {
+  Chains c{0, 0, false, 0, 0};
+  for (int g = 0; g < hosts; ++g)
+    for (int j = 0; j < k; ++j)
+      if (rank_at(g, j) == root) c.g0 = g, c.i0 = j;
+  c.across = i == c.i0;
+  c.cpos = mod(h - c.g0, hosts), c.lpos = mod(i - c.i0, k);
+  return c;
+}
+
 std::vector<int32_t> RingOps::received(int c, int first, int n) const {
   const int k = mod(first - 1 - c, n);  // the step whose receive is chunk first - k - 1
   if (static_cast<size_t>(k) >= step_recvs.size()) return {};

@@ -156,6 +156,14 @@ struct HostGrid {
   std::vector<std::vector<int>> by_host;
   int k, hosts, i, h;
   int rank_at(int g, int j) const { return by_host[static_cast<size_t>(g)][static_cast<size_t>(j)]; }
+  // The two chains of a rooted collective (broadcast, reduce): across hosts among the ranks with the root's local
+  // index i0, from the root's host g0 on, and on each host from its i0-th rank on; this rank's places in them.
+  struct Chains {
+    int g0, i0;
+    bool across;  // this rank is in the chain across hosts
+    int cpos, lpos;
+  };
+  Chains chains(int root) const;
 };
 HostGrid host_grid(const std::vector<int>& hosts, int rank);
 // Hosts and ranks per host when every host has the same number of ranks; {hosts, 0} otherwise.

@@ -147,6 +147,9 @@ constexpr AlgorithmInfo kReduceAlgos[] = {
      [](int n) { return n - 1.0; }, [](int) { return 1.0; }, [](int) { return 1.0; }},
     kCmaReduce,
     shm_entry(needs_shm, all_n, [](int n) { return n - 1.0; }),
+    {Algorithm::hier, "hierarchical: a pipelined chain on each host, then a chain across hosts", reduce_hier,
+     needs_hosts, [](int n) { return n - 1.0; }, [](int) { return 1.0; }, [](int) { return 1.0; },
+     AlgorithmInfo::Auto::never},
 };
 // Blocks a Bruck alltoall sends per rank: one per set bit of every slot index below n.
 double bruck_blocks(int n) {
@@ -250,13 +253,13 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
     if (shm.unsupported(q).empty() && per_rank <= kShmRankBytes && q.n * per_rank <= kShmCallBytes)
       return Algorithm::shm;
   }
-  // allgather, reduce_scatter and broadcast over hosts whose ranks are interleaved: a flat ring (or chain) crosses
-  // the network at every hop, so each host's link carries about k times what the hierarchical rings (chains) put
-  // on it. Where each host's
-  // ranks are consecutive the flat ring crosses each link once and carries kH-1 blocks: 4 hosts x 2 ranks on
-  // 1 Gbit/s links measured the two within this 2-core machine's noise (hier 0.77-1.07x the ring; BENCHMARKS.md,
-  // "Hierarchical allgather, reduce_scatter and broadcast"), so there the ring stays.
-  const bool spread = c == Collective::allgather || c == Collective::reduce_scatter || c == Collective::broadcast;
+  // allgather, reduce_scatter, broadcast and reduce over hosts whose ranks are interleaved: a flat ring (or chain)
+  // crosses the network at every hop, so each host's link carries about k times what the hierarchical rings
+  // (chains) put on it; on 4 hosts x 2 interleaved ranks hier was 1.5-2.3x faster. Where each host's ranks are
+  // consecutive the flat ones cross each link once: measured there within this 2-core machine's noise of hier
+  // (0.77-1.07x), so they stay (BENCHMARKS.md, "Hierarchical allgather, reduce_scatter, broadcast and reduce").
+  const bool spread = c != Collective::allreduce && c != Collective::alltoall && c != Collective::alltoallv &&
+                      c != Collective::barrier;
   if (spread && q.interleaved && needs_hosts(q).empty() && call_bytes(c, q) > small_bytes) return Algorithm::hier;
   if (profile) return cheapest(c, q, *profile, small_bytes);
   const bool small = q.bytes <= small_bytes;

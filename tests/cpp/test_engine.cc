@@ -284,12 +284,40 @@ TEST(Hierarchy, BroadcastFromEveryRoot) {
   }
 }
 
+TEST(Hierarchy, ReduceToEveryRoot) {
+  for (const auto& layout : kLayouts) {
+    const int n = static_cast<int>(layout.size());
+    run_on_hosts(layout, [n](Communicator& c) {
+      for (size_t count : {size_t{3}, size_t{250001}}) {
+        std::vector<int64_t> x(count);
+        for (size_t e = 0; e < count; ++e) x[e] = static_cast<int64_t>(e * 5 + static_cast<size_t>(c.rank()) * 1009);
+        for (int root = 0; root < n; ++root) {
+          std::vector<int64_t> out(count, -1);
+          c.reduce(x.data(), out.data(), count, DataType::i64, ReduceOp::sum, root, Algorithm::hier)->wait();
+          if (c.rank() != root) continue;
+          for (size_t e = 0; e < count; ++e)
+            ASSERT_EQ(out[e], static_cast<int64_t>(e * 5 * static_cast<size_t>(n)) + 1009 * (n * (n - 1) / 2))
+                << "root " << root << " element " << e;
+        }
+        // avg divides once, at the root.
+        std::vector<float> y(count, static_cast<float>(c.rank() + 1)), mean(count, -1.0f);
+        c.reduce(y.data(), mean.data(), count, DataType::f32, ReduceOp::avg, n - 1, Algorithm::hier)->wait();
+        if (c.rank() == n - 1) {
+          for (size_t e = 0; e < count; e += 977) ASSERT_EQ(mean[e], static_cast<float>(n + 1) / 2) << "element " << e;
+        }
+      }
+    }, {{"segment_size", "65536"}, {"streams", "2"}});
+  }
+}
+
 TEST(Hierarchy, AutoGoesHierarchicalOnInterleavedHostsOnly) {
   for (const auto& layout : kLayouts) {
     const bool interleaved = layout == kLayouts[0];
     run_on_hosts(layout, [interleaved](Communicator& c) {
-      for (Collective coll : {Collective::allgather, Collective::reduce_scatter, Collective::broadcast}) {
-        const Algorithm flat = coll == Collective::broadcast ? Algorithm::chain : Algorithm::ring;
+      for (Collective coll :
+           {Collective::allgather, Collective::reduce_scatter, Collective::broadcast, Collective::reduce}) {
+        const bool chain = coll == Collective::broadcast || coll == Collective::reduce;
+        const Algorithm flat = chain ? Algorithm::chain : Algorithm::ring;
         EXPECT_EQ(c.choose(coll, 1 << 20, DataType::f32), interleaved ? Algorithm::hier : flat)
             << collective_name(coll);
         EXPECT_NE(c.choose(coll, 16, DataType::f32), Algorithm::hier) << "small " << collective_name(coll);
