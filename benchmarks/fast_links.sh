@@ -9,6 +9,8 @@
 #   samehost  every collective, 4 ranks on one host, against Open MPI's shared memory and gloo
 #   defaults  (not run unless named) the ring stage's cluster with the default workers and streams
 #   shm       (not run unless named) the same-host allreduce paths (shm, cma, auto) from 256 KiB to 4 MiB
+#   hier      (not run unless named) HIER_HOSTS hosts x 2 ranks on the ring stage's links, ranks in blocks and
+#             round robin (--cyclic): the flat algorithms against hier for allreduce, allgather and broadcast
 #
 # Made for a machine that has a compiler, CMake, nanobind, numpy and torch but no package registry and perhaps no
 # iproute2: it builds the extension with CMake in build-fast/ (no pip), runs the tree's Python package from
@@ -25,6 +27,7 @@
 #   SW_N       hosts of the switch stage (default 8)
 #   OV_N       hosts of the overlap stage (default 4); OV_NICD=0 leaves the offload daemon out
 #   SH_SIZES   sizes of the samehost stage (default 64K,1M,16M,64M)
+#   HIER_HOSTS hosts of the hier stage (default 4)
 # Needs root (network namespaces). Every step is bounded by a timeout, a stage that fails is logged and the next
 # one runs, and each cluster is taken down when its stage ends.
 set -uo pipefail
@@ -39,6 +42,7 @@ SW_N=${SW_N:-8}
 OV_N=${OV_N:-4}
 OV_NICD=${OV_NICD:-1}
 SH_SIZES=${SH_SIZES:-64K,1M,16M,64M}
+HIER_HOSTS=${HIER_HOSTS:-4}
 NAME=fast$$
 mkdir -p "$OUT"
 log() { echo "[fast-links $(date +%T)] $*" | tee -a "$OUT/log.txt" >&2; }
@@ -125,6 +129,24 @@ stage_shm() {
     log "same host, allreduce, 4 ranks, algo $algo"
     bench "shm-$algo" allreduce -n 4 --sizes 256K,512K,1M,2M,4M --algo "$algo" --iters 200 --warmup 20 \
       "${room[@]}" "${mpi[@]}"
+  done
+}
+
+# The hierarchical algorithms against the flat ones with two ranks per host, ranks in blocks and interleaved.
+stage_hier() {
+  up --hosts "$HIER_HOSTS" --link "$LINK" || return 1
+  local place coll algo
+  for place in blocks cyclic; do
+    local how=()
+    [ "$place" = cyclic ] && how=(--cyclic)
+    for coll in allreduce allgather broadcast; do
+      for algo in ring hier; do
+        [ "$coll" = broadcast ] && [ "$algo" = ring ] && algo=chain
+        log "hier stage: $coll, algo $algo, $HIER_HOSTS hosts x 2 ranks on $LINK, ranks in $place"
+        bench "hier-$place-$coll-$algo" "$coll" --cluster "$NAME" --ranks-per-host 2 "${how[@]}" --sizes "$SIZES" \
+          --algo "$algo" --no-iperf --iters 5 --warmup 1 --median
+      done
+    done
   done
 }
 

@@ -176,6 +176,8 @@ def test_median_leaves_a_rare_stall_out(tmp_path, median):
     else:
         assert seconds >= 0.05 / 5  # the stall, spread over the mean
     assert ("median time per call" in bench.format_report(cfg, rows, [])) == median
+    measured = {"smartcoll": {"info": {"build_info": {}, "options": {}}}}
+    assert bench.metadata(cfg, measured)["median"] is median
 
 
 def test_bandwidth_report_is_followed_by_the_latency_table(tmp_path):

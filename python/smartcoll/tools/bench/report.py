@@ -259,6 +259,7 @@ def metadata(cfg: dict, measured: dict[str, dict]) -> dict:
         "warmup": cfg["warmup"],
         "iter_bytes": cfg.get("iter_bytes"),
         "rounds": cfg.get("rounds", 1),
+        "median": cfg.get("median", False),  # times are each rank's median call, not its mean
         "latency": cfg.get("latency", False),
         "osu_iters": cfg.get("osu_iters", False),
         "build_info": measured["smartcoll"]["info"]["build_info"],
