@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <utility>
 #include <shared_mutex>
 #include <span>
 #include <string>
@@ -259,6 +260,10 @@ class Communicator {
   std::string cma_reason_;
   std::shared_ptr<Engine> engine_;
   std::vector<int> hosts_;  // [rank]: its host, numbered in order of first appearance (0: rank 0's)
+  // What every call's algorithm choice reads of hosts_, worked out once (coll::host_layout_shape and
+  // coll::hosts_interleaved).
+  std::pair<int, int> host_shape_{1, 0};
+  bool hosts_interleaved_ = false;
   std::unique_ptr<CallHistory> history_;
   std::mutex submit_mu_;  // calls are numbered and queued in one order
   uint64_t seq_ = 0;

@@ -269,12 +269,10 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
         k.wire_bytes = 2 * (hosts - 1) / hosts * bytes;
       } else if (c == Collective::broadcast || c == Collective::reduce) {
         // Two pipelined chains, across hosts and on each host: the vector crosses each host's link once, and its
-        // segments flow on through the host's own connections as they arrive.
+        // segments flow on through the host's own connections as they arrive (the copies overlap the link).
         k.steps = (hosts - 1) + (h - 1);
         k.copy = bytes / p.copy_Bps;
         k.wire_bytes = bytes;
-        k.link = k.wire_bytes / link;
-        break;
       } else {
         // allgather, reduce_scatter (bytes: one rank's block): a ring across hosts, and one ring on the host per
         // host, each moving h - 1 blocks through the host's own connections. The host's link carries the h(H-1)
@@ -284,7 +282,7 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
         k.wire_bytes = h * (hosts - 1) * bytes;
       }
       k.link = k.wire_bytes / link;
-      copy_overlaps = false;
+      copy_overlaps = c == Collective::broadcast || c == Collective::reduce;
       break;
     }
     case Algorithm::switch_: {

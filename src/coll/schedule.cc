@@ -268,9 +268,9 @@ std::vector<std::vector<int>> ranks_by_host(const std::vector<int>& hosts) {
   return out;
 }
 
-Layout host_layout(const std::vector<int>& hosts, int rank) {
+namespace {
+Layout layout_of(const std::vector<std::vector<int>>& by_host, int rank) {
   Layout l;
-  const std::vector<std::vector<int>> by_host = ranks_by_host(hosts);
   for (const std::vector<int>& ranks : by_host) {
     const auto at = std::find(ranks.begin(), ranks.end(), rank);
     if (at == ranks.end()) continue;
@@ -283,9 +283,11 @@ Layout host_layout(const std::vector<int>& hosts, int rank) {
   }
   return l;
 }
+}  // namespace
 
 HostGrid host_grid(const std::vector<int>& hosts, int rank) {
-  HostGrid g{host_layout(hosts, rank), ranks_by_host(hosts), 0, 0, 0, 0};
+  std::vector<std::vector<int>> by_host = ranks_by_host(hosts);
+  HostGrid g{layout_of(by_host, rank), std::move(by_host), 0, 0, 0, 0};
   g.k = static_cast<int>(g.at.local.members.size()), g.hosts = static_cast<int>(g.at.cross.members.size());
   g.i = g.at.local.pos, g.h = g.at.cross.pos;
   return g;

@@ -142,12 +142,11 @@ struct Group {
 
 // Where this rank sits in the host layout: `local`, the ranks of its host (ascending), and `cross`, the ranks
 // with its local index on every host (hosts in order of their numbers). Only for a layout of at least two hosts
-// with the same number of ranks each (host_layout_uniform).
+// with the same number of ranks each (host_layout_shape: per_host > 0); host_grid gives it.
 struct Layout {
   Group local, cross;
 };
-Layout host_layout(const std::vector<int>& hosts, int rank);
-// [g][j]: the j-th rank (ascending) of the g-th host (hosts in order of their numbers), as host_layout counts them.
+// [g][j]: the j-th rank (ascending) of the g-th host (hosts in order of their numbers).
 std::vector<std::vector<int>> ranks_by_host(const std::vector<int>& hosts);
 // The host layout as the hierarchical algorithms walk it: k ranks on each of `hosts` hosts; this rank is the i-th
 // of the h-th host; rank_at(g, j) is the j-th rank of host g.

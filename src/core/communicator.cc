@@ -161,8 +161,10 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
   }
   // Ranks that span hosts (by the layout learned at start-up, or as the launcher says) are spared the all-pairs
   // probe of the same-host path.
+  host_shape_ = coll::host_layout_shape(hosts_);
+  hosts_interleaved_ = coll::hosts_interleaved(hosts_);
   const char* local = std::getenv("LOCAL_WORLD_SIZE");
-  const int host_count = coll::host_layout_shape(hosts_).first;
+  const int host_count = host_shape_.first;
   const bool spans_hosts = host_count > 1 || (local && std::atoi(local) > 0 && std::atoi(local) < size);
   if (size > 1 && config_->nicd)
     nicd_ = std::make_unique<nicd::Client>(config_->nicd_socket, nicd::Hello{rank, size, config_->timeout,
@@ -408,10 +410,10 @@ Algorithm Communicator::choose(Collective coll, size_t count, DataType dt, Algor
 }
 
 coll::Query Communicator::query(size_t bytes, bool compressed) const {
-  const auto [hosts, per_host] = coll::host_layout_shape(hosts_);
+  const auto [hosts, per_host] = host_shape_;
   const int switches = 1 + static_cast<int>(std::count(config_->switches.begin(), config_->switches.end(), ','));
   return {size_,    bytes,    compressed, cma_usable_, switch_ != nullptr, hosts,
-          per_host, switches, cma_usable_ ? cma_->segment_room() : 0, coll::hosts_interleaved(hosts_)};
+          per_host, switches, cma_usable_ ? cma_->segment_room() : 0, hosts_interleaved_};
 }
 
 void Communicator::check_usable() {

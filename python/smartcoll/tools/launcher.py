@@ -44,7 +44,8 @@ RankPrefix = Callable[[int], Sequence[str]]
 RankEnv = Callable[[int], Mapping[str, str]]
 
 
-def cluster_hooks(name: str, nprocs: int, ranks_per_host: int = 1, cyclic: bool = False) -> tuple[RankPrefix, RankEnv]:
+def cluster_hooks(name: str, nprocs: int, ranks_per_host: int = 1,
+                  cyclic: bool = False) -> tuple[RankPrefix, RankEnv]:
     """(rank_prefix, rank_env) that run rank i on host i // ranks_per_host of the emulated cluster `name`, or with
     `cyclic` on host i mod H of the H hosts the ranks fill (round robin, as mpirun --map-by node places them).
 
