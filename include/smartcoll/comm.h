@@ -59,10 +59,11 @@ enum class Collective : uint8_t {
 };
 inline constexpr int kCollectives = 8;
 enum class Algorithm : uint8_t {
-  automatic, ring, rhd, chain, direct, local, cma, tree, rd, bruck, dissemination, hier, switch_, pairwise, shm
+  automatic, ring, rhd, chain, direct, local, cma, tree, rd, bruck, dissemination, hier, switch_, pairwise, shm,
+  switch_hier
 };
 // The highest code: what range checks of algorithm codes read from the network compare against.
-inline constexpr Algorithm kLastAlgorithm = Algorithm::shm;
+inline constexpr Algorithm kLastAlgorithm = Algorithm::switch_hier;
 
 std::string_view collective_name(Collective c);
 std::string_view algorithm_name(Algorithm a);

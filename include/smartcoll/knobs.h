@@ -22,13 +22,15 @@ struct Knob {
 inline constexpr double kNoLimit = 1e15;
 
 inline constexpr Knob kKnobs[] = {
-    {"algo", "auto", "choice:auto|ring|rhd|rd|cma|shm|hier|switch", 0, 0, true,
+    {"algo", "auto", "choice:auto|ring|rhd|rd|cma|shm|hier|switch|switch_hier", 0, 0, true,
      "allreduce algorithm (smartcoll info lists them): ring (pipelined, segmented; bandwidth-optimal), rhd "
      "(recursive halving-doubling), rd (recursive doubling; fewest steps for tiny messages), cma (ranks on one "
-     "host read each other's buffers once), shm (ranks on one host put small vectors through a shared segment), hier (several ranks per host: reduce-scatter per host, allreduce "
-     "across hosts, allgather per host), switch (the aggregation switches of the switch option sum the vector) "
-     "or auto (chosen per call from the size, world size and host layout; the switch where one is set and the "
-     "built-in cost model predicts it beats the ring)"},
+     "host read each other's buffers once), shm (ranks on one host put small vectors through a shared segment), "
+     "hier (several ranks per host: reduce-scatter per host, allreduce across hosts, allgather per host), switch "
+     "(the aggregation switches of the switch option sum the vector), switch_hier (several ranks per host: "
+     "reduce-scatter per host, each rank's share through the switches, allgather per host) or auto (chosen per "
+     "call from the size, world size and host layout; the switch where one is set and the built-in cost model "
+     "predicts it beats the ring, or the hierarchical ring)"},
     {"cma", "auto", "choice:auto|tcp|off", 0, 0, true,
      "same-host fast path: auto probes at start-up whether every rank shares this host and can read its peers' "
      "memory (process_vm_readv), and the ranks then signal each other through a shared-memory segment; tcp "

@@ -39,6 +39,9 @@ void allreduce_rd(Builder& b, const Args& a);
 void same_host_cma(Builder& b, const Args& a);
 void same_host_shm(Builder& b, const Args& a);
 void allreduce_switch(Builder& b, const Args& a);
+// Several ranks per host: reduce-scatter on each host, chunk i through the switches among the i-th ranks of every
+// host, allgather on each host. A host's link carries the vector once each way, whatever its ranks.
+void allreduce_switch_hier(Builder& b, const Args& a);
 // Through the switches too: each rank gets its own block's sums; each rank's block is forwarded to the others.
 void reduce_scatter_switch(Builder& b, const Args& a);
 void allgather_switch(Builder& b, const Args& a);

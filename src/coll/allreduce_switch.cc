@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include "coll/algorithms.h"
@@ -33,46 +34,55 @@ namespace {
 // Part p of m elements cut n ways, the first m % n parts one longer: [part_begin(p), part_begin(p + 1)).
 size_t part_begin(size_t m, int n, int p) { return static_cast<size_t>(p) * (m / n) + std::min<size_t>(p, m % n); }
 
-// The allgather half of a ring over the transport's stream 0: rank r starts with part own(r) of x (m elements
-// of esize bytes), where own(r + 1) = own(r) + 1; after n - 1 steps every rank has every part.
-void ring_pass(Transport& t, char* x, size_t m, size_t esize, int own) {
-  const int n = t.size(), r = t.rank();
+// The ranks a ring over the transport's stream 0 runs over (Group: empty members, the whole world), so that the
+// same rings serve the world and the hierarchical allreduce's hosts and columns.
+struct Ring {
+  Transport& t;
+  const Group& g;
+  int size() const { return g.members.empty() ? t.size() : static_cast<int>(g.members.size()); }
+  int pos() const { return g.members.empty() ? t.rank() : g.pos; }
+  int peer(int p) const { return g.members.empty() ? mod(p, t.size()) : g.members[static_cast<size_t>(mod(p, size()))]; }
+};
+const Group kWorld;
+
+// The allgather half of a ring: member r starts with part own(r) of x (m elements of esize bytes), where
+// own(r + 1) = own(r) + 1; after n - 1 steps every member has every part.
+void ring_pass(const Ring& ring, char* x, size_t m, size_t esize, int own) {
+  const int n = ring.size(), r = ring.pos();
   auto at = [&](int p) { return x + part_begin(m, n, p) * esize; };
   auto bytes = [&](int p) { return (part_begin(m, n, p + 1) - part_begin(m, n, p)) * esize; };
   for (int k = 0; k < n - 1; ++k) {
     const int s = mod(own - k, n), g = mod(own - k - 1, n);
-    Transport::Op ops[] = {{mod(r + 1, n), true, at(s), bytes(s)}, {mod(r - 1, n), false, at(g), bytes(g)}};
-    t.run(ops);
+    Transport::Op ops[] = {{ring.peer(r + 1), true, at(s), bytes(s)}, {ring.peer(r - 1), false, at(g), bytes(g)}};
+    ring.t.run(ops);
   }
 }
 
-// The reduce-scatter half of a ring over the transport's stream 0, step by step, in place: afterwards rank r
-// holds part own(r) = r + shift + 1 of x (m elements) reduced over every rank (avg divided), in rank-ring order.
-// Returns own(r).
-int ring_reduce(Transport& t, char* x, size_t m, DataType dt, ReduceOp op, int shift) {
-  const int n = t.size(), r = t.rank();
+// The reduce-scatter half of a ring, step by step, in place: afterwards member r holds part own(r) = r + shift + 1
+// of x (m elements) reduced over every member (avg divided by `divisor`), in ring order. Returns own(r).
+int ring_reduce(const Ring& ring, char* x, size_t m, DataType dt, ReduceOp op, int shift, int divisor) {
+  const int n = ring.size(), r = ring.pos();
   const size_t esize = dtype_size(dt);
   auto begin = [&](int p) { return part_begin(m, n, p); };
   auto len = [&](int p) { return begin(p + 1) - begin(p); };
   std::vector<char> tmp(len(0) * esize);
-  const int right = mod(r + 1, n), left = mod(r - 1, n);
   for (int k = 0; k < n - 1; ++k) {
     const int s = mod(r + shift - k, n), g = mod(r + shift - k - 1, n);
-    Transport::Op ops[] = {{right, true, x + begin(s) * esize, len(s) * esize},
-                           {left, false, tmp.data(), len(g) * esize}};
-    t.run(ops);
+    Transport::Op ops[] = {{ring.peer(r + 1), true, x + begin(s) * esize, len(s) * esize},
+                           {ring.peer(r - 1), false, tmp.data(), len(g) * esize}};
+    ring.t.run(ops);
     char* part = x + begin(g) * esize;
     reduce(dt, op == ReduceOp::avg ? ReduceOp::sum : op, part, tmp.data(), part, len(g));
   }
   const int own = mod(r + shift + 1, n);
-  if (op == ReduceOp::avg) scale_divide(dt, x + begin(own) * esize, len(own), n);
+  if (op == ReduceOp::avg) scale_divide(dt, x + begin(own) * esize, len(own), divisor);
   return own;
 }
 
-// A ring allreduce of x (m elements, in place): reduce-scatter, then allgather. Each part is reduced by one rank
-// and copied by the others, so every rank has the same bits.
-void ring_in_place(Transport& t, char* x, size_t m, DataType dt, ReduceOp op) {
-  ring_pass(t, x, m, dtype_size(dt), ring_reduce(t, x, m, dt, op, 0));
+// A ring allreduce of x (m elements, in place): reduce-scatter, then allgather. Each part is reduced by one member
+// and copied by the others, so every member has the same bits.
+void ring_in_place(const Ring& ring, char* x, size_t m, DataType dt, ReduceOp op) {
+  ring_pass(ring, x, m, dtype_size(dt), ring_reduce(ring, x, m, dt, op, 0, ring.size()));
 }
 
 // The whole call over TCP, from the inputs (which the switch part never writes): allreduce; reduce_scatter as
@@ -82,13 +92,13 @@ void ring_call(Transport& t, const sw::Call& c) {
   const size_t esize = dtype_size(c.dt), n = static_cast<size_t>(t.size()), block = c.count * esize;
   if (c.share == sw::kScatter) {
     std::vector<char> all(c.in, c.in + n * block);
-    const int own = ring_reduce(t, all.data(), n * c.count, c.dt, c.op, -1);
+    const int own = ring_reduce({t, kWorld}, all.data(), n * c.count, c.dt, c.op, -1, t.size());
     std::memcpy(c.out, all.data() + static_cast<size_t>(own) * block, block);
   } else if (c.share == sw::kGather) {
-    ring_pass(t, c.out, n * c.count, esize, t.rank());
+    ring_pass({t, kWorld}, c.out, n * c.count, esize, t.rank());
   } else {
     if (c.out != c.in) std::memcpy(c.out, c.in, block);
-    ring_in_place(t, c.out, c.count, c.dt, c.op);
+    ring_in_place({t, kWorld}, c.out, c.count, c.dt, c.op);
   }
 }
 
@@ -140,7 +150,7 @@ void finish_with_ring(Transport& t, const sw::Client& client, const sw::Call& a,
   if (orphans.empty()) return;
   std::vector<char> packed;
   for (size_t c : orphans) packed.insert(packed.end(), a.in + c * per * esize, a.in + c * per * esize + bytes_of(c));
-  ring_in_place(t, packed.data(), packed.size() / esize, dt, a.op);
+  ring_in_place({t, kWorld}, packed.data(), packed.size() / esize, dt, a.op);
   size_t off = 0;
   for (size_t c : orphans) {
     std::memcpy(a.out + c * per * esize, packed.data() + off, bytes_of(c));
@@ -165,6 +175,7 @@ void probe(sw::Path& path, Transport& t, const char* what) {
   if (!path.lost_key.empty()) forget(*path.store, std::exchange(path.lost_key, ""));
   if (std::all_of(joined.begin(), joined.end(), [](uint8_t j) { return j == 1; })) {
     path.client = std::move(fresh);  // the old client leaves the old job
+    path.column.reset();               // the next hierarchical call joins its column afresh
     path.gone = false;
     SC_LOG(LogLevel::warn, t.rank(), what) << "every rank reached the switch again (probe at call " << path.calls
                                            << "): calls with algo=switch use it again";
@@ -176,12 +187,17 @@ void probe(sw::Path& path, Transport& t, const char* what) {
                                          << path.next_probe;
 }
 
-void run(sw::Path& path, Transport& t, const sw::Call& a, const char* what) {
+// What became of a call through the switches: why this rank could not finish it (empty: it did), and which
+// ranks did not (empty: every rank finished, or switch_fallback=fail, where a failure throws instead).
+struct Outcome {
+  std::string failure, who;
+};
+
+// Runs `a` through `client` (the job's, or this rank's column's), then, with switch_fallback=ring, every rank
+// tells every other (one byte over TCP) whether it finished.
+Outcome attempt(sw::Path& path, sw::Client& client, Transport& t, const sw::Call& a, std::vector<uint8_t>& done) {
   const uint64_t call = path.calls;  // counted when the call started (through_switch)
-  if (path.gone) probe(path, t, what);  // the ring's lanes ran instead until the probe's call
-  if (path.gone) return ring_call(t, a);
-  std::vector<uint8_t> done(path.client->chunks(a), 0);
-  std::string failure;
+  Outcome o;
   // A rank that loses its own path to a live switch says so in the store: the others, whom the switch keeps
   // answering while it waits for that rank, stop waiting and fall back (or fail) with it. The key names the job
   // (fresh per communicator and per probe) and holds the call it was lost in: a rank that already finished
@@ -203,52 +219,120 @@ void run(sw::Path& path, Transport& t, const sw::Call& a, const char* what) {
                                                                                              : "";
   };
   try {
-    path.client->run(a, done, path.store ? std::function<std::string()>(peers_lost) : nullptr);
+    // An empty call (a column's chunk of a vector shorter than the ranks per host) sends nothing, alike on every
+    // rank of the column, but still says it finished below.
+    if (a.count > 0) client.run(a, done, path.store ? std::function<std::string()>(peers_lost) : nullptr);
   } catch (const sw::SwitchGone& e) {
-    failure = e.what();
+    o.failure = e.what();
     if (path.store && !dynamic_cast<const sw::PeerLostSwitch*>(&e)) {
       try {  // best effort: a store that is gone (its rank failed first) must not hide this failure
         path.store->set(lost, std::to_string(call) + " rank " + std::to_string(t.rank()) + " lost the switch: " +
-                                  failure);
+                                  o.failure);
         path.lost_key = lost;
       } catch (const CommError&) {
       }
     }
-    if (!path.fallback_ring) throw CommError(failure + " (switch_fallback=fail)");
+    if (!path.fallback_ring) throw CommError(o.failure + " (switch_fallback=fail)");
   }
-  if (!path.fallback_ring) return;
-  const uint8_t mine = failure.empty() ? 1 : 0;
+  if (!path.fallback_ring) return o;
+  const uint8_t mine = o.failure.empty() ? 1 : 0;
   std::vector<uint8_t> finished(static_cast<size_t>(t.size()));
   exchange(t, &mine, finished.data(), 1);
-  std::string who;
   for (int p = 0; p < t.size(); ++p)
-    if (!finished[p]) who += (who.empty() ? "" : ",") + std::to_string(p);
-  if (who.empty()) {
-    path.backoff = 0;  // a call through the switches: the next fallback waits `retry` calls again
-    return;
-  }
+    if (!finished[p]) o.who += (o.who.empty() ? "" : ",") + std::to_string(p);
+  if (o.who.empty()) path.backoff = 0;  // a call through the switches: the next fallback waits `retry` calls again
+  return o;
+}
+
+// Every rank agreed that a call did not finish through the switches: this call and the later ones go to TCP.
+void fall_back(sw::Path& path, Transport& t, const Outcome& o, const char* what) {
   path.fall_back();
   SC_LOG(LogLevel::warn, t.rank(), what)
-      << (failure.empty() ? "rank(s) " + who + " lost the switch" : failure)
+      << (o.failure.empty() ? "rank(s) " + o.who + " lost the switch" : o.failure)
       << "; every rank finishes this call, and makes the later ones, with the ring (switch_fallback=ring)"
       << (path.retry ? " until every rank probes the switch again at call " + std::to_string(path.next_probe) : "");
+}
+
+void run(sw::Path& path, Transport& t, const sw::Call& a, const char* what) {
+  if (path.gone) probe(path, t, what);  // the ring's lanes ran instead until the probe's call
+  if (path.gone) return ring_call(t, a);
+  std::vector<uint8_t> done(path.client->chunks(a), 0);
+  const Outcome o = attempt(path, *path.client, t, a, done);
+  if (o.who.empty()) return;
+  fall_back(path, t, o, what);
   if (a.share) return ring_call(t, a);  // every rank still has its input: the switch wrote outputs alone
   finish_with_ring(t, *path.client, a, done);
 }
 
-void through_switch(Builder& b, const Args& a, uint8_t share, const char* what,
-                    void (*ring)(Builder&, const Args&)) {
+// This rank's column client, joined at the first hierarchical call after start-up or a probe. Every rank says
+// whether it could join; false (after falling back, or throwing with switch_fallback=fail) when one could not.
+bool join_column(sw::Path& path, Transport& t, const HostGrid& grid, const char* what) {
+  std::string why;
+  try {
+    path.column = path.make_column(path.epoch, grid.i, grid.h, grid.hosts);
+    path.column->join();
+  } catch (const CommError& e) {
+    why = e.what();
+  }
+  const uint8_t mine = why.empty() ? 1 : 0;
+  std::vector<uint8_t> joined(static_cast<size_t>(t.size()));
+  exchange(t, &mine, joined.data(), 1);
+  Outcome o{why, ""};
+  for (int p = 0; p < t.size(); ++p)
+    if (!joined[p]) o.who += (o.who.empty() ? "" : ",") + std::to_string(p);
+  if (o.who.empty()) return true;
+  if (!path.fallback_ring)
+    throw CommError("rank(s) " + o.who + " could not join the switch for the hierarchical allreduce" +
+                    (why.empty() ? "" : " (" + why + ")") + " (switch_fallback=fail)");
+  fall_back(path, t, o, what);
+  return false;
+}
+
+// The hierarchical allreduce through the switches, each phase over the transport's stream 0: a reduce-scatter
+// ring on each host (local rank i ends with chunk i summed over its host), chunk i through the switches among
+// the i-th ranks of every host (a job of H workers), or a ring among them over TCP where the switches are
+// unusable, and an allgather ring on each host. avg: sums all the way, divided by n once, by chunk i's rank.
+void run_hier(sw::Path& path, Transport& t, const HostGrid& grid, const sw::Call& a, const char* what) {
+  if (path.gone) probe(path, t, what);
+  bool through = !path.gone && (path.column || join_column(path, t, grid, what));
+  const size_t esize = dtype_size(a.dt);
+  const ReduceOp op = a.op == ReduceOp::avg ? ReduceOp::sum : a.op;
+  const Ring local{t, grid.at.local}, cross{t, grid.at.cross};
+  std::vector<char> host_sums(a.in, a.in + a.count * esize);  // intact for a ring across hosts if the switches fail
+  const int i = ring_reduce(local, host_sums.data(), a.count, a.dt, op, -1, 1);
+  const size_t first = part_begin(a.count, grid.k, i), len = part_begin(a.count, grid.k, i + 1) - first;
+  const char* sums = host_sums.data() + first * esize;
+  char* mine = a.out + first * esize;
+  if (through) {
+    const sw::Call column{sums, mine, len, a.dt, op, a.codec, 0};
+    std::vector<uint8_t> done(path.column->chunks(column), 0);
+    const Outcome o = attempt(path, *path.column, t, column, done);
+    if (!o.who.empty()) fall_back(path, t, o, what);
+    through = o.who.empty();
+  }
+  if (!through) {
+    std::memcpy(mine, sums, len * esize);
+    ring_in_place(cross, mine, len, a.dt, op);
+  }
+  if (a.op == ReduceOp::avg) scale_divide(a.dt, mine, len, t.size());
+  ring_pass(local, a.out, a.count, esize, i);
+}
+
+// `lanes` (of algorithm `lanes_algo`): the schedule the call runs instead, pipelined, while the switches are
+// unusable and no probe is due. Decided when the call starts, after every earlier call has finished (the switch
+// part runs alone), so alike on every rank. `hier`: the allreduce goes hierarchical (run_hier).
+void through_switch(Builder& b, const Args& a, uint8_t share, const char* what, void (*lanes)(Builder&, const Args&),
+                    Algorithm lanes_algo = Algorithm::ring, bool hier = false) {
   sw::Path* path = b.cx.sw;
-  // The ring's schedule too: the call runs it, pipelined as algo=ring's, while the switches are unusable and no
-  // probe is due. Decided when the call starts, after every earlier call has finished (the switch part runs
-  // alone), so alike on every rank.
-  ring(b, a);
+  lanes(b, a);
   auto lanes_instead = [path] { return ++path->calls, path->gone && path->calls < path->next_probe; };
   Transport* t = b.cx.transport;
   const DataType dt = b.spec.dtype;
   const ReduceOp op = share == sw::kGather ? ReduceOp::sum : b.spec.op;
   const Codec codec = b.spec.codec;  // identity: raw elements
-  b.exclusive([path, t, a, dt, op, codec, share, what] {
+  std::optional<HostGrid> grid;
+  if (hier) grid = host_grid(*b.cx.hosts, b.cx.rank);
+  b.exclusive([path, t, a, dt, op, codec, share, what, grid] {
     sw::Call c{a.in, a.out, a.count, dt, op, codec.kind() == CodecKind::identity ? nullptr : &codec, share};
     std::vector<char> input;
     const size_t block = a.count * dtype_size(dt), n = static_cast<size_t>(t->size());
@@ -264,8 +348,9 @@ void through_switch(Builder& b, const Args& a, uint8_t share, const char* what,
       if (mine != a.in) std::memmove(mine, a.in, block);
       c.in = mine;
     }
+    if (grid) return run_hier(*path, *t, *grid, c, what);
     run(*path, *t, c, what);
-  }, lanes_instead);
+  }, lanes_instead, lanes_algo);
 }
 
 }  // namespace
@@ -276,6 +361,12 @@ void reduce_scatter_switch(Builder& b, const Args& a) {
 }
 void allgather_switch(Builder& b, const Args& a) {
   through_switch(b, a, sw::kGather, "allgather (switch)", allgather_ring);
+}
+void allreduce_switch_hier(Builder& b, const Args& a) {
+  // Where the switches are unusable, hier's lanes; with a codec (which hier does not take), the ring's.
+  if (b.spec.codec.kind() == CodecKind::identity)
+    return through_switch(b, a, 0, "allreduce (switch_hier)", allreduce_hier, Algorithm::hier, true);
+  through_switch(b, a, 0, "allreduce (switch_hier)", allreduce_ring, Algorithm::ring, true);
 }
 
 }  // namespace smartcoll::coll

@@ -253,6 +253,7 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
   }
   const double link = p.link_Bps * p.efficiency(a);
   bool copy_overlaps = true;
+  double local_latency = 0;  // steps on the host's own connections, where the algorithm's alpha is the switch's
   switch (a) {
     case Algorithm::cma:
     case Algorithm::shm:  // `wire` counts the bytes read from peers' buffers or from the segment
@@ -296,9 +297,25 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
       if (p.switch_Bps > 0 && c != Collective::allgather) k.reduce = n * vector / (switches * p.switch_Bps);
       break;
     }
+    case Algorithm::switch_hier: {
+      // The hierarchical ring's phases on each host around a round trip through the switches (their alpha and
+      // efficiency) of each rank's 1/h of the vector among the ranks with its local index: the host's link carries
+      // the vector once each way, and a switch that is a host takes it from each of the H hosts. Each rank encodes
+      // and decodes its 1/h alone.
+      const double h = std::max(1, q.per_host), hosts = std::max(1, q.hosts), switches = std::max(1, q.switches);
+      local_latency = 2 * (h - 1) * p.alpha(Algorithm::hier);
+      k.copy = 2 * (h - 1) / h * bytes / p.copy_Bps;
+      k.codec /= h;
+      k.reduce = (h - 1) / h * bytes / (p.reduce_Bps * cores);  // the host's reduce-scatter
+      k.link = k.wire_bytes / (p.link_Bps * p.efficiency(Algorithm::switch_));
+      if (p.switch_link_Bps > 0) k.link = std::max(k.link, hosts * bytes / (switches * p.switch_link_Bps));
+      if (p.switch_Bps > 0) k.reduce = std::max(k.reduce, hosts * bytes / (switches * p.switch_Bps));
+      copy_overlaps = false;
+      break;
+    }
     default: k.link = k.wire_bytes / link;
   }
-  k.latency = k.steps * p.alpha(a);
+  k.latency = k.steps * p.alpha(a == Algorithm::switch_hier ? Algorithm::switch_ : a) + local_latency;
   const std::pair<double, const char*> terms[] = {
       {k.link, "link"}, {k.reduce, "reduce"}, {k.codec, "codec"}, {k.mem, "mem"}, {copy_overlaps ? k.copy : 0, "copy"}};
   const auto* top = std::max_element(std::begin(terms), std::end(terms),
@@ -317,7 +334,8 @@ Algorithm cheapest(Collective c, const Query& q, const Profile& p, size_t small_
     const bool switch_ok = c == Collective::allreduce && p.switch_Bps > 0;
     const bool allowed = info.automatic == AlgorithmInfo::Auto::always ||
                          (info.automatic == AlgorithmInfo::Auto::small_only && call_bytes(c, q) <= small_bytes);
-    if (!allowed || !info.unsupported(q).empty() || (info.algo == Algorithm::switch_ && !switch_ok)) continue;
+    const bool through_switch = info.algo == Algorithm::switch_ || info.algo == Algorithm::switch_hier;
+    if (!allowed || !info.unsupported(q).empty() || (through_switch && !switch_ok)) continue;
     const double t = predict(c, info.algo, q, p).total;
     if (best_time < 0 || t < best_time) best = info.algo, best_time = t;
   }

@@ -48,13 +48,19 @@ double ring_wire(int n) { return 2.0 * (n - 1) / n; }
 double share(int n) { return (n - 1.0) / n; }  // all but this rank's 1/n of the vector
 double none(int) { return 0.0; }
 
-std::string needs_hosts(const Query& q) {
-  if (q.compressed) return "it does not support codecs; use ring";
+std::string needs_layout(const Query& q) {
   if (q.hosts < 2 || q.per_host < 2)
     return "it needs several hosts with the same number (at least 2) of ranks each; this job has " +
            std::to_string(q.hosts) + " host(s)" + (q.per_host ? "" : " with different numbers of ranks") +
            " (see Communicator.hosts and the host knob)";
   return "";
+}
+std::string needs_hosts(const Query& q) {
+  return q.compressed ? "it does not support codecs; use ring or switch_hier" : needs_layout(q);
+}
+std::string needs_switch_hosts(const Query& q) {
+  const std::string why = needs_switch(q);
+  return why.empty() ? needs_layout(q) : why;
 }
 
 // Same host, small calls: every rank copies its input into the segment and, once all have, computes its output
@@ -87,6 +93,11 @@ constexpr AlgorithmInfo kAllreduceAlgos[] = {
     // Each rank sends its vector once and receives the sum once, whatever n; the switch adds one hop each way.
     {Algorithm::switch_, "in-network aggregation: the switches of the switch knob sum chunks as they arrive",
      allreduce_switch, needs_switch, [](int) { return 2.0; }, [](int) { return 1.0; }, none},
+    // Per rank as the switch's, 1/k of the vector from each of a host's k ranks; cost.cc has the host's link.
+    {Algorithm::switch_hier,
+     "hierarchical through the switches: reduce-scatter on each host, chunk i through the switches among the i-th "
+     "ranks of every host, allgather on each host; a host's link carries the vector once each way, any codec",
+     allreduce_switch_hier, needs_switch_hosts, [](int) { return 2.0; }, [](int) { return 1.0; }, share},
 };
 // Same host, the other collectives: one exchange of addresses, single-copy reads, one closing barrier.
 constexpr AlgorithmInfo kCmaGather = {Algorithm::cma, "same host: each rank reads its peers' blocks once", same_host_cma,
@@ -183,10 +194,9 @@ constexpr AlgorithmInfo kBarrierAlgos[] = {
 // auto without a profile, where a switch is set: the switch when the built-in cost model predicts it faster than
 // the ring for this size and world (each rank moves S each way where the ring moves 2(n-1)/n S, against one
 // round trip through the switch where the ring pays 2(n-1) steps): from 3 ranks on, above the small sizes.
-bool switch_beats_ring(const Query& q) {
+bool faster(Algorithm a, Algorithm than, const Query& q) {
   static const Profile builtin = Profile::builtin();
-  return predict(Collective::allreduce, Algorithm::switch_, q, builtin).total <
-         predict(Collective::allreduce, Algorithm::ring, q, builtin).total;
+  return predict(Collective::allreduce, a, q, builtin).total < predict(Collective::allreduce, than, q, builtin).total;
 }
 
 }  // namespace
@@ -275,8 +285,12 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
       // ranks (n < 4 folds into two) it sends what halving-doubling does in one step instead of two.
       if (small) return q.bytes <= 8192 || q.n < 4 ? Algorithm::rd : Algorithm::rhd;
       if (same_host) return Algorithm::cma;
-      if (needs_hosts(q).empty()) return Algorithm::hier;
-      if (q.switch_set && switch_beats_ring(q)) return Algorithm::switch_;
+      // Several ranks per host with a switch: the switches take one host's share (1/k of the vector from each of its
+      // k ranks) where the hierarchical ring sends 2(H-1)/H of it over each host's link, from 3 hosts on.
+      if (needs_hosts(q).empty())
+        return q.switch_set && faster(Algorithm::switch_hier, Algorithm::hier, q) ? Algorithm::switch_hier
+                                                                                   : Algorithm::hier;
+      if (q.switch_set && faster(Algorithm::switch_, Algorithm::ring, q)) return Algorithm::switch_;
       return Algorithm::ring;
     case Collective::allgather:
       if (small_total) return q.compressed ? Algorithm::ring : Algorithm::bruck;

@@ -37,7 +37,8 @@ std::string call_name(uint8_t coll, uint64_t seq, int rank) {
 
 std::string_view algorithm_name(Algorithm a) {
   constexpr std::string_view names[] = {"auto", "ring", "rhd",  "chain", "direct",       "local",
-                                        "cma",  "tree", "rd",   "bruck", "dissemination", "hier", "switch", "pairwise", "shm"};
+                                        "cma",  "tree", "rd",   "bruck", "dissemination", "hier", "switch", "pairwise", "shm",
+                                        "switch_hier"};
   return names[static_cast<int>(a)];
 }
 
@@ -310,6 +311,10 @@ void Communicator::join_switches() {
   switch_->make_client = [rank = rank_, size = size_, settings, key, id = config_->job_id](uint64_t epoch) {
     return std::make_unique<sw::Client>(rank, size, settings, key,
                                         sw::job_tag(key, epoch ? id + "/" + std::to_string(epoch) : id));
+  };
+  switch_->make_column = [settings, key, id = config_->job_id](uint64_t epoch, int index, int rank, int world) {
+    const std::string tag = id + "/column" + std::to_string(index) + (epoch ? "/" + std::to_string(epoch) : "");
+    return std::make_unique<sw::Client>(rank, world, settings, key, sw::job_tag(key, tag));
   };
   switch_->client = switch_->make_client(0);
   std::string why;

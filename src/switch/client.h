@@ -128,6 +128,10 @@ struct Path {
   int backoff = 0;
   uint64_t epoch = 0;       // probes so far: each joins a fresh job, whatever the last one left at the switch
   std::function<std::unique_ptr<Client>(uint64_t epoch)> make_client;
+  // The hierarchical allreduce's client (algo=switch_hier): this rank's column, the ranks with its local index on
+  // every host, joined as a job of its own at the first such call (and again after each probe that succeeds).
+  std::unique_ptr<Client> column;
+  std::function<std::unique_ptr<Client>(uint64_t epoch, int index, int rank, int world)> make_column;
   // Where a rank that lost its switch says so (key switch/lost/<job id>, value "<call> <why>"), so that the others
   // stop waiting for it in that call and every later one.
   std::shared_ptr<Store> store;
@@ -139,6 +143,7 @@ struct Path {
     gone = true;
     schedule_probe();
     if (client) client->leave();
+    if (column) column->leave();
   }
   void schedule_probe() {
     next_probe = retry ? calls + (retry << std::min(backoff, 6)) : UINT64_MAX;

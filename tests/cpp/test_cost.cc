@@ -72,6 +72,58 @@ TEST(CostModel, HierarchicalHandWorked) {
   EXPECT_NEAR(bc.total, 4e-4 + 4 * kMiB / 1e8, 1e-12);
 }
 
+TEST(CostModel, HierarchicalSwitchHandWorked) {
+  Profile p = link_only(1e-4, 1e8);
+  p.copy_Bps = 1e9;
+  p.alpha_algo["switch"] = 3e-4;
+  p.switch_Bps = 1e30;
+  Query q = call(8, 4 * kMiB);  // 4 hosts x 2 ranks
+  q.hosts = 4, q.per_host = 2;
+  q.switch_set = true;
+  // A round trip through the switches (2 steps at the switch's alpha) and the 2(k-1) = 2 steps of the host's
+  // reduce-scatter and allgather (at hier's); the host's link carries the vector once, half from each rank,
+  // against 2(H-1)/H = 1.5 times for hier; the host's copies 2(k-1)/k of the vector first.
+  const Cost k = predict(Collective::allreduce, Algorithm::switch_hier, q, p);
+  EXPECT_DOUBLE_EQ(k.steps, 2);
+  EXPECT_DOUBLE_EQ(k.wire_bytes, 4 * kMiB);
+  EXPECT_NEAR(k.total, 2 * 3e-4 + 2 * 1e-4 + 4 * kMiB / 1e8 + 4 * kMiB / 1e9, 1e-12);
+  EXPECT_LT(k.total, predict(Collective::allreduce, Algorithm::hier, q, p).total);
+  // A switch that is a host takes the vector from each of the 4 hosts over its one link (not from each of the 8
+  // ranks, as the flat switch's does).
+  p.switch_link_Bps = 1e8;
+  EXPECT_NEAR(predict(Collective::allreduce, Algorithm::switch_hier, q, p).link, 4 * 4 * kMiB / 1e8, 1e-12);
+  EXPECT_NEAR(predict(Collective::allreduce, Algorithm::switch_, q, p).link, 8 * 4 * kMiB / 1e8, 1e-12);
+  // With a codec each rank encodes and decodes its half alone.
+  p.switch_link_Bps = 0;
+  p.codecs["bfp16"] = {1e9, 1e9};
+  const Cost c = predict(Collective::allreduce, Algorithm::switch_hier, q, p, "bfp16");
+  EXPECT_NEAR(c.codec, 4 * kMiB * 2 / 1e9 / 2, 1e-12);
+  EXPECT_NEAR(c.wire_bytes, 4 * kMiB / Codec::parse("bfp16").ratio(), 1e-6);
+}
+
+// auto without a profile, several ranks per host: the hierarchical ring, or through the switches where one is set
+// and the built-in model predicts it faster (from 3 hosts on); never on one host or with hosts of unequal size.
+TEST(CostModel, AutoTakesTheSwitchHierarchicallyFromThreeHosts) {
+  auto pick = [](int hosts, bool switch_set, int per_host = 2) {
+    Query q = call(hosts * 2, 16 * kMiB);
+    q.hosts = hosts, q.per_host = per_host, q.switch_set = switch_set;
+    return choose(Collective::allreduce, q, Algorithm::automatic, 262144);
+  };
+  EXPECT_EQ(pick(4, true), Algorithm::switch_hier);
+  EXPECT_EQ(pick(8, true), Algorithm::switch_hier);
+  EXPECT_EQ(pick(2, true), Algorithm::hier);
+  EXPECT_EQ(pick(4, false), Algorithm::hier);
+  EXPECT_EQ(pick(4, true, 0), Algorithm::switch_);  // unequal hosts: the flat switch
+  Query one_host = call(4, 16 * kMiB);
+  one_host.hosts = 1, one_host.per_host = 4, one_host.switch_set = true;
+  try {
+    choose(Collective::allreduce, one_host, Algorithm::switch_hier, 262144);
+    FAIL() << "switch_hier on one host";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("several hosts"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CostModel, FoldOnlyOffPowersOfTwo) {
   // rhd and rd run among the largest power of two p <= n; n - p extra ranks fold in: 2 more steps, 1 more vector.
   const Profile p = link_only(1, 1e30);

@@ -42,9 +42,13 @@ def gate(outdir: Path, name: str, rank: int) -> None:
         time.sleep(0.02)
 
 
+# The switch algorithm the scenarios run: switch, or switch_hier where the test gives the ranks a host layout.
+ALGO = os.environ.get("TEST_SWITCH_ALGO", "switch")
+
+
 def against_ring(comm, count: int, dtype: str, op: str) -> None:
     x = values(comm.rank, count, dtype)
-    via_switch = comm.allreduce(x.copy(), op=op, algo="switch")
+    via_switch = comm.allreduce(x.copy(), op=op, algo=ALGO)
     via_ring = comm.allreduce(x.copy(), op=op, algo="ring")
     assert via_switch.tobytes() == via_ring.tobytes(), f"{dtype} {op} {count}: switch and ring differ"
 
@@ -59,6 +63,43 @@ def scenario_matrix(comm, outdir: Path) -> dict:
                 against_ring(comm, count, dtype, op)
                 checked += 1
     return {"checked": checked}
+
+
+def scenario_hier(comm, outdir: Path) -> dict:
+    """algo=switch_hier against the ring bit for bit, every dtype and op, in place and not, vectors shorter than
+    the ranks per host included; each call says it ran switch_hier."""
+    checked = 0
+    for dtype in DTYPES:
+        for op in OPS:
+            if op == "avg" and dtype.startswith("int"):
+                continue
+            for count in (1, 3, 1003, 70001):
+                x = values(comm.rank, count, dtype)
+                req = comm.iallreduce(x.copy(), op=op, algo="switch_hier")
+                via_switch = req.wait()
+                assert req.algorithm == "switch_hier", req.algorithm
+                out = comm.allreduce(x, op=op, out=np.empty_like(x), algo="switch_hier")
+                via_ring = comm.allreduce(x.copy(), op=op, algo="ring")
+                assert via_switch.tobytes() == via_ring.tobytes(), f"{dtype} {op} {count}: switch_hier and ring differ"
+                assert out.tobytes() == via_ring.tobytes(), f"{dtype} {op} {count}: out of place"
+                checked += 1
+    return {"checked": checked, "hosts": comm.hosts, "auto": comm.allreduce_algorithm(1 << 22)}
+
+
+def scenario_hier_codec(comm, outdir: Path) -> dict:
+    """switch_hier with the job's codec (SMARTCOLL_CODEC): every rank gets the same bits, within bfp16's error of
+    the float64 sum (each host's partial sums are encoded once)."""
+    rng = np.random.default_rng(7 + comm.rank)
+    x = rng.standard_normal(200003).astype(np.float32)
+    got = comm.allreduce(x.copy(), algo="switch_hier")
+    everyone = comm.allgather(got, np.empty(got.size * comm.size, np.float32), algo="ring", codec="identity")
+    for r in range(comm.size):
+        assert everyone[r * got.size:(r + 1) * got.size].tobytes() == got.tobytes(), f"rank {r} got other bits"
+    inputs = comm.allgather(x, np.empty(x.size * comm.size, np.float32), algo="ring", codec="identity")
+    exact = inputs.reshape(comm.size, -1).astype(np.float64).sum(axis=0)
+    err = np.abs(got - exact).max() / np.abs(exact).max()
+    assert err < 2 ** -6, f"relative error {err} against the float64 sum"
+    return {"checked": 1, "error": float(err)}
 
 
 def scenario_scatter_gather(comm, outdir: Path) -> dict:

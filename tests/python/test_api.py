@@ -367,7 +367,7 @@ def test_knobs_table():
         assert len(k.description) >= 20 and k.description.strip() == k.description, k
         assert k.type in ("int", "float", "str") or k.type.startswith("choice:"), k
     by_name = {k.name: k for k in table}
-    assert by_name["algo"].default == "auto" and by_name["algo"].type == "choice:auto|ring|rhd|rd|cma|shm|hier|switch"
+    assert by_name["algo"].default == "auto" and by_name["algo"].type == "choice:auto|ring|rhd|rd|cma|shm|hier|switch|switch_hier"
     assert by_name["segment_size"].default == "262144"
     assert by_name["streams"].default == "1"
 

@@ -138,6 +138,42 @@ def test_reduce_scatter_and_allgather_through_the_switch_match_the_ring(tmp_path
     assert "jobs joined 1, left 1" in final, final
 
 
+def two_hosts(n: int = 4) -> dict:
+    """The host knob per rank: ranks 0, 1 on one host, 2, 3 on another."""
+    return {r: {"SMARTCOLL_HOST": f"h{r // 2}"} for r in range(n)}
+
+
+def test_hierarchical_switch_allreduce_matches_the_ring(tmp_path, cli_switch):
+    """algo=switch_hier with 2 hosts of 2 ranks: bit for bit the ring's, under loss and duplication; the switch
+    holds the job and one job per column of ranks (local index 0 and 1), and every one of them leaves."""
+    sw = cli_switch("--threads", "2", "--drop", "0.01", "--dup", "0.01")
+    outdir, results = run_scenario(tmp_path, 4, "hier", switch_env(sw.address), rank_env=two_hosts())
+    got = assert_ok(outdir, 4, results)
+    assert got[0]["checked"] == (2 * 4 + 2 * 3) * 4, got[0]  # 2 float dtypes x 4 ops, 2 integer x 3 ops; 4 counts
+    assert got[0]["hosts"] == [0, 0, 1, 1], got[0]
+    assert got[0]["auto"] == "hier", got[0]  # 2 hosts: the built-in model prefers the ring's fewer round trips
+    final = sw.stop()
+    assert "jobs joined 3, left 3" in final, final
+
+
+def test_hierarchical_switch_allreduce_with_a_codec(tmp_path, cli_switch):
+    sw = cli_switch()
+    outdir, results = run_scenario(tmp_path, 4, "hier_codec", switch_env(sw.address, codec="bfp16"),
+                                   rank_env=two_hosts())
+    assert_ok(outdir, 4, results)
+
+
+def test_hierarchical_switch_killed_mid_job_falls_back(tmp_path, cli_switch):
+    """The switch dies between calls of switch_hier: every rank finishes the next call over TCP and goes on with
+    the hierarchical ring, results still the ring's."""
+    sw = cli_switch()
+    env = {**switch_env(sw.address), "TEST_SWITCH_ALGO": "switch_hier"}
+    outdir, results, _ = killed_between_calls(tmp_path, sw, 4, env, rank_env=two_hosts())
+    assert_ok(outdir, 4, results)
+    warned = [r for r in results if "switch_hier" in r.stderr and "with the ring" in r.stderr]
+    assert warned, describe(results)
+
+
 def test_loss_duplication_and_reordering_change_nothing(tmp_path, cli_switch):
     stats = tmp_path / "stats.json"
     sw = cli_switch("--drop", "0.01", "--dup", "0.01", "--reorder", "0.05", "--stats-json", str(stats),
@@ -228,21 +264,28 @@ def test_forged_and_wrong_secret_senders_are_ignored_and_counted(tmp_path, inpro
     assert s["unknown_job"] == 1, s
 
 
-def test_switch_killed_mid_job_falls_back_to_the_ring(tmp_path, cli_switch):
-    sw = cli_switch()
-    outdir = tmp_path / "gated"
-    outdir.mkdir()
+def killed_between_calls(tmp_path: Path, sw: CliSwitch, n: int, env: dict, **kw):
+    """n ranks of the "gated" scenario; the switch is killed while they wait at the gate, then they go on.
+    Returns (outdir, results, when the gate opened) once they have ended."""
     import threading
 
+    outdir = tmp_path / "gated"
+    outdir.mkdir()
     box = {}
     t = threading.Thread(target=lambda: box.update(
-        results=run_ranks(3, ["gated", outdir], env=switch_env(sw.address), timeout=60, worker=WORKER)))
+        results=run_ranks(n, ["gated", outdir], env=env, timeout=60, worker=WORKER, **kw)))
     t.start()
-    open_gate(outdir, 3)
+    open_gate(outdir, n)
     sw.kill()
+    box["gate_opened"] = time.monotonic()
     (outdir / "go").touch()
     t.join(timeout=60)
-    results = box["results"]
+    return outdir, box["results"], box["gate_opened"]
+
+
+def test_switch_killed_mid_job_falls_back_to_the_ring(tmp_path, cli_switch):
+    sw = cli_switch()
+    outdir, results, _ = killed_between_calls(tmp_path, sw, 3, switch_env(sw.address))
     assert_ok(outdir, 3, results)
     warned = [r for r in results if "falls back" in r.stderr or "with the ring" in r.stderr]
     assert warned, describe(results)
@@ -252,21 +295,9 @@ def test_switch_killed_mid_job_falls_back_to_the_ring(tmp_path, cli_switch):
 
 def test_switch_killed_mid_job_fails_clearly_when_told_to(tmp_path, cli_switch):
     sw = cli_switch()
-    outdir = tmp_path / "gated"
-    outdir.mkdir()
-    import threading
-
-    box = {}
     env = switch_env(sw.address, switch_fallback="fail", switch_timeout="1")
-    t = threading.Thread(target=lambda: box.update(
-        results=run_ranks(2, ["gated", outdir], env=env, timeout=60, worker=WORKER)))
-    t.start()
-    open_gate(outdir, 2)
-    sw.kill()
-    gate_opened = time.monotonic()
-    (outdir / "go").touch()
-    t.join(timeout=60)
-    got = outcomes(outdir, 2, box["results"])
+    outdir, results, gate_opened = killed_between_calls(tmp_path, sw, 2, env)
+    got = outcomes(outdir, 2, results)
     for o in got:
         assert not o["ok"], o
         assert f"switch {sw.address} stopped answering" in o["error"], o["error"]
