@@ -481,30 +481,25 @@ with smartcoll.init(timeout=30) as comm:
 """
 
 
-@pytest.mark.parametrize("coll, cyclic, algo", [("allreduce", False, "auto"), ("allgather", False, "hier"),
-                                                ("allgather", True, "auto")])
-def test_hierarchical_two_ranks_per_host(cluster4, tmp_path, coll, cyclic, algo):
-    """8 ranks, 2 per host (smartcoll run --ranks-per-host, in blocks or with --cyclic round robin): the layout is
-    learned, allreduce goes hierarchical, and so does allgather where it is asked to or the ranks are interleaved;
-    results are exact, and each host sends what one host must across its link: 2(H-1)/H of allreduce's vector,
-    the k(H-1) blocks of allgather (a flat ring: kH-1 from the host's last rank, or about k(kH-1) interleaved)."""
-    count = 2 << 20
+def sent_in_one_call(cluster, tmp_path, coll: str, algo: str, count: int, cyclic: bool = False):
+    """Runs HIER with 2 ranks per host on `cluster`: returns the ranks' READY lines (layout and auto's allreduce
+    choice) and the bytes each host sent over its link during the one call, once every rank said HIER OK."""
+    n = 2 * cluster.size
     script = tmp_path / "hier.py"
     script.write_text(HIER)
-    cmd = [sys.executable, "-m", "smartcoll.tools.cli", "run", "--cluster", cluster4.name, "--ranks-per-host", "2",
+    cmd = [sys.executable, "-m", "smartcoll.tools.cli", "run", "--cluster", cluster.name, "--ranks-per-host", "2",
            "--timeout", "120"] + (["--cyclic"] if cyclic else []) + [
                "--", sys.executable, str(script), str(count), str(tmp_path / "go"), coll, algo]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
-        while sum("READY" in line for line in lines) < 8:
+        while sum("READY" in line for line in lines) < n:
             line = proc.stdout.readline()
             assert line, "".join(lines)
             lines.append(line)
-        layout = "[0, 1, 2, 3, 0, 1, 2, 3]" if cyclic else "[0, 0, 1, 1, 2, 2, 3, 3]"
-        assert all(f"{layout} hier" in line for line in lines if "READY" in line), "".join(lines)
+
         def sent() -> list[int]:
-            counters = cluster4.counters()
+            counters = cluster.counters()
             return [counters[h]["host"]["tx_bytes"] for h in sorted(counters)]
 
         before = sent()
@@ -513,8 +508,39 @@ def test_hierarchical_two_ranks_per_host(cluster4, tmp_path, coll, cyclic, algo)
         after = sent()
     finally:
         proc.kill()
-    assert proc.returncode == 0 and out.count("HIER OK") == 8, out
+    assert proc.returncode == 0 and out.count("HIER OK") == n, out
+    return [line for line in lines if "READY" in line], [a - b for a, b in zip(after, before)]
+
+
+@pytest.mark.parametrize("coll, cyclic, algo", [("allreduce", False, "auto"), ("allgather", False, "hier"),
+                                                ("allgather", True, "auto")])
+def test_hierarchical_two_ranks_per_host(cluster4, tmp_path, coll, cyclic, algo):
+    """8 ranks, 2 per host (smartcoll run --ranks-per-host, in blocks or with --cyclic round robin): the layout is
+    learned, allreduce goes hierarchical, and so does allgather where it is asked to or the ranks are interleaved;
+    results are exact, and each host sends what one host must across its link: 2(H-1)/H of allreduce's vector,
+    the k(H-1) blocks of allgather (a flat ring: kH-1 from the host's last rank, or about k(kH-1) interleaved)."""
+    count = 2 << 20
+    ready, sent = sent_in_one_call(cluster4, tmp_path, coll, algo, count, cyclic)
+    layout = "[0, 1, 2, 3, 0, 1, 2, 3]" if cyclic else "[0, 0, 1, 1, 2, 2, 3, 3]"
+    assert all(f"{layout} hier" in line for line in ready), "".join(ready)
     hosts, per_host = 4, 2
     share = (2 * (hosts - 1) / hosts if coll == "allreduce" else per_host * (hosts - 1)) * count * 4
-    for h, (b, a) in enumerate(zip(before, after)):
-        assert share <= a - b <= 1.1 * share, f"host {h} sent {a - b} bytes, one host's share is {share:.0f}"
+    for h, b in enumerate(sent):
+        assert share <= b <= 1.1 * share, f"host {h} sent {b} bytes, one host's share is {share:.0f}"
+
+
+def test_hierarchical_allreduce_through_the_switch(tmp_path):
+    """3 hosts x 2 ranks with the aggregation switch in the switch namespace: auto picks switch_hier, results are
+    exact, and each host sends its vector once across its link (the flat switch: once per rank, twice here),
+    plus the datagrams' headers (48 bytes per 1408)."""
+    from cluster_fixture import new_cluster
+
+    c = new_cluster(3, "1gbit", "switch", aggregator="switch", aggregator_threads=1)
+    try:
+        count = 2 << 20
+        ready, sent = sent_in_one_call(c, tmp_path, "allreduce", "auto", count)
+    finally:
+        cl.down(c.name)
+    assert all("[0, 0, 1, 1, 2, 2] switch_hier" in line for line in ready), "".join(ready)
+    for h, b in enumerate(sent):
+        assert count * 4 <= b <= 1.1 * count * 4, f"host {h} sent {b} bytes, its vector is {count * 4}"
