@@ -171,7 +171,8 @@ class Communicator:
     @property
     def hosts(self) -> list[int]:
         """The host of every rank, numbered from 0 in order of first appearance (the `host` knob, or detected).
-        With several hosts of as many ranks each, allreduce goes hierarchical (algo "hier"), and so do allgather,
+        With several hosts of as many ranks each, allreduce goes hierarchical (algo "hier", or "switch_hier" through
+        an aggregation switch from 3 hosts on), and so do allgather,
         reduce_scatter, broadcast and reduce where each host's ranks are not consecutive."""
         return list(self._core.hosts)
 

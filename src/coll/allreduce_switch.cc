@@ -17,7 +17,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
 #include <optional>
+#include <stdexcept>
+#include <thread>
 #include <utility>
 
 #include "coll/algorithms.h"
@@ -193,11 +198,12 @@ struct Outcome {
   std::string failure, who;
 };
 
-// Runs `a` through `client` (the job's, or this rank's column's), then, with switch_fallback=ring, every rank
-// tells every other (one byte over TCP) whether it finished.
-Outcome attempt(sw::Path& path, sw::Client& client, Transport& t, const sw::Call& a, std::vector<uint8_t>& done) {
+// Runs `a` through `client` (the job's, or this rank's column's): returns why this rank could not finish it
+// (empty: it did). With switch_fallback=fail that throws instead.
+std::string run_through(sw::Path& path, sw::Client& client, Transport& t, const sw::Call& a,
+                        std::vector<uint8_t>& done) {
   const uint64_t call = path.calls;  // counted when the call started (through_switch)
-  Outcome o;
+  std::string failure;
   // A rank that loses its own path to a live switch says so in the store: the others, whom the switch keeps
   // answering while it waits for that rank, stop waiting and fall back (or fail) with it. The key names the job
   // (fresh per communicator and per probe) and holds the call it was lost in: a rank that already finished
@@ -223,17 +229,24 @@ Outcome attempt(sw::Path& path, sw::Client& client, Transport& t, const sw::Call
     // rank of the column, but still says it finished below.
     if (a.count > 0) client.run(a, done, path.store ? std::function<std::string()>(peers_lost) : nullptr);
   } catch (const sw::SwitchGone& e) {
-    o.failure = e.what();
+    failure = e.what();
     if (path.store && !dynamic_cast<const sw::PeerLostSwitch*>(&e)) {
       try {  // best effort: a store that is gone (its rank failed first) must not hide this failure
         path.store->set(lost, std::to_string(call) + " rank " + std::to_string(t.rank()) + " lost the switch: " +
-                                  o.failure);
+                                  failure);
         path.lost_key = lost;
       } catch (const CommError&) {
       }
     }
-    if (!path.fallback_ring) throw CommError(o.failure + " (switch_fallback=fail)");
+    if (!path.fallback_ring) throw CommError(failure + " (switch_fallback=fail)");
   }
+  return failure;
+}
+
+// With switch_fallback=ring, every rank tells every other (one byte over TCP) whether it finished its part
+// through the switches (`failure` empty).
+Outcome agree(sw::Path& path, Transport& t, const std::string& failure) {
+  Outcome o{failure, ""};
   if (!path.fallback_ring) return o;
   const uint8_t mine = o.failure.empty() ? 1 : 0;
   std::vector<uint8_t> finished(static_cast<size_t>(t.size()));
@@ -257,7 +270,7 @@ void run(sw::Path& path, Transport& t, const sw::Call& a, const char* what) {
   if (path.gone) probe(path, t, what);  // the ring's lanes ran instead until the probe's call
   if (path.gone) return ring_call(t, a);
   std::vector<uint8_t> done(path.client->chunks(a), 0);
-  const Outcome o = attempt(path, *path.client, t, a, done);
+  const Outcome o = agree(path, t, run_through(path, *path.client, t, a, done));
   if (o.who.empty()) return;
   fall_back(path, t, o, what);
   if (a.share) return ring_call(t, a);  // every rank still has its input: the switch wrote outputs alone
@@ -288,34 +301,113 @@ bool join_column(sw::Path& path, Transport& t, const HostGrid& grid, const char*
   return false;
 }
 
-// The hierarchical allreduce through the switches, each phase over the transport's stream 0: a reduce-scatter
-// ring on each host (local rank i ends with chunk i summed over its host), chunk i through the switches among
-// the i-th ranks of every host (a job of H workers), or a ring among them over TCP where the switches are
-// unusable, and an allgather ring on each host. avg: sums all the way, divided by n once, by chunk i's rank.
+// The hierarchical allreduce through the switches. The vector is cut into pieces; in each, chunk i (of k) belongs
+// to the host's i-th rank. A helper thread runs the host's phases over the transport's stream 0 while this one
+// sends chunks through the switches, so that they overlap: a reduce-scatter ring on the host (piece p's chunk i
+// summed over the host), then, once that piece's chunk is back from the switches (summed among the i-th ranks of
+// every host, a job of H workers), an allgather ring on the host. Each does the same pieces in the same order on
+// every rank, whatever the switches did, so the host's rings never mismatch; the transport is used by one thread
+// at a time (the switch part does not touch it). If the switches fail anywhere (every rank learns it afterwards),
+// each piece's chunk is summed again by a ring across hosts over TCP from the host sums (which nothing else
+// writes) and gathered on the host again. avg: sums all the way, divided by n once, by the chunk's rank.
 void run_hier(sw::Path& path, Transport& t, const HostGrid& grid, const sw::Call& a, const char* what) {
   if (path.gone) probe(path, t, what);
   bool through = !path.gone && (path.column || join_column(path, t, grid, what));
   const size_t esize = dtype_size(a.dt);
   const ReduceOp op = a.op == ReduceOp::avg ? ReduceOp::sum : a.op;
   const Ring local{t, grid.at.local}, cross{t, grid.at.cross};
-  std::vector<char> host_sums(a.in, a.in + a.count * esize);  // intact for a ring across hosts if the switches fail
-  const int i = ring_reduce(local, host_sums.data(), a.count, a.dt, op, -1, 1);
-  const size_t first = part_begin(a.count, grid.k, i), len = part_begin(a.count, grid.k, i + 1) - first;
-  const char* sums = host_sums.data() + first * esize;
-  char* mine = a.out + first * esize;
-  if (through) {
-    const sw::Call column{sums, mine, len, a.dt, op, a.codec, 0};
-    std::vector<uint8_t> done(path.column->chunks(column), 0);
-    const Outcome o = attempt(path, *path.column, t, column, done);
-    if (!o.who.empty()) fall_back(path, t, o, what);
-    through = o.who.empty();
+  std::vector<char> host_sums(a.in, a.in + a.count * esize);
+  // Pieces of at least 2 MiB, at most 8: enough to overlap the phases, few round trips through the switches.
+  constexpr size_t kPieceBytes = size_t{2} << 20;
+  const int pieces = static_cast<int>(std::clamp<size_t>(a.count * esize / kPieceBytes, 1, 8));
+  struct Piece {
+    size_t begin, len;  // the piece, in elements of the vector
+    size_t first, mine;  // this rank's chunk of it: [first, first + mine)
+  };
+  std::vector<Piece> piece(static_cast<size_t>(pieces));
+  for (int p = 0; p < pieces; ++p) {
+    Piece& x = piece[static_cast<size_t>(p)];
+    x.begin = part_begin(a.count, pieces, p);
+    x.len = part_begin(a.count, pieces, p + 1) - x.begin;
+    x.first = x.begin + part_begin(x.len, grid.k, grid.i);
+    x.mine = x.begin + part_begin(x.len, grid.k, grid.i + 1) - x.first;
   }
-  if (!through) {
-    std::memcpy(mine, sums, len * esize);
-    ring_in_place(cross, mine, len, a.dt, op);
+  auto gather_on_host = [&](const Piece& x) { ring_pass(local, a.out + x.begin * esize, x.len, esize, grid.i); };
+  auto sum_on_host = [&](const Piece& x) {
+    const int own = ring_reduce(local, host_sums.data() + x.begin * esize, x.len, a.dt, op, -1, 1);
+    if (own != grid.i) throw std::logic_error("the host's reduce-scatter ended on another chunk");
+  };
+
+  if (!through) {  // the switches are unusable: one piece after the other, every phase over TCP
+    for (const Piece& x : piece) sum_on_host(x);
+  } else {
+    std::mutex mu;
+    std::condition_variable cv;
+    int summed = 0, returned = 0;  // pieces summed on the host (helper), back from the switches (this thread)
+    std::exception_ptr helper_error;
+    std::thread helper([&] {
+      auto mark = [&](int& counter, int value) {
+        std::lock_guard lock(mu);
+        counter = value;
+        cv.notify_all();
+      };
+      try {
+        for (int p = 0; p <= pieces; ++p) {
+          if (p < pieces) sum_on_host(piece[static_cast<size_t>(p)]);
+          mark(summed, std::min(p + 1, pieces));
+          if (p == 0) continue;
+          std::unique_lock lock(mu);
+          cv.wait(lock, [&] { return returned >= p; });
+          lock.unlock();
+          gather_on_host(piece[static_cast<size_t>(p - 1)]);  // garbage where the switches failed: redone below
+        }
+      } catch (...) {
+        helper_error = std::current_exception();
+        mark(summed, pieces);
+      }
+    });
+    std::string failure;
+    std::exception_ptr error;
+    try {
+      for (int p = 0; p < pieces; ++p) {
+        {
+          std::unique_lock lock(mu);
+          cv.wait(lock, [&] { return summed > p; });
+        }
+        const Piece& x = piece[static_cast<size_t>(p)];
+        if (failure.empty() && !helper_error) {
+          const sw::Call column{host_sums.data() + x.first * esize, a.out + x.first * esize, x.mine, a.dt, op,
+                                a.codec, 0};
+          std::vector<uint8_t> done(path.column->chunks(column), 0);
+          failure = run_through(path, *path.column, t, column, done);
+          if (failure.empty() && a.op == ReduceOp::avg) scale_divide(a.dt, a.out + x.first * esize, x.mine, t.size());
+        }
+        std::lock_guard lock(mu);
+        returned = p + 1;
+        cv.notify_all();
+      }
+    } catch (...) {
+      error = std::current_exception();
+    }
+    {
+      std::lock_guard lock(mu);
+      returned = pieces;
+      cv.notify_all();
+    }
+    helper.join();
+    if (helper_error) std::rethrow_exception(helper_error);
+    if (error) std::rethrow_exception(error);
+    const Outcome o = agree(path, t, failure);
+    if (o.who.empty()) return;
+    fall_back(path, t, o, what);
   }
-  if (a.op == ReduceOp::avg) scale_divide(a.dt, mine, len, t.size());
-  ring_pass(local, a.out, a.count, esize, i);
+  for (const Piece& x : piece) {
+    char* mine = a.out + x.first * esize;
+    std::memcpy(mine, host_sums.data() + x.first * esize, x.mine * esize);
+    ring_in_place(cross, mine, x.mine, a.dt, op);
+    if (a.op == ReduceOp::avg) scale_divide(a.dt, mine, x.mine, t.size());
+    gather_on_host(x);
+  }
 }
 
 // `lanes` (of algorithm `lanes_algo`): the schedule the call runs instead, pipelined, while the switches are

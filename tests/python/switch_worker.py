@@ -83,6 +83,11 @@ def scenario_hier(comm, outdir: Path) -> dict:
                 assert via_switch.tobytes() == via_ring.tobytes(), f"{dtype} {op} {count}: switch_hier and ring differ"
                 assert out.tobytes() == via_ring.tobytes(), f"{dtype} {op} {count}: out of place"
                 checked += 1
+    for dtype, op in (("float32", "sum"), ("int64", "max"), ("float64", "avg")):  # 5-10 MiB: in pieces
+        x = values(comm.rank, (5 << 20) // 4 + 7, dtype)
+        via_switch = comm.allreduce(x.copy(), op=op, algo="switch_hier")
+        assert via_switch.tobytes() == comm.allreduce(x, op=op, algo="ring").tobytes(), f"{dtype} {op} in pieces"
+        checked += 1
     return {"checked": checked, "hosts": comm.hosts, "auto": comm.allreduce_algorithm(1 << 22)}
 
 
@@ -147,6 +152,8 @@ def scenario_gated(comm, outdir: Path) -> dict:
     against_ring(comm, 50000, "float32", "sum")
     comm.barrier()
     gate(outdir, "go", comm.rank)
+    if ALGO == "switch_hier":  # 12 MiB: pieces that fail through the switch, then go across hosts over TCP
+        against_ring(comm, 3 << 20, "float32", "sum")
     for _ in range(2):
         against_ring(comm, 70001, "int32", "sum")
         against_ring(comm, 30000, "float32", "max")
