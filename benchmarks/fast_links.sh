@@ -11,6 +11,8 @@
 #   shm       (not run unless named) the same-host allreduce paths (shm, cma, auto) from 256 KiB to 4 MiB
 #   hier      (not run unless named) HIER_HOSTS hosts x 2 ranks on the ring stage's links, ranks in blocks and
 #             round robin (--cyclic): the flat algorithms against hier for allreduce, allgather and broadcast
+#   swhier    (not run unless named) SW_N/2 hosts x 2 ranks on 1 Gbit/s links with the aggregation switch:
+#             allreduce with ring, hier, switch and switch_hier
 #
 # Made for a machine that has a compiler, CMake, nanobind, numpy and torch but no package registry and perhaps no
 # iproute2: it builds the extension with CMake in build-fast/ (no pip), runs the tree's Python package from
@@ -147,6 +149,17 @@ stage_hier() {
           --algo "$algo" --no-iperf --iters 5 --warmup 1 --median
       done
     done
+  done
+}
+
+# The switch with two ranks per host: the flat switch takes every rank's vector, switch_hier one per host.
+stage_swhier() {
+  up --hosts $((SW_N / 2)) --link 1gbit --topology switch --aggregator --aggregator-threads 4 || return 1
+  local algo
+  for algo in ring hier switch switch_hier; do
+    log "swhier stage: allreduce, algo $algo, $((SW_N / 2)) hosts x 2 ranks on 1 Gbit/s with the switch"
+    bench "swhier-$algo" allreduce --cluster "$NAME" --ranks-per-host 2 --algo "$algo" --sizes "$SIZES" --iters 3 \
+      --warmup 1 --no-iperf
   done
 }
 
