@@ -265,7 +265,9 @@ class ShmControl final : public Control {
       if (counter == &Slot::published && left()) throw CommError(left_text("waiting for " + waited_for()));
       for (int p : missing()) {
         check_elsewhere(p, call);  // first: a peer that went elsewhere may have closed since
-        if (slots_[p].gone.load()) {
+        // Gone, and still not there: a peer that arrived, finished the call (a call through the segment has no
+        // closing barrier) and closed since missing() looked is not missing. It arrived before it left.
+        if (slots_[p].gone.load() && (slots_[p].*counter).load() < k) {
           const std::string why = t_.peer_failure(p);
           throw CommError("cma: rank " + std::to_string(p) + (why.empty() ? " failed or closed its communicator" : " failed") +
                           " before getting to " + waited_for() + " (this rank: " + std::to_string(rank_) + ")" +
