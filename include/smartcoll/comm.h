@@ -103,6 +103,7 @@ struct EngineStats {
   int open_channels = 0;   // connections this rank holds now
   uint64_t same_host_calls = 0;  // calls run on the same-host path (algo cma) so far
   uint64_t staged_bytes = 0;     // list entries' bytes copied into staging (list_stage_bytes) so far
+  uint64_t direct_gets = 0;      // one-sided gets that read the target's memory directly (rma_direct) so far
 };
 
 class Communicator {
@@ -255,7 +256,7 @@ class Communicator {
   std::unique_ptr<cma::Local> cma_;
   std::unique_ptr<sw::Path> switch_;  // the aggregation switches (switch knob), joined at start-up
   std::unique_ptr<nicd::Client> nicd_;  // engine=nicd: the host's offload daemon runs every call
-  std::shared_mutex rma_mu_;
+  mutable std::shared_mutex rma_mu_;
   std::unique_ptr<rma::Service> rma_;  // one-sided operations
   bool cma_usable_ = false;  // fixed at construction, so callers may read it while another thread closes
   std::string cma_reason_;

@@ -388,6 +388,8 @@ EngineStats Communicator::engine_stats() const {
   if (transport_) s.open_channels = transport_->open_channels();
   if (cma_) s.same_host_calls = cma_->calls();
   s.staged_bytes = staged_bytes_.load(std::memory_order_relaxed);
+  std::shared_lock rma(rma_mu_);
+  if (rma_) s.direct_gets = rma_->direct_gets();
   return s;
 }
 

@@ -15,12 +15,21 @@
 // The region is touched under its lock only while copying (a get gathers into a staging buffer under it, then
 // sends from there; a put or accumulate receives into staging, then scatters under it), so deregistering waits
 // at most for one copy and leaves nothing that points into the buffer.
+//
+// Between processes of one host (Settings::pids) a get without a codec skips the server: the initiator reads the
+// pieces straight from the target's memory (process_vm_readv, one copy) in the call itself. Each target keeps a
+// directory of its regions in its own memory (a slot per region: a tag, base and size), which it publishes in the
+// store; the initiator reads the region's slot, the pieces, then the slot's tag again. A tag is the target's
+// secret xor the region's id and ids are never reused, so the same tag both times means the region was registered
+// throughout the read; anything else (not registered, changed, unreadable) sends the call to the server, which
+// serves it or refuses it as for any peer.
 #pragma once
 
 #include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -48,6 +57,9 @@ struct Settings {
   std::vector<std::string> claims;
   double timeout = 60, connect_timeout = 120;
   int sockbuf = 0;
+  // [rank]: its process id, where every rank shares this host and may read the others' memory (the same-host
+  // path is usable and the rma_direct knob allows it); empty: gets always go to the server.
+  std::vector<int> pids;
 };
 
 class Service {
@@ -61,6 +73,8 @@ class Service {
   void abort(const std::string& why);
   // Bytes of staging the target holds now (requests being received or served, answers queued): for tests.
   uint64_t held_bytes() const { return held_; }
+  // Gets served by reading the target's memory directly so far.
+  uint64_t direct_gets() const { return direct_gets_.load(std::memory_order_relaxed); }
 
   uint64_t add(void* base, size_t bytes, DataType dtype);
   // Waits until no request is copying from or into the region; later requests are refused, naming it.
@@ -73,6 +87,7 @@ class Service {
                                 std::span<const LocalPiece> local, ReduceOp op, const std::optional<Codec>& codec);
 
   struct Region;
+  struct Slot;
   struct Conn;
   struct Call;
   struct Accepting;
@@ -98,6 +113,14 @@ class Service {
   void close(Conn& c, const std::string& why, bool retry = false);
   std::shared_ptr<Region> find(uint64_t id, std::string& why);
   std::string key(int rank) const;  // where `rank` publishes its one-sided address
+  // A get from a process on this host, read directly (see above); null where the server must serve it.
+  std::shared_ptr<Request> read_directly(const RemoteRegion& region, std::span<const RemotePiece> pieces,
+                                         std::span<const LocalPiece> local);
+  // Where `peer`'s directory is: its first slot's address and the secret of its tags (0, 0: none).
+  struct Directory {
+    uint64_t at = 0, secret = 0;
+  };
+  Directory directory(int peer);
 
   Settings s_;
   uint8_t token_[16];  // what initiators must present (Hello::token)
@@ -112,6 +135,11 @@ class Service {
   std::mutex regions_mu_;
   std::map<uint64_t, std::shared_ptr<Region>> regions_;
   uint64_t next_region_ = 1;
+  std::unique_ptr<Slot[]> slots_;  // this rank's directory, which peers on this host read
+  uint64_t secret_ = 0;            // of its tags
+  std::mutex directories_mu_;
+  std::vector<std::optional<Directory>> directories_;  // [peer]: learned on the first get from it
+  std::atomic<uint64_t> direct_gets_{0};
 
   std::mutex connect_mu_;  // one caller connects to a peer at a time
   std::mutex mu_;          // the inbox, and which peers have a channel

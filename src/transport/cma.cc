@@ -361,7 +361,7 @@ struct Local::Sides {
   }
 };
 
-void Local::read_peer(Transport& t, int peer, std::span<const iovec> local, std::span<const iovec> remote) {
+int read_process(int pid, std::span<const iovec> local, std::span<const iovec> remote) {
   // Each side's position: the iovec it is at and the bytes of that one already read. One call reads as much as
   // both batches hold; a short read (the kernel's cap, a piece it could not reach) resumes where it stopped.
   size_t li = 0, ri = 0, lskip = 0, rskip = 0;
@@ -378,20 +378,24 @@ void Local::read_peer(Transport& t, int peer, std::span<const iovec> local, std:
   while (li < local.size() && ri < remote.size()) {
     batch(local, li, lskip, lb);
     batch(remote, ri, rskip, rb);
-    ssize_t k = process_vm_readv(pids_[peer], lb.data(), lb.size(), rb.data(), rb.size(), 0);
+    ssize_t k = process_vm_readv(pid, lb.data(), lb.size(), rb.data(), rb.size(), 0);
     if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) {
-      int err = k < 0 ? errno : 0;
-      std::string what = err == ESRCH  ? "; that rank exited, crashed or failed (see its output)"
-                         : err == EFAULT ? "; its buffer is unmapped: did that rank fail or free the buffer?"
-                                         : access_hint(err);
-      throw CommError(prefix(t) + ": reading the memory of rank " + std::to_string(peer) + " (pid " +
-                      std::to_string(pids_[peer]) + ") failed: " + (err ? std::strerror(err) : "short read") +
-                      what);
-    }
+    if (k <= 0) return k < 0 ? errno : -1;
     advance(local, li, lskip, static_cast<size_t>(k));
     advance(remote, ri, rskip, static_cast<size_t>(k));
   }
+  return 0;
+}
+
+void Local::read_peer(Transport& t, int peer, std::span<const iovec> local, std::span<const iovec> remote) {
+  const int err = read_process(pids_[peer], local, remote);
+  if (err == 0) return;
+  std::string what = err == ESRCH  ? "; that rank exited, crashed or failed (see its output)"
+                     : err == EFAULT ? "; its buffer is unmapped: did that rank fail or free the buffer?"
+                     : err > 0       ? access_hint(err)
+                                     : "";
+  throw CommError(prefix(t) + ": reading the memory of rank " + std::to_string(peer) + " (pid " +
+                  std::to_string(pids_[peer]) + ") failed: " + (err > 0 ? std::strerror(err) : "short read") + what);
 }
 
 void Local::check_alive(Transport& t) {

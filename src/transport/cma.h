@@ -31,6 +31,11 @@ struct Extent {
 // these all match. Empty (and `error` says why) when it cannot be read.
 std::string host_identity(std::string& error);
 
+// Reads the bytes of `remote` in process `pid`'s memory into `local` (the same total, cut alike or not), in
+// batches of IOV_MAX; a short read resumes where it stopped. Returns 0, or the errno that stopped it (-1: a read
+// that moved nothing).
+int read_process(int pid, std::span<const iovec> local, std::span<const iovec> remote);
+
 class Local {
  public:
   // Exchanges pid and host identity (boot id, host name, network and pid namespaces) with every rank through the
@@ -49,6 +54,8 @@ class Local {
   Local& operator=(const Local&) = delete;
 
   bool usable() const { return usable_; }
+  // [rank]: its process id, where usable().
+  const std::vector<int>& pids() const { return pids_; }
   std::string why_not() const { return why_not_; }  // empty when usable
   // Where the control messages go: "shm" (the shared segment), "tcp" (the Transport), "" when unusable.
   std::string control() const { return control_ ? control_->kind() : ""; }

@@ -410,9 +410,10 @@ std::string getv_error(Communicator& comm) {
 }
 
 // Two ranks, each with region 1: 1024 floats of 2.5; body(rank, store, comm) runs after a barrier.
+// Gets go to the target's server here (rma_direct=off), whose channel these tests forge messages on.
 void with_float_regions(const std::function<void(int, Store&, Communicator&)>& body) {
   run_threads(2, [&](int r, std::shared_ptr<Store> store) {
-    Communicator comm(r, 2, store, test_options({{"log", "error"}}));
+    Communicator comm(r, 2, store, test_options({{"log", "error"}, {"rma_direct", "off"}}));
     std::vector<float> mine(1024, 2.5f);
     comm.register_region(mine.data(), 4096, DataType::f32);
     comm.barrier()->wait();

@@ -99,8 +99,8 @@ def killed(comm, out: dict, outdir: Path) -> None:
 
 
 def stalled(comm, out: dict, outdir: Path) -> None:
-    """Rank 1 registers, then stops (SIGSTOP): rank 0's getv gets no answer (a wait with a shorter timeout raises
-    TimeoutError) and fails after the timeout knob."""
+    """Rank 1 registers, then stops (SIGSTOP): rank 0's getv gets no answer from its server (a wait with a shorter
+    timeout raises TimeoutError) and fails after the timeout knob; or, read directly (rma_direct), completes."""
     data = np.ones(1024, dtype=np.float32)
     region = comm.register(data)
     remote = comm.exchange_regions(region)
@@ -123,7 +123,8 @@ def stalled(comm, out: dict, outdir: Path) -> None:
     except TimeoutError as e:  # the call goes on: waiting again gets its outcome
         out["timeout"] = str(e)
     try:
-        req.wait()
+        got = req.wait()
+        out["got"] = got.tolist()
     except smartcoll.CommError as e:
         out["error"] = str(e)
     out["elapsed"] = time.time() - start

@@ -228,6 +228,46 @@ def test_the_identity_codec_means_raw_bytes():
             np.testing.assert_array_equal(out, want)
 
 
+@pytest.mark.parametrize("direct", ["auto", "off"])
+def test_gets_on_one_host_read_the_target_directly(direct):
+    """On one host (the same-host path usable) a getv reads the target's region itself, bit for bit as the
+    server would answer; rma_direct=off always asks the server. A region re-registered in place of a deregistered
+    one is read at its new address, and a get outside the region still fails at the target, naming it."""
+    nbytes = 1 << 20
+
+    def body(comm):
+        mine = region_bytes(comm.rank, nbytes)
+        region = comm.register(mine)
+        remote = comm.exchange_regions(region)
+        peer = 1 - comm.rank
+        rng = np.random.default_rng(7 + comm.rank)
+        theirs = region_bytes(peer, nbytes)
+        before = comm.engine_stats()["direct_gets"]
+        for _ in range(3):
+            offsets, sizes = random_pieces(rng, nbytes, 3000, largest=512)  # more pieces than IOV_MAX
+            flat = np.empty(int(sizes.sum()), np.uint8)
+            comm.getv(peer, remote[peer], offsets, sizes, flat)
+            np.testing.assert_array_equal(flat, np.concatenate([theirs[o:o + s] for o, s in zip(offsets, sizes)]))
+        comm.barrier()
+        region.close()
+        again = comm.register(mine[::-1].copy())  # a new id, a new address
+        remote = comm.exchange_regions(again)
+        comm.barrier()
+        got = np.empty(16, np.uint8)
+        comm.getv(peer, remote[peer], [nbytes - 16], 16, got)
+        np.testing.assert_array_equal(got, theirs[:16][::-1])
+        forged = smartcoll.RemoteRegion(peer, remote[peer].id, 2 * nbytes, "uint8")
+        with pytest.raises(smartcoll.CommError, match=r"refused it: piece 0 \(16 bytes at offset \d+\) lies outside"):
+            comm.getv(peer, forged, [nbytes], 16, got)
+        comm.barrier()
+        again.close()
+        return comm.engine_stats()["direct_gets"] - before, comm.same_host_path
+
+    for gets, path in run_thread_ranks(2, body, rma_direct=direct):
+        assert path == "usable", path
+        assert gets == (4 if direct == "auto" else 0), gets
+
+
 def test_a_deregistered_region_is_refused():
     """Leaving a `with` block deregisters a region, and so does dropping the last reference to it."""
     def body(comm):
@@ -303,13 +343,24 @@ def test_a_target_killed_with_calls_outstanding(ranks, tmp_path):
 
 def test_a_stalled_target_fails_the_call_after_the_timeout(ranks, tmp_path):
     start = time.monotonic()
-    res = ranks(2, ["stalled", tmp_path, 2], timeout=60, worker=WORKER, must_finish=[0])
+    res = ranks(2, ["stalled", tmp_path, 2], timeout=60, worker=WORKER, must_finish=[0],
+                env={"SMARTCOLL_RMA_DIRECT": "off"})
     assert_all_ok(res, [0])
     out = outcomes(tmp_path, [0])[0]
     assert "no answer from rank 1 for 2" in out["error"], out
     assert out["timeout"].startswith("getv to rank 1 not finished after 0.2 s"), out
     assert 1.5 < out["elapsed"] < 6, out
     assert time.monotonic() - start < 40
+
+
+def test_a_stopped_target_on_this_host_is_read_directly(ranks, tmp_path):
+    """The same stopped target, with gets read directly (rma_direct=auto, the default): the target's process
+    takes no part, so the call completes."""
+    res = ranks(2, ["stalled", tmp_path, 2], timeout=60, worker=WORKER, must_finish=[0])
+    assert_all_ok(res, [0])
+    out = outcomes(tmp_path, [0])[0]
+    assert "error" not in out and "timeout" not in out, out
+    assert out["got"] == [1.0] * 4, out
 
 
 def test_the_embedding_example_checks_its_rows():
