@@ -37,7 +37,8 @@ inline constexpr Knob kKnobs[] = {
      "sends those control messages over TCP instead (as when the segment cannot be made); off never uses it"},
     {"rma_direct", "auto", "choice:auto|off", 0, 0, false,
      "one-sided getv between ranks of one host (where the same-host path is usable): auto reads the target's "
-     "region directly (process_vm_readv, checking before and after that the region stayed registered) instead of "
+     "region directly when the pieces average 4 KiB or more (process_vm_readv, checking before and after that "
+     "the region stayed registered) instead of "
      "asking the target's one-sided server; off always asks the server (whose copy also excludes putv and "
      "accumulatev into the same region during it)"},
     {"shm_bytes", "1048576", "int", 0, 1 << 26, true,

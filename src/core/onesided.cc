@@ -359,7 +359,12 @@ std::shared_ptr<Request> Service::post(Kind kind, const RemoteRegion& region, st
   require(local_bytes.has_value(), what + ": the local buffers add up to more than " + std::to_string(kMaxPayload) +
                                        " bytes; a call moves at most that much: split it");
   check_call(kind, region, pieces, *local_bytes, op, codec);
-  if (kind == Kind::get && !codec && !s_.pids.empty()) {
+  // process_vm_readv pins each remote piece's pages, about 1 us a piece here: measured on loopback (16 MiB in
+  // pieces), reading directly was 4-6x faster than the server for one piece or 64 KiB pieces, 1.8-2x for 4 KiB
+  // pieces, and from 1.2x faster to 1.7x slower for 1 KiB ones, run to run (BENCHMARKS.md, "One-sided getv on
+  // one host: reading the target directly").
+  constexpr uint64_t kDirectMinPiece = 4096;  // mean bytes per piece
+  if (kind == Kind::get && !codec && !s_.pids.empty() && *local_bytes >= kDirectMinPiece * pieces.size()) {
     connect(region.rank);  // waits for the target's server (and directory), and is there if the server must serve
     if (auto req = read_directly(region, pieces, local)) return req;
   }

@@ -16,8 +16,9 @@
 // sends from there; a put or accumulate receives into staging, then scatters under it), so deregistering waits
 // at most for one copy and leaves nothing that points into the buffer.
 //
-// Between processes of one host (Settings::pids) a get without a codec skips the server: the initiator reads the
-// pieces straight from the target's memory (process_vm_readv, one copy) in the call itself. Each target keeps a
+// Between processes of one host (Settings::pids) a get without a codec, of pieces of 4 KiB or more on average,
+// skips the server: the initiator reads the pieces straight from the target's memory (process_vm_readv, one
+// copy) in the call itself. Each target keeps a
 // directory of its regions in its own memory (a slot per region: a tag, base and size), which it publishes in the
 // store; the initiator reads the region's slot, the pieces, then the slot's tag again. A tag is the target's
 // secret xor the region's id and ids are never reused, so the same tag both times means the region was registered

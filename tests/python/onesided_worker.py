@@ -117,7 +117,7 @@ def stalled(comm, out: dict, outdir: Path) -> None:
         time.sleep(0.01)
     assert stopped(pid), f"rank 1 (pid {pid}) did not stop within 30 s"
     start = time.time()
-    req = comm.igetv(1, remote[1], [0], 16, np.empty(4, np.float32))
+    req = comm.igetv(1, remote[1], [0], 4096, np.empty(1024, np.float32))
     try:
         req.wait(timeout=0.2)
     except TimeoutError as e:  # the call goes on: waiting again gets its outcome

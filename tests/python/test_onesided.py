@@ -230,9 +230,10 @@ def test_the_identity_codec_means_raw_bytes():
 
 @pytest.mark.parametrize("direct", ["auto", "off"])
 def test_gets_on_one_host_read_the_target_directly(direct):
-    """On one host (the same-host path usable) a getv reads the target's region itself, bit for bit as the
-    server would answer; rma_direct=off always asks the server. A region re-registered in place of a deregistered
-    one is read at its new address, and a get outside the region still fails at the target, naming it."""
+    """On one host (the same-host path usable) a getv of pieces of 4 KiB or more on average reads the target's
+    region itself, bit for bit as the server would answer; smaller pieces, and rma_direct=off, ask the server. A
+    region re-registered in place of a deregistered one is read at its new address, and a get outside the region
+    still fails at the target, naming it."""
     nbytes = 1 << 20
 
     def body(comm):
@@ -244,21 +245,26 @@ def test_gets_on_one_host_read_the_target_directly(direct):
         theirs = region_bytes(peer, nbytes)
         before = comm.engine_stats()["direct_gets"]
         for _ in range(3):
-            offsets, sizes = random_pieces(rng, nbytes, 3000, largest=512)  # more pieces than IOV_MAX
+            sizes = rng.integers(4096, 8193, 1100)  # more pieces than IOV_MAX
+            offsets = rng.integers(0, nbytes - sizes + 1)
             flat = np.empty(int(sizes.sum()), np.uint8)
             comm.getv(peer, remote[peer], offsets, sizes, flat)
             np.testing.assert_array_equal(flat, np.concatenate([theirs[o:o + s] for o, s in zip(offsets, sizes)]))
+        offsets, sizes = random_pieces(rng, nbytes, 100, largest=4096)  # 2 KiB on average: through the server
+        flat = np.empty(int(sizes.sum()), np.uint8)
+        comm.getv(peer, remote[peer], offsets, sizes, flat)
+        np.testing.assert_array_equal(flat, np.concatenate([theirs[o:o + s] for o, s in zip(offsets, sizes)]))
         comm.barrier()
         region.close()
         again = comm.register(mine[::-1].copy())  # a new id, a new address
         remote = comm.exchange_regions(again)
         comm.barrier()
-        got = np.empty(16, np.uint8)
-        comm.getv(peer, remote[peer], [nbytes - 16], 16, got)
-        np.testing.assert_array_equal(got, theirs[:16][::-1])
+        got = np.empty(4096, np.uint8)
+        comm.getv(peer, remote[peer], [nbytes - 4096], 4096, got)
+        np.testing.assert_array_equal(got, theirs[:4096][::-1])
         forged = smartcoll.RemoteRegion(peer, remote[peer].id, 2 * nbytes, "uint8")
-        with pytest.raises(smartcoll.CommError, match=r"refused it: piece 0 \(16 bytes at offset \d+\) lies outside"):
-            comm.getv(peer, forged, [nbytes], 16, got)
+        with pytest.raises(smartcoll.CommError, match=r"refused it: piece 0 \(4096 bytes at offset \d+\) lies outside"):
+            comm.getv(peer, forged, [nbytes], 4096, got)
         comm.barrier()
         again.close()
         return comm.engine_stats()["direct_gets"] - before, comm.same_host_path
@@ -360,7 +366,7 @@ def test_a_stopped_target_on_this_host_is_read_directly(ranks, tmp_path):
     assert_all_ok(res, [0])
     out = outcomes(tmp_path, [0])[0]
     assert "error" not in out and "timeout" not in out, out
-    assert out["got"] == [1.0] * 4, out
+    assert out["got"] == [1.0] * 1024, out
 
 
 def test_the_embedding_example_checks_its_rows():

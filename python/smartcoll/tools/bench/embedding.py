@@ -7,7 +7,8 @@ A table of --rows rows of D float32 columns is sharded by rows over the ranks (r
 In each round every rank draws a batch of random row ids and fetches those rows, three ways, side by side:
 
 * getv: one getv per owning peer, straight from the owner's registered shard into this rank's buffer; the owner
-  makes no call (its one-sided server thread serves it). Rows of this rank's own shard are copied locally.
+  makes no call (its one-sided server thread serves it; on one host, rows of 4 KiB or more are read from its
+  memory directly, docs/vectored.md). Rows of this rank's own shard are copied locally.
 * alltoallv: the usual exchange in smartcoll: the number of ids per owner (alltoall), the ids (alltoallv), each
   owner gathers its rows, the rows back (alltoallv).
 * gloo: the same exchange with torch.distributed's gloo backend (all_to_all_single with split sizes).
