@@ -282,7 +282,7 @@ void run(sw::Path& path, Transport& t, const sw::Call& a, const char* what) {
 bool join_column(sw::Path& path, Transport& t, const HostGrid& grid, const char* what) {
   std::string why;
   try {
-    path.column = path.make_column(path.epoch, grid.i, grid.h, grid.hosts);
+    path.column = path.make_column(path.epoch, grid.i, grid.at.cross.members, grid.h);
     path.column->join();
   } catch (const CommError& e) {
     why = e.what();

@@ -312,9 +312,12 @@ void Communicator::join_switches() {
     return std::make_unique<sw::Client>(rank, size, settings, key,
                                         sw::job_tag(key, epoch ? id + "/" + std::to_string(epoch) : id));
   };
-  switch_->make_column = [settings, key, id = config_->job_id](uint64_t epoch, int index, int rank, int world) {
+  switch_->make_column = [settings, key, id = config_->job_id](uint64_t epoch, int index,
+                                                                 const std::vector<int>& members, int pos) {
     const std::string tag = id + "/column" + std::to_string(index) + (epoch ? "/" + std::to_string(epoch) : "");
-    return std::make_unique<sw::Client>(rank, world, settings, key, sw::job_tag(key, tag));
+    sw::ClientSettings column = settings;
+    column.ranks = members;
+    return std::make_unique<sw::Client>(pos, static_cast<int>(members.size()), column, key, sw::job_tag(key, tag));
   };
   switch_->client = switch_->make_client(0);
   std::string why;

@@ -36,10 +36,12 @@ std::string seconds(double s) {
   return buf;
 }
 
-std::string ranks_missing(const std::vector<uint8_t>& bitmap, int world) {
+// The workers a bitmap lacks, named by `ranks` where given (ClientSettings::ranks).
+std::string ranks_missing(const std::vector<uint8_t>& bitmap, int world, const std::vector<int>& ranks) {
   std::string out;
   for (int r = 0; r < world; ++r)
-    if (!(bitmap[r / 8] & (1u << (r % 8)))) out += (out.empty() ? "" : ",") + std::to_string(r);
+    if (!(bitmap[r / 8] & (1u << (r % 8))))
+      out += (out.empty() ? "" : ",") + std::to_string(ranks.empty() ? r : ranks[static_cast<size_t>(r)]);
   return out;
 }
 
@@ -449,7 +451,7 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
     if (now - last_result > stall) {
       std::string who;
       for (size_t j = 0; j < k; ++j) {
-        const std::string missing = ranks_missing(remotes_[j].waiting, world_);
+        const std::string missing = ranks_missing(remotes_[j].waiting, world_, settings_.ranks);
         if (remotes_[j].pending && !missing.empty()) who += "; " + name(j) + " still waits for rank(s) " + missing;
       }
       throw CommError("allreduce through the switch made no progress for " + seconds(settings_.timeout) + (who.empty() ? "" : who) +

@@ -57,6 +57,9 @@ struct ClientSettings {
   Codec codec;              // the job's codec for float32 sums (identity: none); calls may also go raw
   double switch_timeout = 2;  // seconds of silence after which a switch is gone
   double timeout = 60;        // seconds without any result before the call fails
+  // [worker]: the communicator's rank that worker is, for messages (a job of some of its ranks: a column of
+  // algo=switch_hier); empty: the same numbers.
+  std::vector<int> ranks;
 };
 
 // "host:port,host:port": throws InvalidArgument naming the bad entry.
@@ -131,7 +134,9 @@ struct Path {
   // The hierarchical allreduce's client (algo=switch_hier): this rank's column, the ranks with its local index on
   // every host, joined as a job of its own at the first such call (and again after each probe that succeeds).
   std::unique_ptr<Client> column;
-  std::function<std::unique_ptr<Client>(uint64_t epoch, int index, int rank, int world)> make_column;
+  // The column of local index `index`: `members` (the communicator's ranks, one per host), this rank at `pos`.
+  std::function<std::unique_ptr<Client>(uint64_t epoch, int index, const std::vector<int>& members, int pos)>
+      make_column;
   // Where a rank that lost its switch says so (key switch/lost/<job id>, value "<call> <why>"), so that the others
   // stop waiting for it in that call and every later one.
   std::shared_ptr<Store> store;

@@ -167,7 +167,7 @@ def scenario_one_dies(comm, outdir: Path) -> dict:
     if comm.rank == comm.size - 1:
         os._exit(0)  # gone without a word, as a crashed process (status 0: the launcher keeps the others)
     x = values(comm.rank, 50000, "float32")
-    comm.allreduce(x, algo="switch")
+    comm.allreduce(x, algo=ALGO)
     return {"unexpected": "the call succeeded without the last rank"}
 
 

@@ -322,6 +322,21 @@ def test_a_dead_rank_fails_the_others_and_its_slots_are_freed(tmp_path, inproc_s
     assert s["jobs_expired"] + s["jobs_left"] == 1, s
 
 
+def test_a_dead_rank_fails_the_hierarchical_switch_allreduce(tmp_path, inproc_switch):
+    """2 hosts x 2 ranks, algo=switch_hier; rank 3 exits after a call. Its host's other rank fails in the host's
+    ring (naming it), and the switch's job for rank 3's column, still waiting for it, makes rank 1 fail naming rank
+    3 (the communicator's rank, not its place in the column); every survivor fails within the timeout."""
+    sw = inproc_switch(job_timeout=1.0)
+    env = {**switch_env(f"127.0.0.1:{sw.port}", timeout="2"), "TEST_SWITCH_ALGO": "switch_hier"}
+    outdir, results = run_scenario(tmp_path, 4, "one_dies", env, rank_env=two_hosts())
+    got = [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(3)]
+    for o in got:
+        assert not o["ok"], o
+        assert o["seconds"] < 20, o
+    assert "rank 3" in got[2]["error"], got[2]["error"]
+    assert "still waits for rank(s) 3" in got[1]["error"], got[1]["error"]
+
+
 def test_cli_rejects_a_port_in_use():
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", 0))
