@@ -291,8 +291,11 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
       // chunks from every rank and sums them. A switch that is a host has one link for all n ranks: n S / k each
       // way (the DPDK paper's 2MN/B against 2M/B in the network).
       // reduce_scatter: every rank sends all n blocks; allgather: the switch forwards, it sums nothing.
-      const double switches = std::max(1, q.switches), vector = c == Collective::allreduce ? bytes : n * bytes;
-      k.link = moved / link;
+      // Several ranks per host share the host's link: it carries each one's vector (switch_hier sends one per host).
+      const double switches = std::max(1, q.switches), vector = c == Collective::allreduce ? bytes : n * bytes,
+                   sharing = q.hosts > 1 ? std::max(1, q.per_host) : 1;
+      k.wire_bytes *= sharing;
+      k.link = sharing * moved / link;
       if (p.switch_link_Bps > 0) k.link = std::max(k.link, n * vector / (switches * p.switch_link_Bps));
       if (p.switch_Bps > 0 && c != Collective::allgather) k.reduce = n * vector / (switches * p.switch_Bps);
       break;

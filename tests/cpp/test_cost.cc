@@ -88,11 +88,17 @@ TEST(CostModel, HierarchicalSwitchHandWorked) {
   EXPECT_DOUBLE_EQ(k.wire_bytes, 4 * kMiB);
   EXPECT_NEAR(k.total, 2 * 3e-4 + 2 * 1e-4 + 4 * kMiB / 1e8 + 4 * kMiB / 1e9, 1e-12);
   EXPECT_LT(k.total, predict(Collective::allreduce, Algorithm::hier, q, p).total);
+  // The flat switch: both of a host's ranks send their vector over its link.
+  const Cost flat = predict(Collective::allreduce, Algorithm::switch_, q, p);
+  EXPECT_DOUBLE_EQ(flat.wire_bytes, 2 * 4 * kMiB);
+  EXPECT_NEAR(flat.link, 2 * 4 * kMiB / 1e8, 1e-12);
+  EXPECT_EQ(choose(Collective::allreduce, q, Algorithm::automatic, 0, &p), Algorithm::switch_hier);
   // A switch that is a host takes the vector from each of the 4 hosts over its one link (not from each of the 8
   // ranks, as the flat switch's does).
   p.switch_link_Bps = 1e8;
   EXPECT_NEAR(predict(Collective::allreduce, Algorithm::switch_hier, q, p).link, 4 * 4 * kMiB / 1e8, 1e-12);
   EXPECT_NEAR(predict(Collective::allreduce, Algorithm::switch_, q, p).link, 8 * 4 * kMiB / 1e8, 1e-12);
+  // (the flat switch's own link term, 2 vectors, is below the switch's 8 here)
   // With a codec each rank encodes and decodes its half alone.
   p.switch_link_Bps = 0;
   p.codecs["bfp16"] = {1e9, 1e9};
