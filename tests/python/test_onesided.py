@@ -274,6 +274,52 @@ def test_gets_on_one_host_read_the_target_directly(direct):
         assert gets == (4 if direct == "auto" else 0), gets
 
 
+def test_a_direct_get_never_returns_bytes_written_after_deregistration():
+    """Rank 1 registers a 64 KiB region filled with one value, deregisters it and overwrites it with a poison
+    value, over and over, while rank 0 reads the newest region directly as fast as it can. Every get that
+    succeeds holds one registered value throughout (the tag read before and after the pieces matched); the others
+    fail with the target's refusal. Ranks are threads here, so the newest id is handed over in memory."""
+    import threading
+
+    nbytes, rounds = 64 * KIB, 300
+    newest = {"id": 0}
+    done = threading.Event()
+
+    def body(comm):
+        comm.barrier()
+        if comm.rank == 1:
+            buf = np.empty(nbytes, np.uint8)
+            for i in range(rounds):
+                buf.fill(1 + i % 200)
+                region = comm.register(buf)
+                newest["id"] = region.remote().id
+                time.sleep(0.0005)
+                region.close()
+                buf.fill(0xEE)  # written after deregistration: no successful get may see it
+            done.set()
+            comm.barrier()
+            return None
+        good = refused = 0
+        out = np.empty(nbytes, np.uint8)
+        while not done.is_set():
+            rid = newest["id"]
+            if not rid:
+                continue
+            try:
+                comm.getv(1, smartcoll.RemoteRegion(1, rid, nbytes, "uint8"), [0], nbytes, out)
+            except smartcoll.CommError as e:
+                assert "was deregistered" in str(e), e
+                refused += 1
+                continue
+            assert out[0] != 0xEE and (out == out[0]).all(), f"region {rid}: torn or poisoned bytes"
+            good += 1
+        comm.barrier()
+        return good, refused, comm.engine_stats()["direct_gets"]
+
+    good, refused, direct = run_thread_ranks(2, body)[0]
+    assert good > 0 and direct > 0, (good, refused, direct)  # here about 1700-2000 direct gets, 150-220 refused
+
+
 def test_a_deregistered_region_is_refused():
     """Leaving a `with` block deregisters a region, and so does dropping the last reference to it."""
     def body(comm):
