@@ -289,19 +289,22 @@ def test_a_direct_get_never_returns_bytes_written_after_deregistration():
         comm.barrier()
         if comm.rank == 1:
             buf = np.empty(nbytes, np.uint8)
-            for i in range(rounds):
-                buf.fill(1 + i % 200)
-                region = comm.register(buf)
-                newest["id"] = region.remote().id
-                time.sleep(0.0005)
-                region.close()
-                buf.fill(0xEE)  # written after deregistration: no successful get may see it
-            done.set()
+            try:
+                for i in range(rounds):
+                    buf.fill(1 + i % 200)
+                    region = comm.register(buf)
+                    newest["id"] = region.remote().id
+                    time.sleep(0.0005)
+                    region.close()
+                    buf.fill(0xEE)  # written after deregistration: no successful get may see it
+            finally:
+                done.set()
             comm.barrier()
             return None
         good = refused = 0
         out = np.empty(nbytes, np.uint8)
-        while not done.is_set():
+        deadline = time.monotonic() + 30
+        while not done.is_set() and time.monotonic() < deadline:
             rid = newest["id"]
             if not rid:
                 continue
