@@ -73,7 +73,7 @@ def scenario_hier(comm, outdir: Path) -> dict:
         for op in OPS:
             if op == "avg" and dtype.startswith("int"):
                 continue
-            for count in (1, 3, 1003, 70001):
+            for count in (0, 1, 3, 1003, 70001):
                 x = values(comm.rank, count, dtype)
                 req = comm.iallreduce(x.copy(), op=op, algo="switch_hier")
                 via_switch = req.wait()

@@ -149,7 +149,7 @@ def test_hierarchical_switch_allreduce_matches_the_ring(tmp_path, cli_switch):
     sw = cli_switch("--threads", "2", "--drop", "0.01", "--dup", "0.01")
     outdir, results = run_scenario(tmp_path, 4, "hier", switch_env(sw.address), rank_env=two_hosts())
     got = assert_ok(outdir, 4, results)
-    assert got[0]["checked"] == (2 * 4 + 2 * 3) * 4 + 3, got[0]  # 2 float dtypes x 4 ops, 2 integer x 3 ops
+    assert got[0]["checked"] == (2 * 4 + 2 * 3) * 5 + 3, got[0]  # 2 float dtypes x 4 ops, 2 integer x 3 ops
     assert got[0]["hosts"] == [0, 0, 1, 1], got[0]
     assert got[0]["auto"] == "hier", got[0]  # 2 hosts: the built-in model prefers the ring's fewer round trips
     final = sw.stop()
