@@ -433,10 +433,12 @@ NB_MODULE(_core, m) {
         const EngineStats s = c.engine_stats();
         return std::map<std::string, double>{{"workers", s.workers}, {"cpu_seconds", s.cpu_seconds},
                                              {"open_channels", s.open_channels},
+                                             {"local_channels", s.local_channels},
                                              {"same_host_calls", static_cast<double>(s.same_host_calls)},
                                              {"staged_bytes", static_cast<double>(s.staged_bytes)},
                                              {"direct_gets", static_cast<double>(s.direct_gets)}};
-      }, "Engine worker count, their CPU seconds so far, the connections this rank holds, same-host calls run, "
+      }, "Engine worker count, their CPU seconds so far, the connections this rank holds (and of those the Unix "
+         "sockets to peers on this host), same-host calls run, "
          "list bytes staged, one-sided gets read directly.")
       .def("allreduce", [](Communicator& c, InArray in, Array out, const std::string& op, const std::string& algo,
                            const std::string& codec) {

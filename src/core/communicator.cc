@@ -388,7 +388,10 @@ EngineStats Communicator::engine_stats() const {
     s.workers = engine_->workers();
     s.cpu_seconds = engine_->cpu_seconds();
   }
-  if (transport_) s.open_channels = transport_->open_channels();
+  if (transport_) {
+    s.open_channels = transport_->open_channels();
+    s.local_channels = transport_->local_channels();
+  }
   if (cma_) s.same_host_calls = cma_->calls();
   s.staged_bytes = staged_bytes_.load(std::memory_order_relaxed);
   std::shared_lock rma(rma_mu_);

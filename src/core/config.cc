@@ -119,6 +119,7 @@ Config Config::from(const Options& o) {
   c.cma = o.str("cma") != "off";
   c.cma_shm = o.str("cma") == "auto";
   c.rma_direct = o.str("rma_direct") == "auto";
+  c.unix_sockets = o.str("unix_sockets") == "auto";
   c.rhd_max_bytes = static_cast<size_t>(o.integer("rhd_max_bytes"));
   c.shm_bytes = static_cast<size_t>(o.integer("shm_bytes"));
   if (const std::string& path = o.str("model_profile"); !path.empty())

@@ -18,8 +18,9 @@ enum class LogLevel : uint8_t { error, warn, info, debug };
 struct Config {
   std::string algo;
   bool cma = true;
-  bool cma_shm = true;
-  bool rma_direct = true;  // one-sided gets on one host read the target's memory directly  // the same-host path's control messages go through a shared segment (cma=auto)
+  bool cma_shm = true;     // the same-host path's control messages go through a shared segment (cma=auto)
+  bool rma_direct = true;  // one-sided gets on one host read the target's memory directly
+  bool unix_sockets = true;  // peers in this network namespace are reached over Unix-domain sockets
   size_t rhd_max_bytes = 0;
   size_t shm_bytes = 0;  // room per rank for small calls' data in the same-host control segment
   std::shared_ptr<const coll::Profile> profile;  // model_profile, loaded; null: the size rules

@@ -563,7 +563,7 @@ void Engine::drive(Worker& w, const std::function<bool()>& enough, std::optional
       if (events[i].data.fd == w.wakefd.get()) {
         uint64_t count;
         [[maybe_unused]] ssize_t r = ::read(w.wakefd.get(), &count, sizeof count);
-      } else if (events[i].data.fd == transport_.listening()) {
+      } else if (transport_.listens_on(events[i].data.fd)) {
         try {
           transport_.accept_incoming();
         } catch (const std::exception& e) {

@@ -241,11 +241,20 @@ Service::Service(const Settings& settings, std::shared_ptr<Store> store)
       to_peer_(static_cast<size_t>(settings.size), nullptr) {
   listener_ = net::listen_on(s_.host.empty() ? "127.0.0.1" : s_.host, 0, 1024);
   net::set_nonblocking(listener_.get(), true);
+  if (s_.unix_sockets) {
+    try {
+      local_listener_ = net::listen_abstract(local_name(s_.rank, net::bound_port(listener_.get())), 1024);
+      net::set_nonblocking(local_listener_.get(), true);
+    } catch (const CommError& e) {  // initiators on this host then connect over TCP
+      SC_LOG(LogLevel::warn, s_.rank, "") << "one-sided: " << e.what() << "; initiators on this host use TCP";
+    }
+  }
   epfd_ = net::Fd(epoll_create1(EPOLL_CLOEXEC));
   wakefd_ = net::Fd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!epfd_ || !wakefd_)
     throw CommError("cannot create the one-sided server's epoll or eventfd: " + std::string(std::strerror(errno)));
-  for (int fd : {listener_.get(), wakefd_.get()}) {
+  for (int fd : {listener_.get(), local_listener_.get(), wakefd_.get()}) {
+    if (fd < 0) continue;
     epoll_event ev{};
     ev.events = EPOLLIN;
     ev.data.fd = fd;
@@ -267,6 +276,12 @@ Service::Service(const Settings& settings, std::shared_ptr<Store> store)
                                                     std::to_string(net::bound_port(listener_.get())) + " " +
                                                     hex_of(token_, sizeof token_));
   thread_ = std::thread([this] { run(); });
+}
+
+// The name of rank's Unix socket, after the port of its TCP listener (never the token: names are public, in
+// /proc/net/unix).
+std::string Service::local_name(int rank, int port) const {
+  return net::job_socket_name(s_.job, rank, "rma/" + std::to_string(port));
 }
 
 std::string Service::key(int rank) const {
@@ -480,10 +495,14 @@ void Service::connect(int peer) {
   for (size_t i = 0; i < sizeof h.token; ++i)
     h.token[i] = static_cast<uint8_t>(std::stoul(hex.substr(2 * i, 2), nullptr, 16));
   const auto deadline = Clock::now() + limit;
-  net::Fd fd = net::connect_to({where.substr(0, colon), static_cast<uint16_t>(port)}, deadline);
+  // A target in this network namespace (on this host) is reached over its Unix socket; elsewhere the name is
+  // absent and TCP is used.
+  net::Fd fd = s_.unix_sockets ? net::connect_abstract(local_name(peer, static_cast<int>(port)), deadline) : net::Fd();
+  const bool local = static_cast<bool>(fd);
+  if (!local) fd = net::connect_to({where.substr(0, colon), static_cast<uint16_t>(port)}, deadline);
   net::send_all(fd.get(), &h, sizeof h, deadline, "one-sided hello to rank " + std::to_string(peer));
   net::set_nonblocking(fd.get(), true);
-  net::set_nodelay(fd.get());
+  if (!local) net::set_nodelay(fd.get());
   net::set_buffer_sizes(fd.get(), s_.sockbuf);
   std::lock_guard lock(mu_);
   new_conns_.emplace_back(peer, std::move(fd));
@@ -562,32 +581,38 @@ void Service::update_listener(Clock::time_point now) {
   if (want == listening_) return;
   epoll_event ev{};
   ev.events = want ? static_cast<uint32_t>(EPOLLIN) : 0u;
-  ev.data.fd = listener_.get();
-  epoll_ctl(epfd_.get(), EPOLL_CTL_MOD, listener_.get(), &ev);
+  for (int fd : {listener_.get(), local_listener_.get()}) {
+    if (fd < 0) continue;
+    ev.data.fd = fd;
+    epoll_ctl(epfd_.get(), EPOLL_CTL_MOD, fd, &ev);
+  }
   listening_ = want;
 }
 
 void Service::accept_all(Clock::time_point now, bool connecting) {
-  while (connecting && listening_ && accepting_.size() < kMaxPendingHellos) {
-    net::Fd s(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-    if (!s) {
-      const int err = errno;
-      if (err == EINTR || err == ECONNABORTED || err == EPROTO) continue;
-      if (err != EAGAIN && err != EWOULDBLOCK) {
-        // EMFILE, ENFILE, ENOBUFS, ENOMEM: nothing to accept with until a descriptor or memory is freed.
-        accept_resume_ = now + kAcceptBackoff;
-        warn(std::string("accept failed (") + std::strerror(err) + "): pausing new channels for " +
-             std::to_string(kAcceptBackoff.count()) + " ms at a time (raise the open files limit, ulimit -n)");
+  for (const net::Fd* l : {&listener_, &local_listener_}) {
+    while (*l && connecting && listening_ && accepting_.size() < kMaxPendingHellos) {
+      net::Fd s(::accept4(l->get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      if (!s) {
+        const int err = errno;
+        if (err == EINTR || err == ECONNABORTED || err == EPROTO) continue;
+        if (err != EAGAIN && err != EWOULDBLOCK) {
+          // EMFILE, ENFILE, ENOBUFS, ENOMEM: nothing to accept with until a descriptor or memory is freed.
+          accept_resume_ = now + kAcceptBackoff;
+          update_listener(now);
+          warn(std::string("accept failed (") + std::strerror(err) + "): pausing new channels for " +
+               std::to_string(kAcceptBackoff.count()) + " ms at a time (raise the open files limit, ulimit -n)");
+        }
+        break;
       }
-      break;
+      if (l == &listener_) net::set_nodelay(s.get());
+      net::set_buffer_sizes(s.get(), s_.sockbuf);
+      epoll_event ev{};
+      ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
+      ev.data.fd = s.get();
+      epoll_ctl(epfd_.get(), EPOLL_CTL_ADD, s.get(), &ev);
+      accepting_.push_back(std::make_unique<Accepting>(Accepting{std::move(s), now}));
     }
-    net::set_nodelay(s.get());
-    net::set_buffer_sizes(s.get(), s_.sockbuf);
-    epoll_event ev{};
-    ev.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
-    ev.data.fd = s.get();
-    epoll_ctl(epfd_.get(), EPOLL_CTL_ADD, s.get(), &ev);
-    accepting_.push_back(std::make_unique<Accepting>(Accepting{std::move(s), now}));
   }
   if (!accepting_.empty()) take_hellos(now);
   update_listener(now);
@@ -905,7 +930,7 @@ void Service::run() {
     bool woken = false, connecting = false;
     for (int i = 0; i < n; ++i) {
       woken |= events[i].data.fd == wakefd_.get();
-      connecting |= events[i].data.fd == listener_.get();
+      connecting |= events[i].data.fd == listener_.get() || events[i].data.fd == local_listener_.get();
     }
     if (woken) {
       uint64_t count;

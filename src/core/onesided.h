@@ -58,6 +58,7 @@ struct Settings {
   std::vector<std::string> claims;
   double timeout = 60, connect_timeout = 120;
   int sockbuf = 0;
+  bool unix_sockets = true;  // initiators on this host connect over a Unix socket (the unix_sockets knob)
   // [rank]: its process id, where every rank shares this host and may read the others' memory (the same-host
   // path is usable and the rma_direct knob allows it); empty: gets always go to the server.
   std::vector<int> pids;
@@ -114,6 +115,7 @@ class Service {
   void close(Conn& c, const std::string& why, bool retry = false);
   std::shared_ptr<Region> find(uint64_t id, std::string& why);
   std::string key(int rank) const;  // where `rank` publishes its one-sided address
+  std::string local_name(int rank, int port) const;
   // A get from a process on this host, read directly (see above); null where the server must serve it.
   std::shared_ptr<Request> read_directly(const RemoteRegion& region, std::span<const RemotePiece> pieces,
                                          std::span<const LocalPiece> local);
@@ -127,6 +129,7 @@ class Service {
   uint8_t token_[16];  // what initiators must present (Hello::token)
   std::shared_ptr<Store> store_;
   net::Fd listener_, epfd_, wakefd_;
+  net::Fd local_listener_;  // the Unix socket initiators on this host reach (none: unix_sockets=off, or it failed)
   std::thread thread_;
   std::atomic<bool> stop_{false};  // set under mu_, so that no call is queued after the thread's last look
   std::string aborted_;            // under mu_: Communicator::abort's reason

@@ -27,6 +27,7 @@ rma::Service& Communicator::one_sided(std::shared_lock<std::shared_mutex>& lock)
     s.timeout = config_->timeout;
     s.connect_timeout = config_->connect_timeout;
     s.sockbuf = config_->sockbuf;
+    s.unix_sockets = config_->unix_sockets;
     if (cma_usable_ && config_->rma_direct) s.pids = cma_->pids();
     rma_ = std::make_unique<rma::Service>(s, store_);
   }

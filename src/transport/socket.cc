@@ -10,10 +10,13 @@
 #include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstddef>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <thread>
@@ -40,6 +43,15 @@ bool wait_fd(int fd, short events, Clock::time_point deadline) {
     if (rc == 0) return false;
     if (errno != EINTR) throw CommError("poll failed: " + errno_text(errno));
   }
+}
+
+sockaddr_un abstract_address(const std::string& name, socklen_t& len) {
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  if (name.size() + 1 > sizeof sa.sun_path) throw InvalidArgument("Unix socket name '" + name + "' is too long");
+  std::memcpy(sa.sun_path + 1, name.data(), name.size());  // sun_path[0] = 0: the abstract namespace
+  len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return sa;
 }
 
 }  // namespace
@@ -220,6 +232,43 @@ void raise_descriptor_limit() {
     r.rlim_cur = want;
     ::setrlimit(RLIMIT_NOFILE, &r);  // failure leaves the old limit: EMFILE then names the cause where it hits
   });
+}
+
+std::string job_socket_name(uint64_t job, int rank, const std::string& what) {
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(job));
+  return "smartcoll/" + std::string(hex) + "/" + std::to_string(rank) + "/" + what;
+}
+
+Fd listen_abstract(const std::string& name, int backlog) {
+  Fd s(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!s) throw CommError("socket(AF_UNIX) failed: " + errno_text(errno));
+  socklen_t len = 0;
+  const sockaddr_un sa = abstract_address(name, len);
+  if (::bind(s.get(), reinterpret_cast<const sockaddr*>(&sa), len) != 0)
+    throw CommError("cannot bind the Unix socket @" + name + ": " + errno_text(errno));
+  if (::listen(s.get(), backlog) != 0) throw CommError("listen(AF_UNIX) failed: " + errno_text(errno));
+  return s;
+}
+
+Fd connect_abstract(const std::string& name, Clock::time_point deadline) {
+  socklen_t len = 0;
+  const sockaddr_un sa = abstract_address(name, len);
+  auto pause = std::chrono::milliseconds(1);
+  for (;;) {
+    Fd s(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!s) throw CommError("socket(AF_UNIX) failed: " + errno_text(errno));
+    if (::connect(s.get(), reinterpret_cast<const sockaddr*>(&sa), len) == 0) {
+      set_nonblocking(s.get(), false);
+      return s;
+    }
+    if (errno == ECONNREFUSED || errno == ENOENT) return Fd();
+    // A Unix socket connects at once or not at all: EAGAIN means the listener's backlog is full.
+    if ((errno != EAGAIN && errno != EINTR) || Clock::now() >= deadline)
+      throw CommError("cannot connect to the Unix socket @" + name + ": " + errno_text(errno));
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(50));
+  }
 }
 
 void set_nonblocking(int fd, bool on) {

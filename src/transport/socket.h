@@ -51,6 +51,14 @@ uint16_t bound_port(int fd);
 // Connects, retrying refused connections until the deadline (the listener may not be up yet).
 Fd connect_to(const Endpoint& ep, Clock::time_point deadline);
 Fd accept_from(int listen_fd, Clock::time_point deadline);
+// The abstract name of a job's Unix socket: "smartcoll/<job fingerprint, hex>/<rank>/<what>".
+std::string job_socket_name(uint64_t job, int rank, const std::string& what);
+// A Unix-domain stream socket listening on `name` in the abstract namespace (no file; the name vanishes with the
+// socket), which the network namespace scopes: only processes in this one can reach it.
+Fd listen_abstract(const std::string& name, int backlog);
+// Connects to the abstract socket `name`; an empty Fd where nobody listens there (the peer is in another network
+// namespace), retrying while its backlog is full until the deadline.
+Fd connect_abstract(const std::string& name, Clock::time_point deadline);
 
 // Blocking full transfers with a deadline, for setup traffic only (the data path uses non-blocking I/O).
 void send_all(int fd, const void* buf, size_t len, Clock::time_point deadline, const std::string& what);

@@ -57,6 +57,7 @@ std::string hello_refusal(const Hello& h, int rank, int size, int streams, uint6
 
 struct TcpTransport::Pending {
   net::Fd fd;
+  bool local;  // came through the Unix socket
   net::Clock::time_point since;
   Hello hello{};
   size_t got = 0;
@@ -65,7 +66,7 @@ struct TcpTransport::Pending {
 TcpTransport::TcpTransport(int rank, int size, std::shared_ptr<Store> store, const Config& config,
                            const std::string& route_hint, const std::string& claim)
     : Transport(rank, size, config.streams), store_(std::move(store)), config_(config), job_(job_fingerprint(config.job_id)),
-      chans_(new Channel[static_cast<size_t>(size) * config.streams]), addrs_(size) {
+      chans_(new Channel[static_cast<size_t>(size) * config.streams]), addrs_(size), local_peer_(size) {
   timeout = std::chrono::duration<double>(config.timeout);
   if (size == 1) return;
   net::raise_descriptor_limit();
@@ -73,6 +74,14 @@ TcpTransport::TcpTransport(int rank, int size, std::shared_ptr<Store> store, con
   listener_ = net::listen_on(host, 0, 4096);
   net::set_nonblocking(listener_.get(), true);
   addrs_[rank] = host + ":" + std::to_string(net::bound_port(listener_.get()));
+  if (config.unix_sockets && !claim.empty()) {
+    try {
+      local_listener_ = net::listen_abstract(net::job_socket_name(job_, rank, claim), 4096);
+      net::set_nonblocking(local_listener_.get(), true);
+    } catch (const CommError& e) {  // peers on this host then connect over TCP, as they do to other hosts
+      SC_LOG(LogLevel::warn, rank, "") << e.what() << "; peers on this host connect over TCP";
+    }
+  }
   store_->set("addr/" + std::to_string(rank) + "/" + claim, addrs_[rank]);
 }
 
@@ -95,14 +104,16 @@ void TcpTransport::attach(std::vector<int> epoll_fds) {
   for (int p = 0; p < size(); ++p)
     for (int s = 0; s < streams(); ++s)
       if (chan(p, s).fd.load() >= 0) watch(s, chan(p, s).fd.load());
-  if (!listener_) return;
-  for (int ep : epfds_) {
-    // Level-triggered: whichever worker wakes first accepts; the others find nothing left.
-    epoll_event ev{};
-    ev.events = EPOLLIN;
-    ev.data.fd = listener_.get();
-    if (epoll_ctl(ep, EPOLL_CTL_ADD, listener_.get(), &ev) != 0)
-      throw CommError("epoll_ctl(listener) failed: " + std::string(std::strerror(errno)));
+  for (const net::Fd* l : {&listener_, &local_listener_}) {
+    if (!*l) continue;
+    for (int ep : epfds_) {
+      // Level-triggered: whichever worker wakes first accepts; the others find nothing left.
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.fd = l->get();
+      if (epoll_ctl(ep, EPOLL_CTL_ADD, l->get(), &ev) != 0)
+        throw CommError("epoll_ctl(listener) failed: " + std::string(std::strerror(errno)));
+    }
   }
 }
 
@@ -112,27 +123,33 @@ int TcpTransport::open_channels() const {
   return n;
 }
 
-void TcpTransport::install(int peer, int stream, net::Fd fd) {
+void TcpTransport::install(int peer, int stream, net::Fd fd, bool local) {
   net::set_nonblocking(fd.get(), true);
   net::set_buffer_sizes(fd.get(), config_.sockbuf);
   Channel& c = chan(peer, stream);
   if (!epfds_.empty()) watch(stream, fd.get());
   c.fd = fd.get();
   c.owned = std::move(fd);
-  SC_LOG(LogLevel::debug, rank(), "") << "connected to rank " << peer << " stream " << stream;
+  local_peer_[static_cast<size_t>(peer)] = local;
+  local_channels_ += local;
+  SC_LOG(LogLevel::debug, rank(), "") << "connected to rank " << peer << " stream " << stream
+                                      << (local ? " (Unix socket)" : "");
 }
 
 void TcpTransport::adopt_pending() {
-  for (;;) {
-    net::Fd s(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-    if (!s) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK)
-        SC_LOG(LogLevel::warn, rank(), "") << "accept failed: " << std::strerror(errno);
-      break;
+  for (const net::Fd* l : {&listener_, &local_listener_}) {
+    const bool local = l == &local_listener_;
+    while (*l) {
+      net::Fd s(::accept4(l->get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      if (!s) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+          SC_LOG(LogLevel::warn, rank(), "") << "accept failed: " << std::strerror(errno);
+        break;
+      }
+      if (!local) net::set_nodelay(s.get());
+      pending_.push_back(std::make_unique<Pending>(Pending{std::move(s), local, net::Clock::now()}));
     }
-    net::set_nodelay(s.get());
-    pending_.push_back(std::make_unique<Pending>(Pending{std::move(s), net::Clock::now()}));
   }
   // A stranger (a port scanner, a health check) or a silent connection is dropped, never fatal.
   const auto now = net::Clock::now();
@@ -156,7 +173,7 @@ void TcpTransport::adopt_pending() {
       SC_LOG(LogLevel::warn, rank(), "") << "refused a connection: " << refusal;
       return true;
     }
-    install(static_cast<int>(hello.rank), static_cast<int>(hello.stream), std::move(p->fd));
+    install(static_cast<int>(hello.rank), static_cast<int>(hello.stream), std::move(p->fd), p->local);
     return true;
   });
 }
@@ -164,6 +181,18 @@ void TcpTransport::adopt_pending() {
 void TcpTransport::accept_incoming() {
   std::lock_guard lock(mu_);
   if (listener_ && !aborted_) adopt_pending();
+}
+
+net::Fd TcpTransport::connect_local(int peer, int stream) {
+  // Only after start-up, which names the claim (so the process) each peer's socket belongs to. Another peer's
+  // name is absent from this network namespace: connect fails at once and TCP is used.
+  if (!local_listener_ || claims_.empty()) return {};
+  const auto deadline = net::Clock::now() + millis(config_.connect_timeout);
+  net::Fd s = net::connect_abstract(net::job_socket_name(job_, peer, claims_.at(static_cast<size_t>(peer))), deadline);
+  if (!s) return s;
+  Hello h{kHelloMagic, static_cast<uint32_t>(rank()), static_cast<uint32_t>(stream), static_cast<uint32_t>(size()), job_};
+  net::send_all(s.get(), &h, sizeof h, deadline, "hello to rank " + std::to_string(peer) + " (Unix socket)");
+  return s;
 }
 
 bool TcpTransport::connect(int peer, int stream) {
@@ -188,6 +217,10 @@ bool TcpTransport::connect(int peer, int stream) {
     }
     return false;
   }
+  if (net::Fd s = connect_local(peer, stream)) {
+    install(peer, stream, std::move(s), true);
+    return true;
+  }
   if (addrs_[peer].empty())
     addrs_[peer] = store_->get(
         "addr/" + std::to_string(peer) + "/" + (claims_.empty() ? "" : claims_.at(static_cast<size_t>(peer))), limit);
@@ -195,7 +228,7 @@ bool TcpTransport::connect(int peer, int stream) {
   net::Fd s = net::connect_to(parse_endpoint(addrs_[peer]), deadline);
   Hello h{kHelloMagic, static_cast<uint32_t>(rank()), static_cast<uint32_t>(stream), static_cast<uint32_t>(size()), job_};
   net::send_all(s.get(), &h, sizeof h, deadline, "hello to rank " + std::to_string(peer));
-  install(peer, stream, std::move(s));
+  install(peer, stream, std::move(s), false);
   return true;
 }
 
@@ -209,7 +242,12 @@ std::string TcpTransport::peer_failure(int peer) {
 
 void TcpTransport::fail_peer(int peer, const std::string& what) {
   const std::string why = peer_failure(peer);
-  throw CommError("connection to rank " + std::to_string(peer) + " (" + addrs_[peer] + ") " + what +
+  std::string where;
+  {
+    std::lock_guard lock(mu_);
+    where = local_peer_[static_cast<size_t>(peer)] ? "Unix socket on this host" : addrs_[peer];
+  }
+  throw CommError("connection to rank " + std::to_string(peer) + (where.empty() ? "" : " (" + where + ")") + " " + what +
                   (why.empty() ? "; that rank exited, crashed or failed (see its output)"
                                : "; rank " + std::to_string(peer) + " failed: " + why));
 }

@@ -1,6 +1,8 @@
 // TCP transport: `streams` connections per peer pair, opened when first used (the higher rank connects to the
 // lower one's listening socket and says who it is in a hello), non-blocking, progressed by epoll. Sends go
-// straight from the caller's buffers.
+// straight from the caller's buffers. A peer in the same network namespace (on the same host) is reached over a
+// Unix-domain stream socket instead where it can be (the unix_sockets knob): the same bytes and hello, without
+// the TCP/IP stack.
 #pragma once
 
 #include <atomic>
@@ -39,11 +41,12 @@ class TcpTransport final : public Transport {
   void attach(std::vector<int> epoll_fds) override;
   bool connect(int peer, int stream) override;
   void accept_incoming() override;
-  int listening() const override { return listener_.get(); }
+  bool listens_on(int fd) const override { return fd >= 0 && (fd == listener_.get() || fd == local_listener_.get()); }
   size_t send(int peer, int stream, const iovec* iov, int iovcnt) override;
   size_t recv(int peer, int stream, const iovec* iov, int iovcnt) override;
   int pollable(int peer, int stream) const override { return chan(peer, stream).fd.load(); }
   int open_channels() const override;
+  int local_channels() const override { return local_channels_.load(); }
   // The host this rank listens on ("" when it listens nowhere: a world of one).
   std::string host() const { return addrs_[rank()].substr(0, addrs_[rank()].rfind(':')); }
   void abort(const std::string& reason) override;
@@ -59,7 +62,8 @@ class TcpTransport final : public Transport {
 
   Channel& chan(int peer, int stream) { return chans_[static_cast<size_t>(peer) * streams() + stream]; }
   const Channel& chan(int peer, int stream) const { return chans_[static_cast<size_t>(peer) * streams() + stream]; }
-  void install(int peer, int stream, net::Fd fd);  // mu_ held
+  void install(int peer, int stream, net::Fd fd, bool local);  // mu_ held
+  net::Fd connect_local(int peer, int stream);                 // mu_ held; empty where it cannot be reached
   void watch(int stream, int fd);                   // mu_ held: into the owner's epoll set
   void adopt_pending();                             // mu_ held
   std::string peer_failure(int peer) override;
@@ -73,6 +77,9 @@ class TcpTransport final : public Transport {
   std::vector<std::string> addrs_;
   std::vector<std::string> claims_;
   net::Fd listener_;
+  net::Fd local_listener_;        // the Unix socket (unix_sockets=auto); none where it could not be made
+  std::vector<char> local_peer_;  // mu_: 1 where a channel to the peer is a Unix socket
+  std::atomic<int> local_channels_{0};
   std::vector<int> epfds_;
   std::vector<std::unique_ptr<Pending>> pending_;
   std::atomic<bool> aborted_{false};

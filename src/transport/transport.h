@@ -33,8 +33,8 @@ class Transport {
   virtual bool connect(int peer, int stream) = 0;
   // Adopts the connections peers have made (the accepting socket is readable); drops strangers.
   virtual void accept_incoming() = 0;
-  // The accepting socket's descriptor (-1: none), as registered by attach().
-  virtual int listening() const = 0;
+  // True for an accepting socket registered by attach().
+  virtual bool listens_on(int fd) const = 0;
   // Non-blocking scatter/gather I/O: bytes moved, 0 when the channel would block. Throws CommError naming the
   // peer (and why it failed, where it said so) when the channel is closed or broken.
   virtual size_t send(int peer, int stream, const iovec* iov, int iovcnt) = 0;
@@ -43,6 +43,8 @@ class Transport {
   virtual int pollable(int peer, int stream) const = 0;
   // Connections this rank holds now (for tests of lazy connection).
   virtual int open_channels() const = 0;
+  // Of those, the ones to peers on this host that bypass the network stack (Unix sockets).
+  virtual int local_channels() const { return 0; }
   // Tells the peers why this rank fails (through the rendezvous store) and shuts every channel down, so that
   // ranks blocked on this one fail at once with that reason instead of timing out.
   virtual void abort(const std::string& reason) = 0;

@@ -477,13 +477,15 @@ with smartcoll.init(timeout=30) as comm:
         comm.allgather(x, out, algo=algo)
         ok = bool((out == np.repeat(np.arange(1, comm.size + 1, dtype=np.int32), x.size)).all())
     comm.barrier()
-    print("HIER", "OK" if ok else "WRONG", flush=True)
+    print("HIER", "OK" if ok else "WRONG", f"local={comm.engine_stats()['local_channels']}", flush=True)
 """
 
 
 def sent_in_one_call(cluster, tmp_path, coll: str, algo: str, count: int, cyclic: bool = False):
     """Runs HIER with 2 ranks per host on `cluster`: returns the ranks' READY lines (layout and auto's allreduce
-    choice) and the bytes each host sent over its link during the one call, once every rank said HIER OK."""
+    choice) and the bytes each host sent over its link during the one call, once every rank said HIER OK and
+    that it reached its host's other rank, and only it, over a Unix socket (the hosts are network namespaces:
+    peers on other hosts cannot be reached by a socket's name, so TCP carries what crosses the links)."""
     n = 2 * cluster.size
     script = tmp_path / "hier.py"
     script.write_text(HIER)
@@ -508,7 +510,7 @@ def sent_in_one_call(cluster, tmp_path, coll: str, algo: str, count: int, cyclic
         after = sent()
     finally:
         proc.kill()
-    assert proc.returncode == 0 and out.count("HIER OK") == n, out
+    assert proc.returncode == 0 and out.count("HIER OK local=1\n") == n, out
     return [line for line in lines if "READY" in line], [a - b for a, b in zip(after, before)]
 
 

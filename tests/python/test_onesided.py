@@ -274,6 +274,49 @@ def test_gets_on_one_host_read_the_target_directly(direct):
         assert gets == (4 if direct == "auto" else 0), gets
 
 
+def abstract_socket_names() -> list[str]:
+    """The names of this network namespace's abstract Unix sockets that smartcoll made, once per socket: a
+    listener's name is listed again for each connection it accepted."""
+    with open("/proc/net/unix") as f:
+        return [p[-1] for p in (line.split() for line in f) if len(p) == 8 and p[-1].startswith("@smartcoll/")]
+
+
+@pytest.mark.parametrize("unix", ["auto", "off"])
+def test_one_sided_channels_on_one_host_are_unix_sockets(unix):
+    """An initiator on the target's host reaches its one-sided server over the server's Unix socket (named after
+    its TCP port, never its token), and gets the same bytes; unix_sockets=off makes neither the socket nor the
+    connection."""
+    nbytes = 1 << 16
+    before = set(abstract_socket_names())
+
+    def body(comm):
+        region = comm.register(region_bytes(comm.rank, nbytes))
+        remote = comm.exchange_regions(region)
+        names = None
+        if comm.rank == 1:
+            sizes = np.full(64, 100)
+            offsets = np.arange(64) * 1000
+            got = np.empty(int(sizes.sum()), np.uint8)
+            comm.getv(0, remote[0], offsets, sizes, got)
+            want = region_bytes(0, nbytes)
+            np.testing.assert_array_equal(got, np.concatenate([want[o:o + 100] for o in offsets]))
+        comm.barrier()
+        if comm.rank == 0:
+            names = [n for n in abstract_socket_names() if n not in before and "/rma/" in n]
+        comm.barrier()
+        region.close()
+        return names
+
+    names = run_thread_ranks(2, body, unix_sockets=unix, rma_direct="off")[0]
+    if unix == "off":
+        assert names == [], names
+        return
+    # Rank 0's and rank 1's listeners, and the connection rank 0's accepted from rank 1.
+    served = [n for n in set(names) if re.search(r"/0/rma/\d+$", n)]
+    assert len(served) == 1 and names.count(served[0]) == 2, names
+    assert len(set(names)) == 2, names
+
+
 def test_a_direct_get_never_returns_bytes_written_after_deregistration():
     """Rank 1 registers a 64 KiB region filled with one value, deregisters it and overwrites it with a poison
     value, over and over, while rank 0 reads the newest region directly as fast as it can. Every get that
