@@ -149,7 +149,7 @@ NB_MODULE(_core, m) {
            }
            return all;
          }()},
-        {"transports", "tcp, cma (same host), udp (switch protocol)"},
+        {"transports", "tcp, unix (same host), cma (same host), udp (switch protocol)"},
         {"codecs", [] {
            std::string all;
            for (const auto& n : Codec::names()) all += (all.empty() ? "" : ", ") + n;

@@ -266,11 +266,16 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
   // allgather, reduce_scatter, broadcast and reduce over hosts whose ranks are interleaved: a flat ring (or chain)
   // crosses the network at every hop, so each host's link carries about k times what the hierarchical rings
   // (chains) put on it; on 4 hosts x 2 interleaved ranks hier was 1.5-2.3x faster. Where each host's ranks are
-  // consecutive the flat ones cross each link once: measured there within this 2-core machine's noise of hier
-  // (0.77-1.07x), so they stay (BENCHMARKS.md, "Hierarchical allgather, reduce_scatter, broadcast and reduce").
+  // consecutive, the flat chains cross each link once, as hier's do, and stay; a host's last rank in a flat ring
+  // sends kH - 1 blocks over its link, hier's ranks k(H - 1) in all (7 against 6 on 4 hosts x 2), and hier's rings
+  // on the host go through Unix sockets: 1.06-1.29x the ring's speed for allgather there, 0.99-1.09x for
+  // reduce_scatter (BENCHMARKS.md, "Unix sockets between ranks of one host"). The model does not see the layout:
+  // the rule comes before a profile.
   const bool spread = c != Collective::allreduce && c != Collective::alltoall && c != Collective::alltoallv &&
                       c != Collective::barrier;
-  if (spread && q.interleaved && needs_hosts(q).empty() && call_bytes(c, q) > small_bytes) return Algorithm::hier;
+  const bool rings = c == Collective::allgather || c == Collective::reduce_scatter;
+  if (spread && (q.interleaved || rings) && needs_hosts(q).empty() && call_bytes(c, q) > small_bytes)
+    return Algorithm::hier;
   if (profile) return cheapest(c, q, *profile, small_bytes);
   const bool small = q.bytes <= small_bytes;
   const bool small_total = call_bytes(c, q) <= small_bytes;

@@ -153,6 +153,21 @@ void farewell(int fd, const std::string& why) {
   [[maybe_unused]] ssize_t n = ::send(fd, b.data(), b.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
+// The farewell at the head of what fd has received, unread ("" where there is none, or not all of it). A Unix
+// socket fails a send to a peer that closed at once, while that peer's farewell may wait unread (over TCP that
+// send goes through and the farewell is read first).
+std::string farewell_waiting(int fd) {
+  std::vector<char> b(sizeof(Header) + kMaxErrorText);
+  const ssize_t n = ::recv(fd, b.data(), b.size(), MSG_PEEK | MSG_DONTWAIT);
+  Header h;
+  if (n < static_cast<ssize_t>(sizeof h)) return "";
+  std::memcpy(&h, b.data(), sizeof h);
+  if (h.magic != kMagic || static_cast<Kind>(h.kind) != Kind::error || h.id != 0 || h.payload > kMaxErrorText ||
+      static_cast<uint64_t>(n) < sizeof h + h.payload)
+    return "";
+  return std::string(b.data() + sizeof h, h.payload);
+}
+
 std::string hex_of(const uint8_t* bytes, size_t n) {
   std::string hex;
   char two[3];
@@ -710,9 +725,12 @@ void Service::send(Conn& c) {
     const ssize_t n = ::sendmsg(c.fd.get(), &m, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n < 0) {
       if (errno == EINTR) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK)
-        close(c, "the one-sided channel to rank " + std::to_string(c.peer) + " broke while sending: " +
-                     std::strerror(errno));
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        const std::string error = std::strerror(errno), farewell = farewell_waiting(c.fd.get());
+        close(c, !farewell.empty() ? farewell
+                                   : "the one-sided channel to rank " + std::to_string(c.peer) +
+                                         " broke while sending: " + error);
+      }
       return;
     }
     c.last = Clock::now();

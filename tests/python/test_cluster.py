@@ -514,11 +514,11 @@ def sent_in_one_call(cluster, tmp_path, coll: str, algo: str, count: int, cyclic
     return [line for line in lines if "READY" in line], [a - b for a, b in zip(after, before)]
 
 
-@pytest.mark.parametrize("coll, cyclic, algo", [("allreduce", False, "auto"), ("allgather", False, "hier"),
+@pytest.mark.parametrize("coll, cyclic, algo", [("allreduce", False, "auto"), ("allgather", False, "auto"),
                                                 ("allgather", True, "auto")])
 def test_hierarchical_two_ranks_per_host(cluster4, tmp_path, coll, cyclic, algo):
     """8 ranks, 2 per host (smartcoll run --ranks-per-host, in blocks or with --cyclic round robin): the layout is
-    learned, allreduce goes hierarchical, and so does allgather where it is asked to or the ranks are interleaved;
+    learned, and auto makes allreduce and allgather hierarchical in either layout;
     results are exact, and each host sends what one host must across its link: 2(H-1)/H of allreduce's vector,
     the k(H-1) blocks of allgather (a flat ring: kH-1 from the host's last rank, or about k(kH-1) interleaved)."""
     count = 2 << 20

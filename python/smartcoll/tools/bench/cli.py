@@ -396,7 +396,9 @@ def main(args: argparse.Namespace) -> int:
         "nicd": bool(getattr(args, "nicd", False)),
     }
     link = measure_link(c, getattr(args, "iperf", True)) if c else None
-    where = f" on cluster {c.name} (one per host)" if c else ""
+    per = getattr(args, "ranks_per_host", 1)
+    placed = "one per host" if per == 1 else f"{per} per host{', round robin' if getattr(args, 'cyclic', False) else ''}"
+    where = f" on cluster {c.name} ({placed})" if c else ""
     with tempfile.TemporaryDirectory(prefix="smartcoll-bench-") as tmp:
         workdir = Path(tmp)
         (workdir / "config.json").write_text(json.dumps(cfg))
