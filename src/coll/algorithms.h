@@ -25,6 +25,9 @@ struct Args {
 void allreduce_ring(Builder& b, const Args& a);
 // Several ranks per host: reduce-scatter per host, allreduce across hosts, allgather per host (Context::hosts).
 void allreduce_hier(Builder& b, const Args& a);
+// How many pieces allreduce_hier cuts a vector of `bytes` into (each goes through its three steps; the cost
+// model overlaps the host's copies of all but the first and the last).
+int allreduce_hier_pieces(size_t bytes);
 // Owner exchange of the compressed modes: each contribution encoded once (into enc, laid out by ch), sent to its
 // chunk's owner, summed there in float32 in rank order into `mine` (and, with share, encoded once into enc and
 // decoded back so that every rank ends with the same values). All on stream 0.

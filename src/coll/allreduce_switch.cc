@@ -36,8 +36,6 @@ namespace smartcoll::coll {
 
 namespace {
 
-// Part p of m elements cut n ways, the first m % n parts one longer: [part_begin(p), part_begin(p + 1)).
-size_t part_begin(size_t m, int n, int p) { return static_cast<size_t>(p) * (m / n) + std::min<size_t>(p, m % n); }
 
 // The ranks a ring over the transport's stream 0 runs over (Group: empty members, the whole world), so that the
 // same rings serve the world and the hierarchical allreduce's hosts and columns.

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "coll/algorithms.h"
 #include "core/json.h"
 #include "core/siphash.h"
 #include "smartcoll/codec.h"
@@ -252,7 +253,7 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
     k.codec = moved * (1 / r.encode_Bps + 1 / r.decode_Bps) / cores;
   }
   const double link = p.link_Bps * p.efficiency(a);
-  bool copy_overlaps = true;
+  double copy_alone = 0;  // the share of the host's copies that nothing overlaps (added to the bound)
   double local_latency = 0;  // steps on the host's own connections, where the algorithm's alpha is the switch's
   switch (a) {
     case Algorithm::cma:
@@ -268,6 +269,8 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
         k.steps = 2 * (h - 1) + 2 * (hosts - 1);
         k.copy = 2 * (h - 1) / h * bytes / p.copy_Bps;
         k.wire_bytes = 2 * (hosts - 1) / hosts * bytes;
+        // In P pieces, the first piece's reduce-scatter and the last one's allgather alone are not overlapped.
+        copy_alone = 1.0 / allreduce_hier_pieces(q.bytes);
       } else if (c == Collective::broadcast || c == Collective::reduce) {
         // Two pipelined chains, across hosts and on each host: the vector crosses each host's link once, and its
         // segments flow on through the host's own connections as they arrive (the copies overlap the link).
@@ -283,7 +286,7 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
         k.wire_bytes = h * (hosts - 1) * bytes;
       }
       k.link = k.wire_bytes / link;
-      copy_overlaps = c == Collective::broadcast || c == Collective::reduce;
+      if (c != Collective::allreduce && c != Collective::broadcast && c != Collective::reduce) copy_alone = 1;
       break;
     }
     case Algorithm::switch_: {
@@ -313,18 +316,18 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
       k.link = k.wire_bytes / (p.link_Bps * p.efficiency(Algorithm::switch_));
       if (p.switch_link_Bps > 0) k.link = std::max(k.link, hosts * bytes / (switches * p.switch_link_Bps));
       if (p.switch_Bps > 0) k.reduce = std::max(k.reduce, hosts * bytes / (switches * p.switch_Bps));
-      copy_overlaps = false;
+      copy_alone = 1;
       break;
     }
     default: k.link = k.wire_bytes / link;
   }
   k.latency = k.steps * p.alpha(a == Algorithm::switch_hier ? Algorithm::switch_ : a) + local_latency;
   const std::pair<double, const char*> terms[] = {
-      {k.link, "link"}, {k.reduce, "reduce"}, {k.codec, "codec"}, {k.mem, "mem"}, {copy_overlaps ? k.copy : 0, "copy"}};
+      {k.link, "link"}, {k.reduce, "reduce"}, {k.codec, "codec"}, {k.mem, "mem"}, {(1 - copy_alone) * k.copy, "copy"}};
   const auto* top = std::max_element(std::begin(terms), std::end(terms),
                                      [](const auto& x, const auto& y) { return x.first < y.first; });
   k.bound = top->first > 0 ? top->second : "latency";
-  k.total = k.latency + top->first + (copy_overlaps ? 0 : k.copy);
+  k.total = k.latency + top->first + copy_alone * k.copy;
   return k;
 }
 

@@ -3,6 +3,7 @@
 // docs/algorithms.md gives each algorithm's steps and bytes on the wire.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <functional>
 #include <initializer_list>
@@ -107,6 +108,12 @@ class Builder {
 template <class F>
 void for_each_segment(size_t len, size_t piece, F&& f) {
   for (size_t off = 0; off < len; off += piece) f(off, std::min(piece, len - off));
+}
+
+// Part p of m elements cut n ways, the first m % n parts one longer: [part_begin(p), part_begin(p + 1)).
+inline size_t part_begin(size_t m, int n, int p) {
+  const auto parts = static_cast<size_t>(n), at = static_cast<size_t>(p);
+  return at * (m / parts) + std::min(at, m % parts);
 }
 
 // One chunk per rank, in elements, and where each chunk sits on the wire. With a codec every chunk is encoded

@@ -49,11 +49,17 @@ TEST(CostModel, HierarchicalHandWorked) {
   Query q = call(8, 4 * kMiB);  // 4 hosts x 2 ranks
   q.hosts = 4, q.per_host = 2;
   // allreduce: 2(k-1) + 2(H-1) = 8 steps; the host's link carries 2(H-1)/H = 1.5 vectors; each rank copies
-  // 2(k-1)/k of the vector through the host's connections first, not overlapped with the link.
+  // 2(k-1)/k of the vector through the host's connections. In 2 pieces of 2 MiB, half the copies (the first
+  // piece's reduce-scatter, the last one's allgather) are not overlapped with the link; the other half are.
   const Cost ar = predict(Collective::allreduce, Algorithm::hier, q, p);
   EXPECT_DOUBLE_EQ(ar.steps, 8);
   EXPECT_DOUBLE_EQ(ar.wire_bytes, 1.5 * 4 * kMiB);
-  EXPECT_NEAR(ar.total, 8e-4 + 1.5 * 4 * kMiB / 1e8 + 4 * kMiB / 1e9, 1e-12);
+  EXPECT_NEAR(ar.total, 8e-4 + 1.5 * 4 * kMiB / 1e8 + 0.5 * 4 * kMiB / 1e9, 1e-12);
+  // One piece (under 4 MiB): none overlapped.
+  Query small = call(8, 2 * kMiB);
+  small.hosts = 4, small.per_host = 2;
+  EXPECT_NEAR(predict(Collective::allreduce, Algorithm::hier, small, p).total,
+              8e-4 + 1.5 * 2 * kMiB / 1e8 + 2 * kMiB / 1e9, 1e-12);
   // allgather and reduce_scatter (4 MiB per rank's block): (H-1) + H(k-1) = 7 steps; the link carries the
   // k(H-1) = 6 blocks the host's ranks get from (or send to) the other hosts, against the flat ring's n-1 = 7;
   // H(k-1) = 4 blocks go through the host's connections.

@@ -197,7 +197,8 @@ TEST(Hierarchy, AllreduceExactOnInterleavedHosts) {
                              std::vector<std::string>{"x", "x", "y", "y", "z", "z"}}) {
     const int n = static_cast<int>(layout.size());
     run_on_hosts(layout, [n](Communicator& c) {
-      for (size_t count : {size_t{5}, size_t{1000003}}) {
+      // 2500001: in pieces (4 of int64, 2 of float), each through the three rings.
+      for (size_t count : {size_t{5}, size_t{1000003}, size_t{2500001}}) {
         std::vector<int64_t> x(count);
         for (size_t e = 0; e < count; ++e) x[e] = static_cast<int64_t>(e * 7 + static_cast<size_t>(c.rank()) * 1000);
         c.allreduce(x.data(), x.data(), count, DataType::i64, ReduceOp::sum, Algorithm::hier)->wait();
@@ -217,7 +218,7 @@ TEST(Hierarchy, FloatSumsAreIdenticalOnEveryRank) {
   const int n = 4;
   std::vector<std::vector<float>> got(n);
   run_on_hosts({"a", "a", "b", "b"}, [&](Communicator& c) {
-    std::vector<float> x(300007);
+    std::vector<float> x(2100007);  // two pieces
     for (size_t e = 0; e < x.size(); ++e) x[e] = std::sin(static_cast<float>(e) * 0.001f + static_cast<float>(c.rank()));
     std::vector<float> out(x.size());
     c.allreduce(x.data(), out.data(), x.size(), DataType::f32, ReduceOp::sum)->wait();
