@@ -66,7 +66,7 @@ struct TcpTransport::Pending {
 TcpTransport::TcpTransport(int rank, int size, std::shared_ptr<Store> store, const Config& config,
                            const std::string& route_hint, const std::string& claim)
     : Transport(rank, size, config.streams), store_(std::move(store)), config_(config), job_(job_fingerprint(config.job_id)),
-      chans_(new Channel[static_cast<size_t>(size) * config.streams]), addrs_(size), local_peer_(size) {
+      chans_(new Channel[static_cast<size_t>(size) * config.streams]), addrs_(size), local_peer_(new std::atomic<bool>[static_cast<size_t>(size)]{}) {
   timeout = std::chrono::duration<double>(config.timeout);
   if (size == 1) return;
   net::raise_descriptor_limit();
@@ -183,15 +183,20 @@ void TcpTransport::accept_incoming() {
   if (listener_ && !aborted_) adopt_pending();
 }
 
+void TcpTransport::say_hello(int fd, int peer, int stream, net::Clock::time_point deadline) const {
+  const Hello h{kHelloMagic, static_cast<uint32_t>(rank()), static_cast<uint32_t>(stream),
+                static_cast<uint32_t>(size()), job_};
+  net::send_all(fd, &h, sizeof h, deadline, "hello to rank " + std::to_string(peer));
+}
+
 net::Fd TcpTransport::connect_local(int peer, int stream) {
   // Only after start-up, which names the claim (so the process) each peer's socket belongs to. Another peer's
   // name is absent from this network namespace: connect fails at once and TCP is used.
   if (!local_listener_ || claims_.empty()) return {};
   const auto deadline = net::Clock::now() + millis(config_.connect_timeout);
-  net::Fd s = net::connect_abstract(net::job_socket_name(job_, peer, claims_.at(static_cast<size_t>(peer))), deadline);
-  if (!s) return s;
-  Hello h{kHelloMagic, static_cast<uint32_t>(rank()), static_cast<uint32_t>(stream), static_cast<uint32_t>(size()), job_};
-  net::send_all(s.get(), &h, sizeof h, deadline, "hello to rank " + std::to_string(peer) + " (Unix socket)");
+  const std::string name = net::job_socket_name(job_, peer, claims_.at(static_cast<size_t>(peer)));
+  net::Fd s = net::connect_abstract(name, deadline);
+  if (s) say_hello(s.get(), peer, stream, deadline);
   return s;
 }
 
@@ -226,8 +231,7 @@ bool TcpTransport::connect(int peer, int stream) {
         "addr/" + std::to_string(peer) + "/" + (claims_.empty() ? "" : claims_.at(static_cast<size_t>(peer))), limit);
   const auto deadline = net::Clock::now() + limit;
   net::Fd s = net::connect_to(parse_endpoint(addrs_[peer]), deadline);
-  Hello h{kHelloMagic, static_cast<uint32_t>(rank()), static_cast<uint32_t>(stream), static_cast<uint32_t>(size()), job_};
-  net::send_all(s.get(), &h, sizeof h, deadline, "hello to rank " + std::to_string(peer));
+  say_hello(s.get(), peer, stream, deadline);
   install(peer, stream, std::move(s), false);
   return true;
 }
@@ -242,12 +246,9 @@ std::string TcpTransport::peer_failure(int peer) {
 
 void TcpTransport::fail_peer(int peer, const std::string& what) {
   const std::string why = peer_failure(peer);
-  std::string where;
-  {
-    std::lock_guard lock(mu_);
-    where = local_peer_[static_cast<size_t>(peer)] ? "Unix socket on this host" : addrs_[peer];
-  }
-  throw CommError("connection to rank " + std::to_string(peer) + (where.empty() ? "" : " (" + where + ")") + " " + what +
+  const std::string where = local_peer_[static_cast<size_t>(peer)].load() ? "Unix socket on this host" : addrs_[peer];
+  throw CommError("connection to rank " + std::to_string(peer) + (where.empty() ? "" : " (" + where + ")") + " " +
+                  what +
                   (why.empty() ? "; that rank exited, crashed or failed (see its output)"
                                : "; rank " + std::to_string(peer) + " failed: " + why));
 }

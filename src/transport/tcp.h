@@ -64,6 +64,7 @@ class TcpTransport final : public Transport {
   const Channel& chan(int peer, int stream) const { return chans_[static_cast<size_t>(peer) * streams() + stream]; }
   void install(int peer, int stream, net::Fd fd, bool local);  // mu_ held
   net::Fd connect_local(int peer, int stream);                 // mu_ held; empty where it cannot be reached
+  void say_hello(int fd, int peer, int stream, net::Clock::time_point deadline) const;
   void watch(int stream, int fd);                   // mu_ held: into the owner's epoll set
   void adopt_pending();                             // mu_ held
   std::string peer_failure(int peer) override;
@@ -78,7 +79,7 @@ class TcpTransport final : public Transport {
   std::vector<std::string> claims_;
   net::Fd listener_;
   net::Fd local_listener_;        // the Unix socket (unix_sockets=auto); none where it could not be made
-  std::vector<char> local_peer_;  // mu_: 1 where a channel to the peer is a Unix socket
+  std::unique_ptr<std::atomic<bool>[]> local_peer_;  // [peer]: a channel to it is a Unix socket
   std::atomic<int> local_channels_{0};
   std::vector<int> epfds_;
   std::vector<std::unique_ptr<Pending>> pending_;
