@@ -241,16 +241,22 @@ std::string run_through(sw::Path& path, sw::Client& client, Transport& t, const 
   return failure;
 }
 
-// With switch_fallback=ring, every rank tells every other (one byte over TCP) whether it finished its part
-// through the switches (`failure` empty).
-Outcome agree(sw::Path& path, Transport& t, const std::string& failure) {
+// Every rank tells every other (one byte over TCP) whether it succeeded (`failure` empty); `who` lists those
+// that did not.
+Outcome tell_all(Transport& t, const std::string& failure) {
+  const uint8_t mine = failure.empty() ? 1 : 0;
+  std::vector<uint8_t> ok(static_cast<size_t>(t.size()));
+  exchange(t, &mine, ok.data(), 1);
   Outcome o{failure, ""};
-  if (!path.fallback_ring) return o;
-  const uint8_t mine = o.failure.empty() ? 1 : 0;
-  std::vector<uint8_t> finished(static_cast<size_t>(t.size()));
-  exchange(t, &mine, finished.data(), 1);
   for (int p = 0; p < t.size(); ++p)
-    if (!finished[p]) o.who += (o.who.empty() ? "" : ",") + std::to_string(p);
+    if (!ok[static_cast<size_t>(p)]) o.who += (o.who.empty() ? "" : ",") + std::to_string(p);
+  return o;
+}
+
+// With switch_fallback=ring, whether every rank finished its part through the switches.
+Outcome agree(sw::Path& path, Transport& t, const std::string& failure) {
+  if (!path.fallback_ring) return {failure, ""};
+  Outcome o = tell_all(t, failure);
   if (o.who.empty()) path.backoff = 0;  // a call through the switches: the next fallback waits `retry` calls again
   return o;
 }
@@ -285,12 +291,7 @@ bool join_column(sw::Path& path, Transport& t, const HostGrid& grid, const char*
   } catch (const CommError& e) {
     why = e.what();
   }
-  const uint8_t mine = why.empty() ? 1 : 0;
-  std::vector<uint8_t> joined(static_cast<size_t>(t.size()));
-  exchange(t, &mine, joined.data(), 1);
-  Outcome o{why, ""};
-  for (int p = 0; p < t.size(); ++p)
-    if (!joined[p]) o.who += (o.who.empty() ? "" : ",") + std::to_string(p);
+  const Outcome o = tell_all(t, why);
   if (o.who.empty()) return true;
   if (!path.fallback_ring)
     throw CommError("rank(s) " + o.who + " could not join the switch for the hierarchical allreduce" +
