@@ -284,9 +284,9 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
         k.steps = (hosts - 1) + hosts * (h - 1);
         k.copy = hosts * (h - 1) * bytes / p.copy_Bps;
         k.wire_bytes = h * (hosts - 1) * bytes;
+        copy_alone = 1;
       }
       k.link = k.wire_bytes / link;
-      if (c != Collective::allreduce && c != Collective::broadcast && c != Collective::reduce) copy_alone = 1;
       break;
     }
     case Algorithm::switch_: {

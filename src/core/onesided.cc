@@ -614,7 +614,7 @@ void Service::accept_all(Clock::time_point now, bool connecting) {
         if (err != EAGAIN && err != EWOULDBLOCK) {
           // EMFILE, ENFILE, ENOBUFS, ENOMEM: nothing to accept with until a descriptor or memory is freed.
           accept_resume_ = now + kAcceptBackoff;
-          update_listener(now);
+          update_listener(now);  // both listeners pause: the other would fail the same way
           warn(std::string("accept failed (") + std::strerror(err) + "): pausing new channels for " +
                std::to_string(kAcceptBackoff.count()) + " ms at a time (raise the open files limit, ulimit -n)");
         }
