@@ -5,7 +5,8 @@
 #
 #   bash benchmarks/model_validate.sh OUTDIR N [N ...]        (root: builds network namespaces)
 #
-# Environment: SIZES (default 1M,4M,16M,64M), ITERS (timed calls per size, default 5), LINK (default 1gbit).
+# Environment: SIZES (default 1M,4M,16M,64M), ITERS (timed calls per size, default 5), LINK (default 1gbit),
+# MEDIAN=1 (time each call; compare predictions with each rank's median call, and the summary also with the mean).
 # Writes OUTDIR/profile-nN.json, OUTDIR/nN-COLLECTIVE-ALGO.json and OUTDIR/compare-nN.{md,png,json}; takes down each
 # cluster it built, also on failure or Ctrl-C.
 set -euo pipefail
@@ -39,6 +40,7 @@ for n in "$@"; do
     extra=()
     [ -z "$codec" ] || extra+=(--codec "$codec")
     [ "$algo" != auto ] || extra+=(--model-profile "$profile")
+    [ "${MEDIAN:-0}" != 1 ] || extra+=(--median)
     echo "== N=$n $coll --algo $algo ${codec:+--codec $codec}" >&2
     smartcoll bench "$coll" --cluster "$cluster" --sizes "$sizes" --iters "$iters" --warmup 1 --no-iperf \
       --algo "$algo" "${extra[@]}" --json "$name" >/dev/null

@@ -163,7 +163,10 @@ def test_calibrate_quick_writes_a_usable_profile(tmp_path):
                 timeout=120)
     assert r.returncode == 0, r.stderr
     p = json.loads(out.read_text())
-    assert set(p["alpha_algo"]) == {"ring", "rhd", "rd"} and p["alpha_s"] == p["alpha_algo"]["rhd"]
+    assert set(p["alpha_algo"]) == {"ring", "rhd", "rd", "tree", "bruck", "pairwise"}
+    assert p["alpha_s"] == p["alpha_algo"]["rhd"] and set(p["efficiency_algo"]) == set(p["alpha_algo"])
+    assert set(p["measured"]["fit_s"]) == {"allreduce ring", "allreduce rhd", "allreduce rd", "broadcast tree",
+                                           "allgather bruck", "alltoall pairwise"}
     assert 0 < p["alpha_s"] < 0.1 and p["link_Bps"] > 1e6
     assert p["codecs"]["bfp16"]["encode_Bps"] > 1e7 and p["reduce_Bps"] > 1e7
     assert "calibrate" in r.stderr  # the progress display
@@ -206,6 +209,27 @@ def test_compare_puts_measured_next_to_predicted(tmp_path):
     assert saved["summary"]["auto_points"] == 2
     r = run_cli("model", "compare", str(prof))
     assert r.returncode == 2 and "is not a `smartcoll bench --json` file" in r.stderr, r.stderr
+
+
+def test_compare_counts_median_runs_against_their_means_too(tmp_path):
+    # A `bench --median` file: the error is the median call's; a stall that only the mean holds shows in the
+    # second count.
+    from smartcoll import _core
+
+    prof = write(tmp_path / "p.json", profile(alpha_s=1e-4, link_Bps=1e8, link_efficiency=1.0))
+    text = json.dumps(profile(alpha_s=1e-4, link_Bps=1e8, link_efficiency=1.0))
+    predicted = _core.model_predict("allreduce", "ring", 4, 16 * MiB, text, hosts=4, per_host=1)["total"]
+    path = bench_file(tmp_path / "ring.json", "ring", {16 * MiB: predicted * 1e3}, {})
+    report = json.loads(path.read_text())
+    report["metadata"]["median"] = True
+    report["results"][0]["smartcoll"]["mean_time_us"] = 2 * predicted * 1e6  # one 200 ms stall in a few calls
+    write(path, report)
+    r = run_cli("model", "compare", "--profile", str(prof), str(path), "--markdown")
+    assert r.returncode == 0, r.stderr
+    assert "| median ms | predicted ms | error % | bound | mean ms | error % (mean) |" in r.stdout, r.stdout
+    assert "| +0.0 | link |" in r.stdout and "| -50.0 |" in r.stdout, r.stdout
+    assert ("1 points: 1 within 10%, 1 within 15%, median |error| 0.0% (against the mean call: 0 within 10%, "
+            "0 within 15%, median |error| 50.0%)") in r.stdout, r.stdout
 
 
 def test_builtin_profile_mostly_agrees_with_the_size_rules():
@@ -251,13 +275,33 @@ def test_calibrate_measures_a_noisy_pair_again_and_keeps_the_best(monkeypatch, c
 
     runs = iter([{4096: 1.15e-3, 262144: 1.96e-4}, {4096: 2.0e-5, 262144: 2.5e-4}, {4096: 9.0e-6, 262144: 3.0e-4}])
     monkeypatch.setattr(calibrate, "bench_times", lambda *a: next(runs))
-    assert calibrate.fit_times("rd", 4096, 4 * MiB, 2, None, 5, 60) == {4096: 2.0e-5, 262144: 1.96e-4}
+    assert calibrate.fit_times("allreduce", "rd", 4096, 4 * MiB, 2, None, 5, 60) == {4096: 2.0e-5, 262144: 1.96e-4}
     assert "measuring again (run 2 of 3)" in capsys.readouterr().err
     # A pair that stays noisy through every run is reported by the fit, naming the sizes and what to do.
     monkeypatch.setattr(calibrate, "bench_times", lambda *a: {4096: 1e-3, 262144: 1e-4})
-    times = {"rd": calibrate.fit_times("rd", 4096, 4 * MiB, 2, None, 5, 60)}
-    with pytest.raises(RuntimeError, match=r"rd at 256K .* not slower than at 4K .* 3 runs; raise --large"):
+    times = {("allreduce", "rd"): calibrate.fit_times("allreduce", "rd", 4096, 4 * MiB, 2, None, 5, 60)}
+    with pytest.raises(RuntimeError, match=r"allreduce rd at 256K .* not slower than at 4K .* 3 runs; raise --large"):
         calibrate.fit_link(2, 4096, 4 * MiB, times)
+
+
+@needs_core
+def test_calibrate_fits_each_algorithm_on_the_model_s_own_terms():
+    # Times made from known parameters come back out of the fit: for a collective that splits the bench's size
+    # (alltoall), the model's bytes are one rank's block.
+    from smartcoll import _core
+    from smartcoll.tools.model import calibrate
+
+    alpha, goodput, n = 300e-6, 1e8, 4
+    base = _core.model_builtin_profile()
+    times = {}
+    for coll, algo, split in (("alltoall", "pairwise", True), ("broadcast", "tree", False)):
+        times[(coll, algo)] = {}
+        for size in (4096, 4 * MiB):
+            k = _core.model_predict(coll, algo, n, size // n if split else size, base)
+            times[(coll, algo)][size] = k["steps"] * alpha + k["wire_bytes"] / goodput
+    fit = calibrate.fit_link(n, 4096, 4 * MiB, times)
+    for algo in ("pairwise", "tree"):
+        assert fit["alpha_algo"][algo] == pytest.approx(alpha) and fit["goodput_algo"][algo] == pytest.approx(goodput)
 
 
 @needs_core

@@ -367,7 +367,8 @@ def run_sizes(runners: list, cfg: dict, rank: int, nranks: int, workdir: Path) -
             calls = each[runner.name]
             elapsed = statistics.median(calls) if calls else totals[runner.name] / iters
             results[runner.name]["results"].append(
-                {"count": count, "time_s": elapsed, "wrong": wrong, "iters": iters, "warmup": warmup,
+                {"count": count, "time_s": elapsed, "mean_s": totals[runner.name] / iters, "wrong": wrong,
+                 "iters": iters, "warmup": warmup,
                  "rounds": len(parts), "cpu_s": cpu[runner.name],
                  "process_cpu_s": process_cpu[runner.name]}
             )

@@ -5,13 +5,16 @@
 What is measured, in this order (a progress bar on stderr):
 
   alpha_s, alpha_algo, link_Bps, link_efficiency, efficiency_algo
-        `smartcoll bench allreduce` with N ranks (one per host of --cluster, over its shaped links): ring, rhd
-        and rd, each at a small and a large size (rd, a small-message algorithm: 64 x the small one). Each
-        algorithm's two points give its per-step latency and goodput (time = steps x alpha + bytes on the busiest
-        link / goodput, steps and bytes from the algorithm table). A pair whose small call was not faster than
-        its large one (load on a shared machine) is measured again, up to 3 runs, each size keeping its best
-        time. With --cluster, iperf3 measures the link rate and each efficiency = goodput / iperf3's rate; else
-        the ring's goodput is the link rate. alpha_s (algorithms not measured) is rhd's.
+        `smartcoll bench` with N ranks (one per host of --cluster, over its shaped links), each call timed and
+        each rank's median kept: allreduce with ring, rhd and rd, and the algorithms whose steps wait for one
+        another on the collective that shows them alone: broadcast with the binomial tree, allgather with Bruck,
+        alltoall pairwise. Each at a small and a large size (rd, a small-message algorithm: 64 x the small one).
+        Each algorithm's two points give its per-step latency and goodput (time = steps x alpha + bytes on the
+        busiest link / goodput, steps and bytes from the algorithm table); reduce's tree and alltoall's Bruck
+        take the tree's and Bruck's. A pair whose small call was not faster than its large one (load on a shared
+        machine) is measured again, up to 3 runs, each size keeping its best time. With --cluster, iperf3
+        measures the link rate and each efficiency = goodput / iperf3's rate; else the ring's goodput is the link
+        rate. alpha_s (algorithms not measured: chain, direct) is rhd's.
   reduce_Bps      float32 sum of two 16 MiB arrays on one core (the core's SIMD kernel)
   codecs          encode and decode of each --codecs format on one core (as `smartcoll bench codec`)
   mem_Bps         a 64 MiB copy: bytes read plus written per second
@@ -49,11 +52,13 @@ from smartcoll import _core
 from ..bench.codec import best_seconds, gradient_like
 from ..bench.codec import measure as measure_codec
 from ..bench.report import host_metadata
-from ..bench.runners import ProgressBar, status
+from ..bench.runners import COLLECTIVES, ProgressBar, status
 from ..bench.sizes import format_size, parse_size
 
 SUMMARY = "measure latency, link goodput, reduction, codec, memory and GEMM rates; save a profile JSON"
-FIT_ALGOS = ("ring", "rhd", "rd")
+# (collective, algorithm) pairs fitted; an algorithm's fit serves it in every collective of the table.
+FITS = (("allreduce", "ring"), ("allreduce", "rhd"), ("allreduce", "rd"), ("broadcast", "tree"),
+        ("allgather", "bruck"), ("alltoall", "pairwise"))
 STALL_S = 20
 # rd sends the whole vector log2(n) times: a small-message algorithm, fitted on its own range (64 x --small).
 RD_LARGE = 64
@@ -113,36 +118,39 @@ def large_point(algo: str, small: int, large: int) -> int:
     return small * RD_LARGE if algo == "rd" else large
 
 
-def fit_times(algo: str, small: int, large: int, nranks: int, cluster: str | None, iters: int,
+def fit_times(collective: str, algo: str, small: int, large: int, nranks: int, cluster: str | None, iters: int,
               limit: float) -> dict[int, float]:
     """`bench_times` at the algorithm's two points, run again (best time per size kept) while the small call is
     not faster than the large one, up to FIT_RUNS runs; fit_link reports a pair that stays that way."""
     big = large_point(algo, small, large)
     best: dict[int, float] = {}
     for run in range(1, FIT_RUNS + 1):
-        got = bench_times("allreduce", algo, [small, big], nranks, cluster, iters, limit)
+        got = bench_times(collective, algo, [small, big], nranks, cluster, iters, limit)
         best = {b: min(t, best.get(b, t)) for b, t in got.items()}
         if best[big] > best[small]:
             break
         if run < FIT_RUNS:
-            status(f"{algo}: {format_size(small)} took {best[small]:.2e} s, {format_size(big)} {best[big]:.2e} s: "
+            status(f"{collective} {algo}: {format_size(small)} took {best[small]:.2e} s, {format_size(big)} {best[big]:.2e} s: "
                    f"measuring again (run {run + 1} of {FIT_RUNS})")
     return best
 
 
-def fit_link(nranks: int, small: int, large: int, times: dict[str, dict[int, float]]) -> dict:
-    """Per algorithm, the per-step latency and the goodput from its two allreduce times (time = steps x alpha +
-    bytes on the busiest link / goodput): steps and bytes come from the core's table through model_predict, so
-    the fit uses the model's own terms."""
+def fit_link(nranks: int, small: int, large: int, times: dict[tuple[str, str], dict[int, float]]) -> dict:
+    """Per algorithm, the per-step latency and the goodput from its two times (time = steps x alpha + bytes on
+    the busiest link / goodput): steps and bytes come from the core's table through model_predict, so the fit
+    uses the model's own terms. The bench's size is the whole call; the model's, one rank's block where the
+    collective splits it (allgather, alltoall)."""
     base = _core.model_builtin_profile()
     alphas, goodputs = {}, {}
-    for algo in times:
+    for (collective, algo) in times:
         big = large_point(algo, small, large)
-        small_k, large_k = (_core.model_predict("allreduce", algo, nranks, b, base, switch=algo == "switch")
+        split = COLLECTIVES[collective].split
+        small_k, large_k = (_core.model_predict(collective, algo, nranks, b // nranks if split else b, base,
+                                                switch=algo == "switch")
                             for b in (small, big))
-        t_small, t_large = times[algo][small], times[algo][big]
+        t_small, t_large = times[(collective, algo)][small], times[(collective, algo)][big]
         if t_large <= t_small:
-            raise RuntimeError(f"{algo} at {format_size(big)} ({t_large:.2e} s) was not slower than at "
+            raise RuntimeError(f"{collective} {algo} at {format_size(big)} ({t_large:.2e} s) was not slower than at "
                                f"{format_size(small)} ({t_small:.2e} s): too noisy to fit in {FIT_RUNS} runs; "
                                "raise --large or calibrate on a quieter machine")
         goodputs[algo] = (large_k["wire_bytes"] - small_k["wire_bytes"]) / (t_large - t_small)
@@ -213,8 +221,8 @@ def main(args: argparse.Namespace) -> int:
     repeat, iters = (2, 5) if args.quick else (5, 20)
     threads = args.threads or max(1, (os.cpu_count() or 1) // nranks)
     switch = os.environ.get("SMARTCOLL_SWITCH") or (cluster.aggregator if cluster else None)
-    algos = FIT_ALGOS + (("switch",) if switch else ())
-    bar = ProgressBar("calibrate", len(algos) + 2 + len(codecs) + 2)
+    fits = FITS + ((("allreduce", "switch"),) if switch else ())
+    bar = ProgressBar("calibrate", len(fits) + 2 + len(codecs) + 2)
     done = [0]
 
     def progress(note: str) -> None:
@@ -222,11 +230,12 @@ def main(args: argparse.Namespace) -> int:
         bar.update(done[0], note)
 
     t0 = time.monotonic()
-    times: dict[str, dict[int, float]] = {}
+    times: dict[tuple[str, str], dict[int, float]] = {}
     try:
-        for algo in algos:
-            times[algo] = fit_times(algo, small, large, nranks, args.cluster, iters, args.time_limit)
-            progress(f"allreduce {algo}")
+        for collective, algo in fits:
+            times[(collective, algo)] = fit_times(collective, algo, small, large, nranks, args.cluster, iters,
+                                                  args.time_limit)
+            progress(f"{collective} {algo}")
         fit = fit_link(nranks, small, large, times)
     except RuntimeError as e:
         bar.close()
@@ -247,10 +256,11 @@ def main(args: argparse.Namespace) -> int:
     profile.update(alpha_s=fit["alpha_algo"]["rhd"], alpha_algo=fit["alpha_algo"], link_Bps=link_Bps,
                    link_efficiency=efficiency["ring"], efficiency_algo=efficiency)
     if switch:
-        profile.update(switch_terms(switch, cluster, nranks, large, times["switch"][large], link_Bps))
+        profile.update(switch_terms(switch, cluster, nranks, large, times[("allreduce", "switch")][large], link_Bps))
     profile["measured"] = {
         **host_metadata(),
-        "ranks": nranks, "cluster": args.cluster, "iperf_GBps": iperf, "allreduce_s": times,
+        "ranks": nranks, "cluster": args.cluster, "iperf_GBps": iperf,
+        "fit_s": {f"{c} {a}": {str(b): t for b, t in got.items()} for (c, a), got in times.items()},
         "torch_threads": threads, "seconds": round(time.monotonic() - t0, 1),
     }
     text = json.dumps(profile, indent=1) + "\n"
