@@ -105,6 +105,7 @@ struct EngineStats {
   uint64_t same_host_calls = 0;  // calls run on the same-host path (algo cma) so far
   uint64_t staged_bytes = 0;     // list entries' bytes copied into staging (list_stage_bytes) so far
   uint64_t direct_gets = 0;      // one-sided gets that read the target's memory directly (rma_direct) so far
+  uint64_t direct_puts = 0;      // one-sided puts that wrote into the target's memory directly so far
 };
 
 class Communicator {

@@ -36,11 +36,11 @@ inline constexpr Knob kKnobs[] = {
      "memory (process_vm_readv), and the ranks then signal each other through a shared-memory segment; tcp "
      "sends those control messages over TCP instead (as when the segment cannot be made); off never uses it"},
     {"rma_direct", "auto", "choice:auto|off", 0, 0, false,
-     "one-sided getv between ranks of one host (where the same-host path is usable): auto reads the target's "
-     "region directly when the pieces average 4 KiB or more (process_vm_readv, checking before and after that "
-     "the region stayed registered) instead of "
-     "asking the target's one-sided server; off always asks the server (whose copy also excludes putv and "
-     "accumulatev into the same region during it)"},
+     "one-sided getv and putv between ranks of one host (where the same-host path is usable): auto reads the "
+     "target's region, or writes into it, directly when the pieces average 4 KiB or more (process_vm_readv / "
+     "process_vm_writev; a read checks that the region stayed registered, a write announces itself so that "
+     "deregistering waits for it) instead of asking the target's one-sided server; off always asks the server "
+     "(whose copy also excludes accumulatev into the same region during it); accumulatev always goes to the server"},
     {"shm_bytes", "1048576", "int", 0, 1 << 26, true,
      "same-host path: bytes per rank that a call may put through the shared control segment (algo=shm: one round "
      "of stores and loads, no system call while the ranks run); auto takes it for a call that fits, in any "

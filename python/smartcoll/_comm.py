@@ -380,13 +380,14 @@ class Communicator:
         """{'workers', 'cpu_seconds' (CPU time of the engine's worker threads so far), 'open_channels',
         'local_channels' (of those, Unix sockets to peers on this host, the unix_sockets knob),
         'same_host_calls' (calls run on the same-host path, algo cma), 'staged_bytes' (bytes of list entries
-        copied into one staging piece, the list_stage_bytes knob), 'direct_gets' (one-sided gets that read the
-        target's memory directly, the rma_direct knob)}."""
+        copied into one staging piece, the list_stage_bytes knob), 'direct_gets' and 'direct_puts' (one-sided
+        gets that read the target's memory directly and puts that wrote into it, the rma_direct knob)}."""
         stats = self._core.engine_stats()
         return {"workers": int(stats["workers"]), "cpu_seconds": stats["cpu_seconds"],
                 "open_channels": int(stats["open_channels"]), "local_channels": int(stats["local_channels"]),
                 "same_host_calls": int(stats["same_host_calls"]),
-                "staged_bytes": int(stats["staged_bytes"]), "direct_gets": int(stats["direct_gets"])}
+                "staged_bytes": int(stats["staged_bytes"]), "direct_gets": int(stats["direct_gets"]),
+                "direct_puts": int(stats["direct_puts"])}
 
     def allreduce_algorithm(
         self, count: int, dtype: str = "float32", algo: str = "auto", op: str = "sum", codec: Optional[str] = None

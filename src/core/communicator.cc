@@ -395,7 +395,7 @@ EngineStats Communicator::engine_stats() const {
   if (cma_) s.same_host_calls = cma_->calls();
   s.staged_bytes = staged_bytes_.load(std::memory_order_relaxed);
   std::shared_lock rma(rma_mu_);
-  if (rma_) s.direct_gets = rma_->direct_gets();
+  if (rma_) s.direct_gets = rma_->direct_gets(), s.direct_puts = rma_->direct_puts();
   return s;
 }
 

@@ -19,7 +19,7 @@ struct Config {
   std::string algo;
   bool cma = true;
   bool cma_shm = true;     // the same-host path's control messages go through a shared segment (cma=auto)
-  bool rma_direct = true;  // one-sided gets on one host read the target's memory directly
+  bool rma_direct = true;  // one-sided gets and puts on one host copy from or into the target's memory directly
   bool unix_sockets = true;  // peers in this network namespace are reached over Unix-domain sockets
   size_t rhd_max_bytes = 0;
   size_t shm_bytes = 0;  // room per rank for small calls' data in the same-host control segment

@@ -18,6 +18,7 @@
 #include "kernels/copy.h"
 #include "store/cleanup.h"
 #include "transport/cma.h"
+#include "transport/shared_memory.h"
 
 namespace smartcoll::rma {
 
@@ -190,21 +191,27 @@ struct Service::Region {
   bool alive = true;
 };
 
-// A region's entry in this rank's directory, which peers on this host read (slot id % kSlots). The tag is
-// written last on registration and cleared first on deregistration; a reader trusts base and bytes only when
-// the tag read the same, and right, before and after its read of the pieces (see onesided.h).
+// A region's entry in this rank's directory, which peers on this host map (slot id % kSlots). The tag is
+// written last on registration and cleared first on deregistration; a peer trusts base and bytes only when the
+// tag read the same, and right, before and after it read them (see onesided.h).
 struct Service::Slot {
-  std::atomic<uint64_t> tag{0};
-  uint64_t base = 0, bytes = 0;
+  std::atomic<uint64_t> tag{0}, base{0}, bytes{0};
 };
 namespace {
 constexpr size_t kSlots = 1024;
-// What a reader copies out of a slot.
-struct SlotBytes {
-  uint64_t tag, base, bytes;
-};
-static_assert(sizeof(Service::Slot) == sizeof(SlotBytes) && std::atomic<uint64_t>::is_always_lock_free);
+static_assert(std::atomic<uint64_t>::is_always_lock_free);  // atomics in memory that other processes map
+size_t directory_bytes(int n) { return kSlots * sizeof(Service::Slot) + static_cast<size_t>(n) * sizeof(uint64_t); }
 }  // namespace
+
+// A directory in shared memory: kSlots slots, then a word per rank of the world: the region that rank is writing
+// into directly (0: none).
+struct Service::Directory {
+  cma::SharedMemory mem;  // unmapped: the peer has no directory, or it could not be mapped
+  uint64_t secret = 0;    // of its tags
+  std::mutex writing;     // this rank writes into the peer from one thread at a time: it has one word there
+  Slot* slots() const { return static_cast<Slot*>(mem.base()); }
+  std::atomic<uint64_t>* writers() const { return reinterpret_cast<std::atomic<uint64_t>*>(slots() + kSlots); }
+};
 
 struct Service::Call {
   std::string name;  // "getv #3 on rank 0 to rank 1"
@@ -278,14 +285,22 @@ Service::Service(const Settings& settings, std::shared_ptr<Store> store)
   random_bytes(token_);
   directories_.resize(static_cast<size_t>(s_.size));
   if (!s_.pids.empty()) {
-    // Published before the address: a peer that found the address finds the directory.
-    slots_ = std::make_unique<Slot[]>(kSlots);
-    uint8_t secret[8];
-    random_bytes(secret);
-    std::memcpy(&secret_, secret, sizeof secret_);
-    secret_ |= 1;  // never 0, the tag of an empty slot, whatever the id
-    store_->set(key(s_.rank) + "/directory",
-                std::to_string(reinterpret_cast<uintptr_t>(slots_.get())) + " " + std::to_string(secret_));
+    auto own = std::make_unique<Directory>();
+    std::string why;
+    own->mem = cma::SharedMemory::create("smartcoll-rma", directory_bytes(s_.size), why);
+    if (own->mem.mapped()) {
+      for (size_t i = 0; i < kSlots; ++i) new (own->slots() + i) Slot{};
+      for (int r = 0; r < s_.size; ++r) new (own->writers() + r) std::atomic<uint64_t>(0);
+      uint8_t secret[8];
+      random_bytes(secret);
+      std::memcpy(&own->secret, secret, sizeof own->secret);
+      own->secret |= 1;  // never 0, the tag of an empty slot, whatever the id
+      // Published before the address: a peer that found the address finds the directory.
+      store_->set(key(s_.rank) + "/directory", std::to_string(own->mem.fd()) + " " + std::to_string(own->secret));
+      own_ = std::move(own);
+    } else {
+      SC_LOG(LogLevel::warn, s_.rank, "") << "one-sided: " << why << "; peers on this host go through the server";
+    }
   }
   store_->set(key(s_.rank), (s_.host.empty() ? "127.0.0.1" : s_.host) + ":" +
                                                     std::to_string(net::bound_port(listener_.get())) + " " +
@@ -312,9 +327,14 @@ Service::~Service() {
   [[maybe_unused]] ssize_t n = ::write(wakefd_.get(), &one, sizeof one);
   if (thread_.joinable()) thread_.join();
   forget(*store_, key(s_.rank));  // nobody can reach this server any more: its address and token go
-  if (slots_) {
-    // Cleared before the memory goes back: a peer reading it afterwards finds no tag of this directory.
-    for (size_t i = 0; i < kSlots; ++i) slots_[i].tag.store(0);
+  if (own_) {
+    // No region of this rank is reachable directly from now on; a peer's write in progress finishes first.
+    for (size_t i = 0; i < kSlots; ++i) own_->slots()[i].tag.store(0);
+    try {
+      wait_for_writers(0);
+    } catch (const CommError& e) {
+      SC_LOG(LogLevel::error, s_.rank, "") << "one-sided: closing: " << e.what();
+    }
     forget(*store_, key(s_.rank) + "/directory");
   }
 }
@@ -333,12 +353,12 @@ uint64_t Service::add(void* base, size_t bytes, DataType dtype) {
   std::lock_guard lock(regions_mu_);
   const uint64_t id = next_region_++;
   regions_[id] = std::make_shared<Region>(id, static_cast<char*>(base), bytes, dtype);
-  if (slots_) {  // a region registered 1024 ids before, if still registered, is served by the server from now on
-    Slot& slot = slots_[id % kSlots];
+  if (own_) {  // a region registered 1024 ids before, if still registered, is served by the server from now on
+    Slot& slot = own_->slots()[id % kSlots];
     slot.tag.store(0);
-    slot.base = reinterpret_cast<uintptr_t>(base);
-    slot.bytes = bytes;
-    slot.tag.store(secret_ ^ id, std::memory_order_release);
+    slot.base.store(reinterpret_cast<uintptr_t>(base));
+    slot.bytes.store(bytes);
+    slot.tag.store(own_->secret ^ id);
   }
   return id;
 }
@@ -352,13 +372,39 @@ void Service::remove(uint64_t id) {
                                       ? " was deregistered already" : " was never registered on this rank"));
     r = std::move(it->second);
     regions_.erase(it);
-    if (slots_) {  // unless a later region took the slot
-      uint64_t tag = secret_ ^ id;
-      slots_[id % kSlots].tag.compare_exchange_strong(tag, 0);
+    if (own_) {  // unless a later region took the slot
+      uint64_t tag = own_->secret ^ id;
+      own_->slots()[id % kSlots].tag.compare_exchange_strong(tag, 0);
     }
   }
-  std::lock_guard lock(r->mu);  // a copy in progress finishes first; none starts after
-  r->alive = false;
+  {
+    std::lock_guard lock(r->mu);  // a copy in progress finishes first; none starts after
+    r->alive = false;
+  }
+  wait_for_writers(id);
+}
+
+void Service::wait_for_writers(uint64_t id) {
+  if (!own_) return;
+  const auto deadline = Clock::now() + millis(s_.timeout);
+  for (int p = 0; p < s_.size; ++p) {
+    const std::atomic<uint64_t>& word = own_->writers()[p];
+    for (int looks = 0;; ++looks) {
+      const uint64_t writing = word.load();
+      if (writing == 0 || (id != 0 && writing != id)) break;
+      if (looks < 100) {  // a write of a few pieces ends within microseconds
+        std::this_thread::yield();
+        continue;
+      }
+      if (cma::process_gone(s_.pids[static_cast<size_t>(p)])) break;
+      if (Clock::now() > deadline)
+        throw CommError("deregister: rank " + std::to_string(p) + " (pid " +
+                        std::to_string(s_.pids[static_cast<size_t>(p)]) + ") has been writing into region " +
+                        std::to_string(writing) + " of rank " + std::to_string(s_.rank) + " for more than " +
+                        std::to_string(s_.timeout) + " s (a stopped process?): keep the buffer allocated");
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
 }
 
 std::shared_ptr<Service::Region> Service::find(uint64_t id, std::string& why) {
@@ -394,9 +440,10 @@ std::shared_ptr<Request> Service::post(Kind kind, const RemoteRegion& region, st
   // pieces, and from 1.2x faster to 1.7x slower for 1 KiB ones, run to run (BENCHMARKS.md, "One-sided getv on
   // one host: reading the target directly").
   constexpr uint64_t kDirectMinPiece = 4096;  // mean bytes per piece
-  if (kind == Kind::get && !codec && !s_.pids.empty() && *local_bytes >= kDirectMinPiece * pieces.size()) {
+  if ((kind == Kind::get || kind == Kind::put) && !codec && !s_.pids.empty() &&
+      *local_bytes >= kDirectMinPiece * pieces.size()) {
     connect(region.rank);  // waits for the target's server (and directory), and is there if the server must serve
-    if (auto req = read_directly(region, pieces, local)) return req;
+    if (auto req = copy_directly(kind, region, pieces, local)) return req;
   }
   auto call = std::make_shared<Call>();
   call->peer = region.rank;
@@ -434,43 +481,62 @@ std::shared_ptr<Request> Service::post(Kind kind, const RemoteRegion& region, st
   return call->req;
 }
 
-Service::Directory Service::directory(int peer) {
+Service::Directory* Service::directory(int peer) {
   std::lock_guard lock(directories_mu_);
-  std::optional<Directory>& d = directories_[static_cast<size_t>(peer)];
+  std::unique_ptr<Directory>& d = directories_[static_cast<size_t>(peer)];
   if (!d) {
-    d = Directory{};
+    d = std::make_unique<Directory>();
     const std::string text = store_->check(key(peer) + "/directory").value_or("");
     char* end = nullptr;
-    const uint64_t at = std::strtoull(text.c_str(), &end, 10);
+    const long fd = std::strtol(text.c_str(), &end, 10);
     const uint64_t secret = *end == ' ' ? std::strtoull(end + 1, &end, 10) : 0;
-    if (*end == '\0' && at && secret) d = Directory{at, secret};  // else (none, or malformed): the server serves
+    if (*end == '\0' && fd >= 0 && secret) {  // else (none, or malformed): the server serves
+      std::string why;
+      d->mem = cma::SharedMemory::open(s_.pids[static_cast<size_t>(peer)], static_cast<int>(fd),
+                                       directory_bytes(s_.size), "rank " + std::to_string(peer) + "'s one-sided directory",
+                                       why);
+      d->secret = secret;
+      if (!d->mem.mapped()) SC_LOG(LogLevel::debug, s_.rank, "") << "one-sided: " << why << "; the server serves";
+    }
   }
-  return *d;
+  return d->mem.mapped() ? d.get() : nullptr;
 }
 
-std::shared_ptr<Request> Service::read_directly(const RemoteRegion& region, std::span<const RemotePiece> pieces,
-                                                std::span<const LocalPiece> local) {
-  const Directory d = directory(region.rank);
-  if (!d.at) return nullptr;
-  const int pid = s_.pids[static_cast<size_t>(region.rank)];
-  const uint64_t want = d.secret ^ region.id;
-  void* at = reinterpret_cast<void*>(d.at + (region.id % kSlots) * sizeof(SlotBytes));
-  SlotBytes slot{};
-  iovec slot_into{&slot, sizeof slot}, slot_from{at, sizeof slot};
-  if (cma::read_process(pid, {&slot_into, 1}, {&slot_from, 1}) != 0 || slot.tag != want) return nullptr;
-  std::vector<iovec> from, into;
+std::shared_ptr<Request> Service::copy_directly(Kind kind, const RemoteRegion& region,
+                                                std::span<const RemotePiece> pieces, std::span<const LocalPiece> local) {
+  Directory* d = directory(region.rank);
+  if (!d) return nullptr;
+  const bool put = kind == Kind::put;
+  std::unique_lock<std::mutex> writing(d->writing, std::defer_lock);
+  std::atomic<uint64_t>& word = d->writers()[s_.rank];
+  if (put) {
+    writing.lock();
+    word.store(region.id);  // before the tag is read: the target's deregistration then waits for this write
+  }
+  const struct Clear {
+    std::atomic<uint64_t>* word;
+    ~Clear() {
+      if (word) word->store(0);
+    }
+  } clear{put ? &word : nullptr};
+  const Slot& slot = d->slots()[region.id % kSlots];
+  const uint64_t want = d->secret ^ region.id;
+  if (slot.tag.load() != want) return nullptr;
+  const uint64_t base = slot.base.load(), bytes = slot.bytes.load();
+  if (slot.tag.load() != want) return nullptr;  // base and bytes were this region's
+  std::vector<iovec> remote, mine;
   for (const RemotePiece& p : pieces) {
-    if (p.offset > slot.bytes || p.bytes > slot.bytes - p.offset) return nullptr;  // the server says what is wrong
-    if (p.bytes) from.push_back({reinterpret_cast<void*>(slot.base + p.offset), p.bytes});
+    if (p.offset > bytes || p.bytes > bytes - p.offset) return nullptr;  // the server says what is wrong
+    if (p.bytes) remote.push_back({reinterpret_cast<void*>(base + p.offset), p.bytes});
   }
   for (const LocalPiece& l : local)
-    if (l.bytes) into.push_back({l.data, l.bytes});
-  // A failed read may have written part of the local buffers: the server's answer overwrites them.
-  if (!from.empty() && cma::read_process(pid, into, from) != 0) return nullptr;
-  uint64_t tag = 0;
-  iovec tag_into{&tag, sizeof tag}, tag_from{at, sizeof tag};
-  if (cma::read_process(pid, {&tag_into, 1}, {&tag_from, 1}) != 0 || tag != want) return nullptr;
-  direct_gets_.fetch_add(1, std::memory_order_relaxed);
+    if (l.bytes) mine.push_back({l.data, l.bytes});
+  const int pid = s_.pids[static_cast<size_t>(region.rank)];
+  // A failed copy may have moved part of the bytes: the server's answer, or its put, moves them all again.
+  if (!remote.empty() && (put ? cma::write_process(pid, mine, remote) : cma::read_process(pid, mine, remote)) != 0)
+    return nullptr;
+  if (!put && slot.tag.load() != want) return nullptr;  // the region stayed registered throughout the read
+  (put ? direct_puts_ : direct_gets_).fetch_add(1, std::memory_order_relaxed);
   auto req = std::make_shared<Request>();
   req->finish("");
   return req;

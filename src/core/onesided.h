@@ -16,14 +16,22 @@
 // sends from there; a put or accumulate receives into staging, then scatters under it), so deregistering waits
 // at most for one copy and leaves nothing that points into the buffer.
 //
-// Between processes of one host (Settings::pids) a get without a codec, of pieces of 4 KiB or more on average,
-// skips the server: the initiator reads the pieces straight from the target's memory (process_vm_readv, one
-// copy) in the call itself. Each target keeps a
-// directory of its regions in its own memory (a slot per region: a tag, base and size), which it publishes in the
-// store; the initiator reads the region's slot, the pieces, then the slot's tag again. A tag is the target's
-// secret xor the region's id and ids are never reused, so the same tag both times means the region was registered
-// throughout the read; anything else (not registered, changed, unreadable) sends the call to the server, which
-// serves it or refuses it as for any peer.
+// Between processes of one host (Settings::pids) a get or put without a codec, of pieces of 4 KiB or more on
+// average, skips the server: the initiator reads the pieces straight from the target's memory, or writes them
+// straight into it (process_vm_readv / process_vm_writev, one copy), in the call itself. Each target keeps a
+// directory of its regions in memory shared with the processes of its host (a memfd they map): a slot per region
+// (a tag, base and size), then a word per rank of the world, the region that rank is writing into directly. A
+// tag is the target's secret xor the region's id and ids are never reused.
+//   - A get reads the region's slot, the pieces, then the slot's tag again: the same tag both times means the
+//     region was registered throughout the read.
+//   - A put first sets its word to the region's id, then checks the tag, writes, and clears the word.
+//     Deregistering clears the tag first, then waits until no word holds the region's id (or that word's process
+//     has exited). Both sides' stores come before their loads (sequentially consistent atomics in the shared
+//     memory), so either the put sees the tag gone or the deregistration sees the put's word: the buffer is never
+//     written after deregistering returns.
+// Anything else (not registered, changed, a piece outside the region, a failed copy) sends the call to the
+// server, which serves it or refuses it as for any peer. accumulatev always goes through the server, which
+// applies concurrent accumulates one at a time under the region's lock.
 #pragma once
 
 #include <atomic>
@@ -75,11 +83,14 @@ class Service {
   void abort(const std::string& why);
   // Bytes of staging the target holds now (requests being received or served, answers queued): for tests.
   uint64_t held_bytes() const { return held_; }
-  // Gets served by reading the target's memory directly so far.
+  // Gets served by reading the target's memory directly so far, and puts by writing into it.
   uint64_t direct_gets() const { return direct_gets_.load(std::memory_order_relaxed); }
+  uint64_t direct_puts() const { return direct_puts_.load(std::memory_order_relaxed); }
 
   uint64_t add(void* base, size_t bytes, DataType dtype);
-  // Waits until no request is copying from or into the region; later requests are refused, naming it.
+  // Waits until no request is copying from or into the region, and no peer on this host is writing into it
+  // directly (CommError after the timeout knob if one still is: a stopped process; the buffer must then stay);
+  // later requests are refused, naming it.
   void remove(uint64_t id);
   // Checks the call as the target will, connects to the peer on first use (on this thread, within
   // connect_timeout), and queues it. The local buffers must stay valid until the request completes.
@@ -116,14 +127,14 @@ class Service {
   std::shared_ptr<Region> find(uint64_t id, std::string& why);
   std::string key(int rank) const;  // where `rank` publishes its one-sided address
   std::string local_name(int rank, int port) const;
-  // A get from a process on this host, read directly (see above); null where the server must serve it.
-  std::shared_ptr<Request> read_directly(const RemoteRegion& region, std::span<const RemotePiece> pieces,
+  // A get or put with a process on this host, copied directly (see above); null where the server must serve it.
+  std::shared_ptr<Request> copy_directly(Kind kind, const RemoteRegion& region, std::span<const RemotePiece> pieces,
                                          std::span<const LocalPiece> local);
-  // Where `peer`'s directory is: its first slot's address and the secret of its tags (0, 0: none).
-  struct Directory {
-    uint64_t at = 0, secret = 0;
-  };
-  Directory directory(int peer);
+  // Waits until no peer's word in this rank's directory holds `id` (0: any region).
+  void wait_for_writers(uint64_t id);
+  struct Directory;
+  // `peer`'s directory, mapped on first use; null where it cannot be (the server serves).
+  Directory* directory(int peer);
 
   Settings s_;
   uint8_t token_[16];  // what initiators must present (Hello::token)
@@ -139,11 +150,10 @@ class Service {
   std::mutex regions_mu_;
   std::map<uint64_t, std::shared_ptr<Region>> regions_;
   uint64_t next_region_ = 1;
-  std::unique_ptr<Slot[]> slots_;  // this rank's directory, which peers on this host read
-  uint64_t secret_ = 0;            // of its tags
+  std::unique_ptr<Directory> own_;  // this rank's directory, which peers on this host map
   std::mutex directories_mu_;
-  std::vector<std::optional<Directory>> directories_;  // [peer]: learned on the first get from it
-  std::atomic<uint64_t> direct_gets_{0};
+  std::vector<std::unique_ptr<Directory>> directories_;  // [peer]: looked up on the first direct call to it
+  std::atomic<uint64_t> direct_gets_{0}, direct_puts_{0};
 
   std::mutex connect_mu_;  // one caller connects to a peer at a time
   std::mutex mu_;          // the inbox, and which peers have a channel

@@ -361,7 +361,8 @@ struct Local::Sides {
   }
 };
 
-int read_process(int pid, std::span<const iovec> local, std::span<const iovec> remote) {
+namespace {
+int transfer(int pid, std::span<const iovec> local, std::span<const iovec> remote, bool write) {
   // Each side's position: the iovec it is at and the bytes of that one already read. One call reads as much as
   // both batches hold; a short read (the kernel's cap, a piece it could not reach) resumes where it stopped.
   size_t li = 0, ri = 0, lskip = 0, rskip = 0;
@@ -378,13 +379,30 @@ int read_process(int pid, std::span<const iovec> local, std::span<const iovec> r
   while (li < local.size() && ri < remote.size()) {
     batch(local, li, lskip, lb);
     batch(remote, ri, rskip, rb);
-    ssize_t k = process_vm_readv(pid, lb.data(), lb.size(), rb.data(), rb.size(), 0);
+    ssize_t k = write ? process_vm_writev(pid, lb.data(), lb.size(), rb.data(), rb.size(), 0)
+                      : process_vm_readv(pid, lb.data(), lb.size(), rb.data(), rb.size(), 0);
     if (k < 0 && errno == EINTR) continue;
     if (k <= 0) return k < 0 ? errno : -1;
     advance(local, li, lskip, static_cast<size_t>(k));
     advance(remote, ri, rskip, static_cast<size_t>(k));
   }
   return 0;
+}
+}  // namespace
+
+int read_process(int pid, std::span<const iovec> local, std::span<const iovec> remote) {
+  return transfer(pid, local, remote, false);
+}
+
+int write_process(int pid, std::span<const iovec> local, std::span<const iovec> remote) {
+  return transfer(pid, local, remote, true);
+}
+
+bool process_gone(int pid) {
+  // A zombie still answers kill(pid, 0) but runs no more: its state in /proc says so.
+  const std::string stat = first_line(("/proc/" + std::to_string(pid) + "/stat").c_str());
+  const auto paren = stat.rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] == 'Z' || stat[paren + 2] == 'X';
 }
 
 void Local::read_peer(Transport& t, int peer, std::span<const iovec> local, std::span<const iovec> remote) {

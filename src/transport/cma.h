@@ -35,6 +35,10 @@ std::string host_identity(std::string& error);
 // batches of IOV_MAX; a short read resumes where it stopped. Returns 0, or the errno that stopped it (-1: a read
 // that moved nothing).
 int read_process(int pid, std::span<const iovec> local, std::span<const iovec> remote);
+// The same, writing `local` into `remote` (process_vm_writev).
+int write_process(int pid, std::span<const iovec> local, std::span<const iovec> remote);
+// Whether process `pid` has exited (gone from /proc, or a zombie).
+bool process_gone(int pid);
 
 class Local {
  public:

@@ -333,87 +333,33 @@ std::unique_ptr<Control> shm_control(Segment segment, Transport& t, double spin_
 
 Segment Segment::create(int n, size_t data_bytes, uint64_t token, std::string& error) {
   Segment s;
-  const size_t bytes = segment_bytes(n, data_bytes);
-  const int fd = static_cast<int>(syscall(SYS_memfd_create, "smartcoll-cma", MFD_CLOEXEC));
-  if (fd < 0) {
-    error = std::string("memfd_create failed: ") + std::strerror(errno);
-    return s;
-  }
-  void* base = ftruncate(fd, static_cast<off_t>(bytes)) == 0
-                   ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
-                   : MAP_FAILED;
-  if (base == MAP_FAILED) {
-    error = std::string("cannot size or map the control segment: ") + std::strerror(errno);
-    ::close(fd);
-    return s;
-  }
-  auto* h = new (base) Header{};
+  s.mem_ = SharedMemory::create("smartcoll-cma", segment_bytes(n, data_bytes), error);
+  if (!s.mem_.mapped()) return s;
+  auto* h = new (s.mem_.base()) Header{};
   h->magic = kSegmentMagic;
   h->token = token;
   h->n = static_cast<uint32_t>(n);
   h->data_bytes = data_bytes;
   auto* slots = reinterpret_cast<Slot*>(h + 1);
   for (int p = 0; p < n; ++p) new (slots + p) Slot{};
-  s.base_ = base;
-  s.bytes_ = bytes;
   s.data_bytes_ = data_bytes;
-  s.fd_ = fd;
   return s;
 }
 
 Segment Segment::open(int pid, int fd, int n, size_t data_bytes, uint64_t token, std::string& error) {
   Segment s;
-  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
-  const int mine = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (mine < 0) {
-    error = "cannot open rank 0's control segment " + path + ": " + std::strerror(errno);
-    return s;
-  }
-  const size_t bytes = segment_bytes(n, data_bytes);
-  struct stat st {};
-  void* base = fstat(mine, &st) == 0 && static_cast<size_t>(st.st_size) == bytes
-                   ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, mine, 0)
-                   : MAP_FAILED;
-  ::close(mine);
-  if (base == MAP_FAILED) {
-    error = "rank 0's control segment " + path + " has the wrong size or cannot be mapped";
-    return s;
-  }
-  const auto* h = static_cast<const Header*>(base);
+  SharedMemory mem = SharedMemory::open(pid, fd, segment_bytes(n, data_bytes), "rank 0's control segment", error);
+  if (!mem.mapped()) return s;
+  const auto* h = static_cast<const Header*>(mem.base());
   if (h->magic != kSegmentMagic || h->token != token || h->n != static_cast<uint32_t>(n) ||
       h->data_bytes != data_bytes) {
-    munmap(base, bytes);
-    error = path + " is not rank 0's control segment (a recycled descriptor?)";
+    error = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd) +
+            " is not rank 0's control segment (a recycled descriptor?)";
     return s;
   }
-  s.base_ = base;
-  s.bytes_ = bytes;
+  s.mem_ = std::move(mem);
   s.data_bytes_ = data_bytes;
   return s;
-}
-
-Segment::Segment(Segment&& o) noexcept { *this = std::move(o); }
-
-Segment& Segment::operator=(Segment&& o) noexcept {
-  if (this != &o) {
-    this->~Segment();
-    base_ = std::exchange(o.base_, nullptr);
-    bytes_ = std::exchange(o.bytes_, 0);
-    data_bytes_ = std::exchange(o.data_bytes_, 0);
-    fd_ = std::exchange(o.fd_, -1);
-  }
-  return *this;
-}
-
-Segment::~Segment() {
-  close_fd();
-  if (base_) munmap(base_, bytes_);
-  base_ = nullptr;
-}
-
-void Segment::close_fd() {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = -1;
 }
 
 }  // namespace smartcoll::cma

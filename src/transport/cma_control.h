@@ -20,6 +20,7 @@
 
 #include "core/task.h"
 #include "smartcoll/types.h"
+#include "transport/shared_memory.h"
 #include "transport/transport.h"
 
 namespace smartcoll::cma {
@@ -104,22 +105,15 @@ class Segment {
   // Maps rank 0's segment through /proc/<pid>/fd/<fd>; checks its size, token and data room. Empty (and `error`)
   // on failure.
   static Segment open(int pid, int fd, int n, size_t data_bytes, uint64_t token, std::string& error);
-  Segment() = default;
-  Segment(Segment&& o) noexcept;
-  Segment& operator=(Segment&& o) noexcept;
-  ~Segment();
-
-  bool mapped() const { return base_ != nullptr; }
-  int fd() const { return fd_; }
-  void close_fd();  // once every rank has mapped it: the mapping alone keeps it alive
-  void* base() const { return base_; }
+  bool mapped() const { return mem_.mapped(); }
+  int fd() const { return mem_.fd(); }
+  void close_fd() { mem_.close_fd(); }  // once every rank has mapped it: the mapping alone keeps it alive
+  void* base() const { return mem_.base(); }
   size_t data_bytes() const { return data_bytes_; }
 
  private:
-  void* base_ = nullptr;
-  size_t bytes_ = 0;
+  SharedMemory mem_;
   size_t data_bytes_ = 0;
-  int fd_ = -1;
 };
 
 // The control channel over a mapped segment, for the ranks of `t` (its rank, size and timeout). `check_alive`

@@ -228,6 +228,14 @@ def test_the_identity_codec_means_raw_bytes():
             np.testing.assert_array_equal(out, want)
 
 
+def direct_counts(body, direct: str) -> list[int]:
+    """Runs `body` (returning a count of direct calls and comm.same_host_path) on 2 thread ranks with the
+    rma_direct knob `direct`; checks that the same-host path was usable and returns the counts."""
+    results = run_thread_ranks(2, body, rma_direct=direct)
+    assert [path for _, path in results] == ["usable"] * 2, results
+    return [count for count, _ in results]
+
+
 @pytest.mark.parametrize("direct", ["auto", "off"])
 def test_gets_on_one_host_read_the_target_directly(direct):
     """On one host (the same-host path usable) a getv of pieces of 4 KiB or more on average reads the target's
@@ -269,9 +277,7 @@ def test_gets_on_one_host_read_the_target_directly(direct):
         again.close()
         return comm.engine_stats()["direct_gets"] - before, comm.same_host_path
 
-    for gets, path in run_thread_ranks(2, body, rma_direct=direct):
-        assert path == "usable", path
-        assert gets == (4 if direct == "auto" else 0), gets
+    assert direct_counts(body, direct) == [4 if direct == "auto" else 0] * 2
 
 
 def abstract_socket_names() -> list[str]:
@@ -317,14 +323,14 @@ def test_one_sided_channels_on_one_host_are_unix_sockets(unix):
     assert len(set(names)) == 2, names
 
 
-def test_a_direct_get_never_returns_bytes_written_after_deregistration():
-    """Rank 1 registers a 64 KiB region filled with one value, deregisters it and overwrites it with a poison
-    value, over and over, while rank 0 reads the newest region directly as fast as it can. Every get that
-    succeeds holds one registered value throughout (the tag read before and after the pieces matched); the others
-    fail with the target's refusal. Ranks are threads here, so the newest id is handed over in memory."""
+def race_deregistration(nbytes: int, rounds: int, before, after, call) -> tuple:
+    """Rank 1 registers a buffer of `nbytes` and deregisters it, `rounds` times (`before(buf, i)` ahead of each
+    registration, its results summed; `after(buf)` once each deregistration returned), while rank 0 runs
+    `call(comm, region)` on the newest region as fast as it can. Returns rank 0's (calls that succeeded, calls
+    refused as deregistered, engine_stats()) and rank 1's sum. Ranks are threads here, so the newest id is handed
+    over in memory."""
     import threading
 
-    nbytes, rounds = 64 * KIB, 300
     newest = {"id": 0}
     done = threading.Event()
 
@@ -332,38 +338,119 @@ def test_a_direct_get_never_returns_bytes_written_after_deregistration():
         comm.barrier()
         if comm.rank == 1:
             buf = np.empty(nbytes, np.uint8)
+            total = 0
             try:
                 for i in range(rounds):
-                    buf.fill(1 + i % 200)
+                    total += before(buf, i)
                     region = comm.register(buf)
                     newest["id"] = region.remote().id
                     time.sleep(0.0005)
                     region.close()
-                    buf.fill(0xEE)  # written after deregistration: no successful get may see it
+                    after(buf)
             finally:
                 done.set()
             comm.barrier()
-            return None
+            return total
         good = refused = 0
-        out = np.empty(nbytes, np.uint8)
         deadline = time.monotonic() + 30
         while not done.is_set() and time.monotonic() < deadline:
             rid = newest["id"]
             if not rid:
                 continue
             try:
-                comm.getv(1, smartcoll.RemoteRegion(1, rid, nbytes, "uint8"), [0], nbytes, out)
+                call(comm, smartcoll.RemoteRegion(1, rid, nbytes, "uint8"))
             except smartcoll.CommError as e:
                 assert "was deregistered" in str(e), e
                 refused += 1
                 continue
-            assert out[0] != 0xEE and (out == out[0]).all(), f"region {rid}: torn or poisoned bytes"
             good += 1
         comm.barrier()
-        return good, refused, comm.engine_stats()["direct_gets"]
+        return good, refused, comm.engine_stats()
 
-    good, refused, direct = run_thread_ranks(2, body)[0]
-    assert good > 0 and direct > 0, (good, refused, direct)  # here about 1700-2000 direct gets, 150-220 refused
+    return tuple(run_thread_ranks(2, body))
+
+
+def test_a_direct_get_never_returns_bytes_written_after_deregistration():
+    """Rank 1 registers a 64 KiB region filled with one value, deregisters it and overwrites it with a poison
+    value, over and over, while rank 0 reads the newest region directly as fast as it can. Every get that
+    succeeds holds one registered value throughout (the tag read before and after the pieces matched); the others
+    fail with the target's refusal."""
+    nbytes = 64 * KIB
+    out = np.empty(nbytes, np.uint8)
+
+    def fill(buf, i):
+        buf.fill(1 + i % 200)
+        return 0
+
+    def get(comm, region):
+        comm.getv(1, region, [0], nbytes, out)
+        assert out[0] != 0xEE and (out == out[0]).all(), f"region {region.id}: torn or poisoned bytes"
+
+    (good, refused, stats), _ = race_deregistration(nbytes, 300, fill, lambda buf: buf.fill(0xEE), get)
+    assert good > 0 and stats["direct_gets"] > 0, (good, refused, stats)  # here about 1700-2000 direct, 150-220 refused
+
+
+@pytest.mark.parametrize("direct", ["auto", "off"])
+def test_puts_on_one_host_write_the_target_directly(direct):
+    """On one host a putv of pieces of 4 KiB or more on average writes into the target's region itself (counted in
+    direct_puts), with the same bytes in the same places as through the server; smaller pieces, accumulatev and
+    rma_direct=off go to the server. A put outside the region still fails at the target, naming it, and writes
+    nothing."""
+    nbytes, half = 1 << 20, 1 << 19
+    sizes = np.concatenate([np.full(60, 6000), np.full(100, 100)])  # 6000 B pieces: direct; 100 B: the server
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+
+    def payload(rank):  # what rank writes, piece after piece, into its half of the peer's region
+        return ((np.arange(int(sizes.sum())) * 7 + 13 * (rank + 1)) % 251).astype(np.uint8)
+
+    def body(comm):
+        mine = np.zeros(nbytes, np.uint8)
+        region = comm.register(mine)
+        remote = comm.exchange_regions(region)
+        peer = 1 - comm.rank
+        before = comm.engine_stats()["direct_puts"]
+        data = payload(comm.rank)
+        order = np.random.default_rng(11 + comm.rank).permutation(len(sizes))
+        for group in (order[order < 60], order[order >= 60]):  # pieces in a random order
+            flat = np.concatenate([data[starts[i]:starts[i] + sizes[i]] for i in group])
+            comm.putv(peer, flat, remote[peer], comm.rank * half + starts[group], sizes[group])
+        comm.accumulatev(peer, np.ones(8192, np.uint8), remote[peer], [nbytes - 8192], 8192)
+        forged = smartcoll.RemoteRegion(peer, remote[peer].id, 2 * nbytes, "uint8")
+        with pytest.raises(smartcoll.CommError, match=r"refused it: piece 0 \(8192 bytes at offset \d+\) lies outside"):
+            comm.putv(peer, np.full(8192, 7, np.uint8), forged, [nbytes], 8192)
+        comm.barrier()
+        want = np.zeros(nbytes, np.uint8)
+        want[peer * half:peer * half + int(sizes.sum())] = payload(peer)
+        want[nbytes - 8192:] += 1
+        np.testing.assert_array_equal(mine, want)
+        comm.barrier()
+        region.close()
+        return comm.engine_stats()["direct_puts"] - before, comm.same_host_path
+
+    assert direct_counts(body, direct) == [1 if direct == "auto" else 0] * 2
+
+
+def test_deregistering_waits_for_a_direct_put_in_progress():
+    """Rank 0 puts 256 KiB directly into rank 1's newest region as fast as it can, while rank 1 registers a buffer,
+    deregisters it, fills it with a poison value and checks, just before registering it again, that no byte changed
+    since: a put that saw the region registered finished before the deregistration returned, and none started
+    after."""
+    nbytes, rounds = 256 * KIB, 300
+    data = np.full(nbytes, 0x11, np.uint8)
+
+    def poisoned(buf, i):  # 1 where a put wrote into the buffer after its last deregistration returned
+        if i == 0:
+            buf.fill(0xEE)
+        return int((buf != 0xEE).any())
+
+    def poison(buf):
+        buf.fill(0xEE)
+        time.sleep(0.0002)  # room for a put that would wrongly go on
+
+    (good, refused, stats), late = race_deregistration(
+        nbytes, rounds, poisoned, poison, lambda comm, region: comm.putv(1, data, region, [0], nbytes))
+    assert late == 0, f"{late} of {rounds} rounds found the buffer written after its deregistration returned"
+    assert good > 0 and stats["direct_puts"] > 0, (good, refused, stats)
 
 
 def test_a_deregistered_region_is_refused():
