@@ -275,33 +275,49 @@ def test_calibrate_measures_a_noisy_pair_again_and_keeps_the_best(monkeypatch, c
 
     runs = iter([{4096: 1.15e-3, 262144: 1.96e-4}, {4096: 2.0e-5, 262144: 2.5e-4}, {4096: 9.0e-6, 262144: 3.0e-4}])
     monkeypatch.setattr(calibrate, "bench_times", lambda *a: next(runs))
-    assert calibrate.fit_times("allreduce", "rd", 4096, 4 * MiB, 2, None, 5, 60) == {4096: 2.0e-5, 262144: 1.96e-4}
+    assert calibrate.fit_times("allreduce", "rd", 4096, [4 * MiB], 2, None, 5, 60) == {4096: 2.0e-5, 262144: 1.96e-4}
     assert "measuring again (run 2 of 3)" in capsys.readouterr().err
     # A pair that stays noisy through every run is reported by the fit, naming the sizes and what to do.
     monkeypatch.setattr(calibrate, "bench_times", lambda *a: {4096: 1e-3, 262144: 1e-4})
-    times = {("allreduce", "rd"): calibrate.fit_times("allreduce", "rd", 4096, 4 * MiB, 2, None, 5, 60)}
+    times = {("allreduce", "rd"): calibrate.fit_times("allreduce", "rd", 4096, [4 * MiB], 2, None, 5, 60)}
     with pytest.raises(RuntimeError, match=r"allreduce rd at 256K .* not slower than at 4K .* 3 runs; raise --large"):
-        calibrate.fit_link(2, 4096, 4 * MiB, times)
+        calibrate.fit_link(2, 4096, [4 * MiB], times)
 
 
 @needs_core
 def test_calibrate_fits_each_algorithm_on_the_model_s_own_terms():
-    # Times made from known parameters come back out of the fit: for a collective that splits the bench's size
-    # (alltoall), the model's bytes are one rank's block.
+    # Times made from known parameters come back out of the fit, from two points or four: for a collective that
+    # splits the bench's size (alltoall), the model's bytes are one rank's block.
     from smartcoll import _core
     from smartcoll.tools.model import calibrate
 
     alpha, goodput, n = 300e-6, 1e8, 4
     base = _core.model_builtin_profile()
-    times = {}
-    for coll, algo, split in (("alltoall", "pairwise", True), ("broadcast", "tree", False)):
-        times[(coll, algo)] = {}
-        for size in (4096, 4 * MiB):
-            k = _core.model_predict(coll, algo, n, size // n if split else size, base)
-            times[(coll, algo)][size] = k["steps"] * alpha + k["wire_bytes"] / goodput
-    fit = calibrate.fit_link(n, 4096, 4 * MiB, times)
-    for algo in ("pairwise", "tree"):
-        assert fit["alpha_algo"][algo] == pytest.approx(alpha) and fit["goodput_algo"][algo] == pytest.approx(goodput)
+    for large in ([4 * MiB], [MiB, 4 * MiB, 16 * MiB]):
+        times = {}
+        for coll, algo, split in (("alltoall", "pairwise", True), ("broadcast", "tree", False)):
+            times[(coll, algo)] = {}
+            for size in [4096] + large:
+                k = _core.model_predict(coll, algo, n, size // n if split else size, base)
+                times[(coll, algo)][size] = k["steps"] * alpha + k["wire_bytes"] / goodput
+        fit = calibrate.fit_link(n, 4096, large, times)
+        for algo in ("pairwise", "tree"):
+            assert fit["alpha_algo"][algo] == pytest.approx(alpha), large
+            assert fit["goodput_algo"][algo] == pytest.approx(goodput), large
+
+
+def test_calibrate_fit_weighs_every_point_by_its_relative_error():
+    # Three points on t = 1 ms + wire / 1e8, the middle one measured 20% slow: the least relative squares spread
+    # that error over all three rather than fitting two of them exactly, and alpha never drops under its floor.
+    from smartcoll.tools.model import calibrate
+
+    exact = [(2, w, 2 * 5e-4 + w / 1e8) for w in (4096, 4e6, 16e6)]
+    noisy = [exact[0], (2, 4e6, exact[1][2] * 1.2), exact[2]]
+    alpha, goodput = calibrate.fit_line(noisy)
+    errors = [abs(s * alpha + w / goodput - t) / t for s, w, t in noisy]
+    assert max(errors) < 0.15 and all(e > 1e-3 for e in errors[1:]), errors
+    alpha, goodput = calibrate.fit_line([(2, 1e6, 1e-2), (2, 2e6, 2e-2)])  # no latency at all
+    assert alpha == calibrate.MIN_ALPHA_S and goodput == pytest.approx(1e8, rel=1e-4)
 
 
 @needs_core

@@ -8,11 +8,13 @@ What is measured, in this order (a progress bar on stderr):
         `smartcoll bench` with N ranks (one per host of --cluster, over its shaped links), each call timed and
         each rank's median kept: allreduce with ring, rhd and rd, and the algorithms whose steps wait for one
         another on the collective that shows them alone: broadcast with the binomial tree, allgather with Bruck,
-        alltoall pairwise. Each at a small and a large size (rd, a small-message algorithm: 64 x the small one).
-        Each algorithm's two points give its per-step latency and goodput (time = steps x alpha + bytes on the
-        busiest link / goodput, steps and bytes from the algorithm table); reduce's tree and alltoall's Bruck
-        take the tree's and Bruck's. A pair whose small call was not faster than its large one (load on a shared
-        machine) is measured again, up to 3 runs, each size keeping its best time. With --cluster, iperf3
+        alltoall pairwise. Each at the small size and the large ones (rd, a small-message algorithm: at 64 x the
+        small one). Each algorithm's points give its per-step latency and goodput (time = steps x alpha + bytes
+        on the busiest link / goodput, steps and bytes from the algorithm table), the pair with the least
+        relative error over its points (least squares: the error a prediction is judged by); reduce's tree and
+        alltoall's Bruck take the tree's and Bruck's. Points whose small call was not faster than the largest
+        (load on a shared machine) are measured again, up to 3 runs, each size keeping its best time. With
+        --cluster, iperf3
         measures the link rate and each efficiency = goodput / iperf3's rate; else the ring's goodput is the link
         rate. alpha_s (algorithms not measured: chain, direct) is rhd's.
   reduce_Bps      float32 sum of two 16 MiB arrays on one core (the core's SIMD kernel)
@@ -25,8 +27,8 @@ What is measured, in this order (a progress bar on stderr):
 
   alpha_algo.switch, efficiency_algo.switch, switch_Bps, switch_link_Bps
         only where an aggregation switch is set (SMARTCOLL_SWITCH, or a cluster started with --aggregator):
-        allreduce with algo=switch at the small and the large size, fitted like the others; switch_Bps is the
-        rate at which the switch summed in the large call (N vectors in its time: a lower bound, the link may
+        allreduce with algo=switch at the small and the large sizes, fitted like the others; switch_Bps is the
+        rate at which the switch summed in the largest call (N vectors in its time: a lower bound, the link may
         have been the limit), and switch_link_Bps the link rate when the switch is a host (one link for all
         ranks), 0 in the network. Without a switch, switch_Bps stays 0 and auto never picks algo=switch from
         the profile.
@@ -62,7 +64,7 @@ FITS = (("allreduce", "ring"), ("allreduce", "rhd"), ("allreduce", "rd"), ("broa
 STALL_S = 20
 # rd sends the whole vector log2(n) times: a small-message algorithm, fitted on its own range (64 x --small).
 RD_LARGE = 64
-# Runs of one algorithm's two sizes at most: a run whose small call came out no faster than its large one (a
+# Runs of one algorithm's sizes at most: a run whose small call came out no faster than its largest one (a
 # burst of load on a shared machine) is measured again and each size keeps its best time.
 FIT_RUNS = 3
 # The floor a fitted latency is clamped to: a measurement noisier than the term it fits must not give 0 or less.
@@ -74,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", metavar="NAME", help="measure across the emulated cluster NAME's links")
     parser.add_argument("--out", type=Path, default=Path("model-profile.json"), help="profile to write (default: %(default)s)")
     parser.add_argument("--small", default="4K", help="the latency point (default: %(default)s)")
-    parser.add_argument("--large", default="4M", help="the goodput point (default: %(default)s)")
+    parser.add_argument("--large", default="1M,4M,16M",
+                        help="the goodput points, comma-separated (default: %(default)s)")
     parser.add_argument(
         "--codecs", default="bfp16,bf16,fp16,mxint8,mxfp8_e4m3",
         help="codecs whose rates to measure, comma-separated (default: %(default)s)",
@@ -114,18 +117,19 @@ def bench_times(collective: str, algo: str, sizes: list[int], nranks: int, clust
     return {row["bytes"]: row["smartcoll"]["time_us"] * 1e-6 for row in rows}
 
 
-def large_point(algo: str, small: int, large: int) -> int:
-    return small * RD_LARGE if algo == "rd" else large
+def fit_sizes(algo: str, small: int, large: list[int]) -> list[int]:
+    return [small] + ([small * RD_LARGE] if algo == "rd" else sorted(large))
 
 
-def fit_times(collective: str, algo: str, small: int, large: int, nranks: int, cluster: str | None, iters: int,
-              limit: float) -> dict[int, float]:
-    """`bench_times` at the algorithm's two points, run again (best time per size kept) while the small call is
-    not faster than the large one, up to FIT_RUNS runs; fit_link reports a pair that stays that way."""
-    big = large_point(algo, small, large)
+def fit_times(collective: str, algo: str, small: int, large: list[int], nranks: int, cluster: str | None,
+              iters: int, limit: float) -> dict[int, float]:
+    """`bench_times` at the algorithm's points, run again (best time per size kept) while the small call is not
+    faster than the largest, up to FIT_RUNS runs; fit_link reports points that stay that way."""
+    sizes = fit_sizes(algo, small, large)
+    big = sizes[-1]
     best: dict[int, float] = {}
     for run in range(1, FIT_RUNS + 1):
-        got = bench_times(collective, algo, [small, big], nranks, cluster, iters, limit)
+        got = bench_times(collective, algo, sizes, nranks, cluster, iters, limit)
         best = {b: min(t, best.get(b, t)) for b, t in got.items()}
         if best[big] > best[small]:
             break
@@ -135,26 +139,41 @@ def fit_times(collective: str, algo: str, small: int, large: int, nranks: int, c
     return best
 
 
-def fit_link(nranks: int, small: int, large: int, times: dict[tuple[str, str], dict[int, float]]) -> dict:
-    """Per algorithm, the per-step latency and the goodput from its two times (time = steps x alpha + bytes on
-    the busiest link / goodput): steps and bytes come from the core's table through model_predict, so the fit
+def fit_line(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(alpha, goodput) with the least sum of squared relative errors of steps x alpha + wire / goodput against
+    the measured times, over `points` of (steps, wire bytes, seconds); two points are met exactly. alpha is kept
+    at MIN_ALPHA_S at least (the goodput then refitted with it)."""
+    rows = np.array([[steps / t, wire / t] for steps, wire, t in points])
+    (alpha, per_byte), *_ = np.linalg.lstsq(rows, np.ones(len(points)), rcond=None)
+    if alpha < MIN_ALPHA_S:
+        alpha = MIN_ALPHA_S
+        per_byte = float(rows[:, 1] @ (1 - alpha * rows[:, 0]) / (rows[:, 1] @ rows[:, 1]))
+    return float(alpha), 1 / per_byte if per_byte > 0 else 0.0
+
+
+def fit_link(nranks: int, small: int, large: list[int], times: dict[tuple[str, str], dict[int, float]]) -> dict:
+    """Per algorithm, the per-step latency and the goodput from its times (fit_line; time = steps x alpha + bytes
+    on the busiest link / goodput): steps and bytes come from the core's table through model_predict, so the fit
     uses the model's own terms. The bench's size is the whole call; the model's, one rank's block where the
     collective splits it (allgather, alltoall)."""
     base = _core.model_builtin_profile()
     alphas, goodputs = {}, {}
     for (collective, algo) in times:
-        big = large_point(algo, small, large)
+        sizes = fit_sizes(algo, small, large)
         split = COLLECTIVES[collective].split
-        small_k, large_k = (_core.model_predict(collective, algo, nranks, b // nranks if split else b, base,
-                                                switch=algo == "switch")
-                            for b in (small, big))
-        t_small, t_large = times[(collective, algo)][small], times[(collective, algo)][big]
-        if t_large <= t_small:
-            raise RuntimeError(f"{collective} {algo} at {format_size(big)} ({t_large:.2e} s) was not slower than at "
-                               f"{format_size(small)} ({t_small:.2e} s): too noisy to fit in {FIT_RUNS} runs; "
-                               "raise --large or calibrate on a quieter machine")
-        goodputs[algo] = (large_k["wire_bytes"] - small_k["wire_bytes"]) / (t_large - t_small)
-        alphas[algo] = max(MIN_ALPHA_S, (t_small - small_k["wire_bytes"] / goodputs[algo]) / small_k["steps"])
+        t = times[(collective, algo)]
+        if t[sizes[-1]] <= t[small]:
+            raise RuntimeError(f"{collective} {algo} at {format_size(sizes[-1])} ({t[sizes[-1]]:.2e} s) was not "
+                               f"slower than at {format_size(small)} ({t[small]:.2e} s): too noisy to fit in "
+                               f"{FIT_RUNS} runs; raise --large or calibrate on a quieter machine")
+        points = []
+        for b in sizes:
+            k = _core.model_predict(collective, algo, nranks, b // nranks if split else b, base, switch=algo == "switch")
+            points.append((k["steps"], k["wire_bytes"], t[b]))
+        alphas[algo], goodputs[algo] = fit_line(points)
+        if goodputs[algo] <= 0:
+            raise RuntimeError(f"{collective} {algo}: the times {', '.join(f'{format_size(b)} {t[b]:.2e} s' for b in sizes)} "
+                               "fit no positive goodput; calibrate on a quieter machine")
     return {"alpha_algo": alphas, "goodput_algo": goodputs}
 
 
@@ -216,7 +235,10 @@ def main(args: argparse.Namespace) -> int:
     if nranks < 2:
         status("calibrate needs at least 2 ranks")
         return 2
-    small, large = parse_size(args.small), parse_size(args.large)
+    small, large = parse_size(args.small), [parse_size(s) for s in args.large.split(",") if s]
+    if not large or min(large) <= small:
+        status(f"--large must name sizes above --small ({args.small}), got '{args.large}'")
+        return 2
     codecs = [c for c in args.codecs.split(",") if c]
     repeat, iters = (2, 5) if args.quick else (5, 20)
     threads = args.threads or max(1, (os.cpu_count() or 1) // nranks)
@@ -256,7 +278,8 @@ def main(args: argparse.Namespace) -> int:
     profile.update(alpha_s=fit["alpha_algo"]["rhd"], alpha_algo=fit["alpha_algo"], link_Bps=link_Bps,
                    link_efficiency=efficiency["ring"], efficiency_algo=efficiency)
     if switch:
-        profile.update(switch_terms(switch, cluster, nranks, large, times[("allreduce", "switch")][large], link_Bps))
+        profile.update(switch_terms(switch, cluster, nranks, max(large), times[("allreduce", "switch")][max(large)],
+                                    link_Bps))
     profile["measured"] = {
         **host_metadata(),
         "ranks": nranks, "cluster": args.cluster, "iperf_GBps": iperf,
