@@ -19,6 +19,8 @@ from . import _core
 from ._comm import Request, _check_array, _dtype
 
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
+# Buffers whose deregistration failed because a peer may still write into them: never freed (Region.close).
+_KEPT: list = []
 _OPS = ("sum", "prod", "min", "max")
 
 
@@ -67,7 +69,13 @@ class Region:
     def close(self) -> None:
         if self._open:
             self._open = False
-            self._comm._core.deregister_region(self.id)
+            try:
+                self._comm._core.deregister_region(self.id)
+            except _core.CommError:
+                # A peer on this host is still writing into the buffer (stopped in the middle of a direct put):
+                # the buffer is kept for the life of the process, so that the write never lands in reused memory.
+                _KEPT.append(self.buffer)
+                raise
 
     def __del__(self) -> None:
         # A region dropped without close() must not outlive its buffer (peers would read freed memory).

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 
 namespace smartcoll::log {
 
@@ -28,6 +29,12 @@ Line::~Line() {
   const std::string s = line.str();
   // One write() per line so that lines of several threads and processes do not interleave.
   [[maybe_unused]] ssize_t n = ::write(STDERR_FILENO, s.data(), s.size());
+}
+
+std::string seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g s", s);
+  return buf;
 }
 
 }  // namespace smartcoll::log

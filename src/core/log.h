@@ -30,6 +30,9 @@ class Line {
   std::ostringstream text_;
 };
 
+// "2.5 s": a duration in seconds as error messages name it (a knob's value, without trailing zeros).
+std::string seconds(double s);
+
 }  // namespace smartcoll::log
 
 // SC_LOG(LogLevel::warn, rank, "allreduce #3") << "text " << value; nothing is formatted below the level.

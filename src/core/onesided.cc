@@ -401,7 +401,7 @@ void Service::wait_for_writers(uint64_t id) {
         throw CommError("deregister: rank " + std::to_string(p) + " (pid " +
                         std::to_string(s_.pids[static_cast<size_t>(p)]) + ") has been writing into region " +
                         std::to_string(writing) + " of rank " + std::to_string(s_.rank) + " for more than " +
-                        std::to_string(s_.timeout) + " s (a stopped process?): keep the buffer allocated");
+                        log::seconds(s_.timeout) + " (a stopped process?): keep the buffer allocated");
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
@@ -774,11 +774,11 @@ void Service::progress(Conn& c) {
   const auto limit = std::chrono::duration<double>(s_.timeout);
   if (idle <= limit) return;
   if (c.outgoing && !c.waiting.empty())
-    close(c, "no answer from rank " + std::to_string(c.peer) + " for " + std::to_string(s_.timeout) +
-                 " s; is it alive? (SMARTCOLL_TIMEOUT)", true);
+    close(c, "no answer from rank " + std::to_string(c.peer) + " for " + log::seconds(s_.timeout) +
+                 "; is it alive? (SMARTCOLL_TIMEOUT)", true);
   else if (!c.outgoing && (c.stage != 0 || c.got != 0 || c.queued != 0))
     close(c, "rank " + std::to_string(c.peer) + (c.queued ? " read no answer" : " sent no more of its request") +
-                 " for " + std::to_string(s_.timeout) + " s (SMARTCOLL_TIMEOUT)");
+                 " for " + log::seconds(s_.timeout) + " (SMARTCOLL_TIMEOUT)");
 }
 
 void Service::send(Conn& c) {

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "core/log.h"
 #include "smartcoll/reduce.h"
 
 namespace smartcoll::sw {
@@ -29,12 +30,6 @@ struct Flight {
   uint64_t sent_no = 0;            // its place in the order of sends to its switch thread (last send)
   uint8_t header[kHeaderBytes];
 };
-
-std::string seconds(double s) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%g s", s);
-  return buf;
-}
 
 // The workers a bitmap lacks, named by `ranks` where given (ClientSettings::ranks).
 std::string ranks_missing(const std::vector<uint8_t>& bitmap, int world, const std::vector<int>& ranks) {
@@ -145,7 +140,7 @@ void Client::join() {
     while (!answered) {
       const auto now = Clock::now();
       if (now >= give_up)
-        throw SwitchGone(name(j) + " did not answer within " + seconds(settings_.switch_timeout) +
+        throw SwitchGone(name(j) + " did not answer within " + log::seconds(settings_.switch_timeout) +
                          " (SMARTCOLL_SWITCH_TIMEOUT): is `smartcoll switch --listen " + r.ep.str() +
                          "` running and reachable from this host?");
       batch_.add(r.addr, datagram, sizeof datagram);
@@ -440,7 +435,7 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
       const bool busy = std::any_of(remotes_[j].flights.begin(), remotes_[j].flights.end(),
                                     [](const Flight& f) { return f.busy; });
       if (busy && asked[j] != kNever && now - asked[j] > silence)
-        throw SwitchGone(name(j) + " stopped answering: nothing for " + seconds(settings_.switch_timeout) +
+        throw SwitchGone(name(j) + " stopped answering: nothing for " + log::seconds(settings_.switch_timeout) +
                          " (SMARTCOLL_SWITCH_TIMEOUT) while chunks were waiting for their results");
     }
     if (peers_lost && now - last_result >= silence / 2 && now >= next_ask) {
@@ -454,7 +449,7 @@ void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::f
         const std::string missing = ranks_missing(remotes_[j].waiting, world_, settings_.ranks);
         if (remotes_[j].pending && !missing.empty()) who += "; " + name(j) + " still waits for rank(s) " + missing;
       }
-      throw CommError("allreduce through the switch made no progress for " + seconds(settings_.timeout) + (who.empty() ? "" : who) +
+      throw CommError("allreduce through the switch made no progress for " + log::seconds(settings_.timeout) + (who.empty() ? "" : who) +
                       ": a rank died, stalled or did not make this call (SMARTCOLL_TIMEOUT)");
     }
   }

@@ -87,8 +87,8 @@ def run_ranks(
 
 
 def run_thread_ranks(n: int, body, **options) -> list:
-    """body(comm) on ranks 0..n-1 as threads of this process (loopback, 20 s timeouts, `options` as init()
-    knobs); returns their results, re-raising the first error."""
+    """body(comm) on ranks 0..n-1 as threads of this process (loopback, 20 s timeouts unless `options` say
+    otherwise, `options` as init() knobs); returns their results, re-raising the first error."""
     import threading
 
     import smartcoll
@@ -98,8 +98,8 @@ def run_thread_ranks(n: int, body, **options) -> list:
 
     def rank(r):
         try:
-            with smartcoll.init(f"tcp://127.0.0.1:{port}", rank=r, world_size=n, timeout=20, connect_timeout=20,
-                                **options) as comm:
+            with smartcoll.init(f"tcp://127.0.0.1:{port}", rank=r, world_size=n,
+                                **{"timeout": 20, "connect_timeout": 20, **options}) as comm:
                 results[r] = body(comm)
         except BaseException as e:  # noqa: BLE001 - handed to the test thread
             errors[r] = e

@@ -567,3 +567,52 @@ def test_bench_embedding_reports_every_method_and_checks_rows(tmp_path):
     assert [(r["dim"], r["batch"], r["method"]) for r in table] == [(8, 64, "getv"), (8, 64, "alltoallv"),
                                                                      (8, 64, "getv+bfp16")]
     assert all(r["median_s"] > 0 for r in table) and "rows checked" in proc.stdout
+
+
+def test_a_writer_stopped_in_a_direct_put_holds_deregistration_for_the_timeout_then_is_named():
+    """A peer on this host that announced a direct put into a region and then stopped (here: its word in the
+    target's shared directory set by hand, as a process stopped in the middle of its write leaves it) holds the
+    region's deregistration for the timeout knob; then close() fails naming that rank and the region, and the
+    buffer is kept alive for good, so that a late write never lands in reused memory."""
+    import mmap
+    import os
+    import struct
+
+    from smartcoll import _onesided
+
+    def body(comm):
+        comm.barrier()
+        if comm.rank == 0:  # starts no one-sided server: rank 1's directory is the process's only one
+            comm.barrier()
+            return None
+        buf = np.zeros(64 * KIB, np.uint8)
+        region = comm.register(buf)
+        fds = []
+        for f in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{f}").startswith("/memfd:smartcoll-rma"):
+                    fds.append(f)
+            except OSError:  # closed meanwhile (listdir's own, another thread's)
+                pass
+        assert len(fds) == 1, fds
+        fd = os.open(f"/proc/self/fd/{fds[0]}", os.O_RDWR)
+        try:
+            with mmap.mmap(fd, 0) as directory:
+                word = 1024 * 24  # rank 0's word: after the 1024 slots of (tag, base, bytes)
+                assert len(directory) == word + 2 * 8
+                struct.pack_into("<Q", directory, word, region.id)
+                start = time.monotonic()
+                with pytest.raises(smartcoll.CommError) as failed:
+                    region.close()
+                waited = time.monotonic() - start
+                struct.pack_into("<Q", directory, word, 0)
+        finally:
+            os.close(fd)
+        comm.barrier()
+        return str(failed.value), waited, any(kept is buf for kept in _onesided._KEPT)
+
+    message, waited, kept = run_thread_ranks(2, body, timeout=1)[1]
+    assert re.search(r"deregister: rank 0 \(pid \d+\) has been writing into region 1 of rank 1 for more than 1 s "
+                     r"\(a stopped process\?\): keep the buffer allocated", message), message
+    assert 1 <= waited < 5, waited
+    assert kept
