@@ -183,7 +183,9 @@ class Communicator {
   // taken one after the other, hold the pieces in order. Every field is checked here and again by the target.
   // `codec` (float32 regions, whole elements): each piece travels encoded; accumulate then takes sum only.
   uint64_t register_region(void* base, size_t bytes, DataType dtype);
-  // Waits for a copy in progress from or into the region; later calls on it fail ("region N was deregistered").
+  // Waits for a copy in progress from or into the region, a peer's direct write on this host included; later
+  // calls on it fail ("region N was deregistered"). CommError where a peer's direct write did not finish within
+  // the timeout knob (a stopped process), also after close(): the buffer must then stay allocated.
   void deregister_region(uint64_t id);
   std::shared_ptr<Request> getv(const RemoteRegion& from, std::span<const RemotePiece> pieces,
                                 std::span<const LocalPiece> into, std::optional<Codec> codec = std::nullopt);
@@ -260,6 +262,8 @@ class Communicator {
   std::unique_ptr<nicd::Client> nicd_;  // engine=nicd: the host's offload daemon runs every call
   mutable std::shared_mutex rma_mu_;
   std::unique_ptr<rma::Service> rma_;  // one-sided operations
+  // Regions that a peer was still writing into directly when close() gave up waiting: why, by id.
+  std::map<uint64_t, std::string> unsafe_regions_;
   bool cma_usable_ = false;  // fixed at construction, so callers may read it while another thread closes
   std::string cma_reason_;
   std::shared_ptr<Engine> engine_;

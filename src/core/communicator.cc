@@ -368,6 +368,7 @@ void Communicator::close() {
   }
   {
     std::lock_guard lock(rma_mu_);  // waits for one-sided calls and deregistrations in progress
+    if (rma_) unsafe_regions_ = rma_->close_directory();
     rma_.reset();  // fails its outstanding calls and stops touching the regions
   }
   nicd_.reset();  // waits for its calls, then says bye to the daemon

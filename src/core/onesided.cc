@@ -199,21 +199,35 @@ struct Service::Slot {
 };
 namespace {
 constexpr size_t kSlots = 1024;
+constexpr uint64_t kDirectoryMagic = 0x534d43524d414431;  // "SMCRMAD1"
+// What a directory starts with: a peer that mapped the descriptor the store named checks that it is one, and
+// this target's (a descriptor closed and reused meanwhile would be something else).
+struct DirectoryHeader {
+  uint64_t magic, secret, ranks, reserved;
+};
 static_assert(std::atomic<uint64_t>::is_always_lock_free);  // atomics in memory that other processes map
-size_t directory_bytes(int n) { return kSlots * sizeof(Service::Slot) + static_cast<size_t>(n) * sizeof(uint64_t); }
+size_t directory_bytes(int n) {
+  return sizeof(DirectoryHeader) + kSlots * sizeof(Service::Slot) + static_cast<size_t>(n) * sizeof(uint64_t);
+}
 }  // namespace
 
-// A directory in shared memory: kSlots slots, then a word per rank of the world: the region that rank is writing
-// into directly (0: none).
+// A directory in shared memory: a header, kSlots slots, then a word per rank of the world: the region that rank
+// is writing into directly (0: none).
 struct Service::Directory {
   cma::SharedMemory mem;  // unmapped: the peer has no directory, or it could not be mapped
   uint64_t secret = 0;    // of its tags
   std::mutex writing;     // this rank writes into the peer from one thread at a time: it has one word there
-  Slot* slots() const { return static_cast<Slot*>(mem.base()); }
+  DirectoryHeader* header() const { return static_cast<DirectoryHeader*>(mem.base()); }
+  Slot* slots() const { return reinterpret_cast<Slot*>(header() + 1); }
   std::atomic<uint64_t>* writers() const { return reinterpret_cast<std::atomic<uint64_t>*>(slots() + kSlots); }
 };
 
 struct Service::Call {
+  explicit Call(std::atomic<int>& outstanding) : outstanding(outstanding) { outstanding.fetch_add(1); }
+  ~Call() { outstanding.fetch_sub(1); }  // a call is dropped once done
+  Call(const Call&) = delete;
+  Call& operator=(const Call&) = delete;
+  std::atomic<int>& outstanding;  // Service::outstanding_ of its peer
   std::string name;  // "getv #3 on rank 0 to rank 1"
   int peer = 0;
   Header head;
@@ -258,7 +272,7 @@ struct Service::Accepting {
 };
 
 Service::Service(const Settings& settings, std::shared_ptr<Store> store)
-    : s_(settings), store_(std::move(store)), connected_(static_cast<size_t>(settings.size), false),
+    : s_(settings), outstanding_(new std::atomic<int>[static_cast<size_t>(settings.size)]()), store_(std::move(store)), connected_(static_cast<size_t>(settings.size), false),
       last_close_(static_cast<size_t>(settings.size)), gone_(static_cast<size_t>(settings.size), false),
       to_peer_(static_cast<size_t>(settings.size), nullptr) {
   listener_ = net::listen_on(s_.host.empty() ? "127.0.0.1" : s_.host, 0, 1024);
@@ -295,6 +309,7 @@ Service::Service(const Settings& settings, std::shared_ptr<Store> store)
       random_bytes(secret);
       std::memcpy(&own->secret, secret, sizeof own->secret);
       own->secret |= 1;  // never 0, the tag of an empty slot, whatever the id
+      *own->header() = {kDirectoryMagic, own->secret, static_cast<uint64_t>(s_.size), 0};
       // Published before the address: a peer that found the address finds the directory.
       store_->set(key(s_.rank) + "/directory", std::to_string(own->mem.fd()) + " " + std::to_string(own->secret));
       own_ = std::move(own);
@@ -326,17 +341,33 @@ Service::~Service() {
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t n = ::write(wakefd_.get(), &one, sizeof one);
   if (thread_.joinable()) thread_.join();
-  forget(*store_, key(s_.rank));  // nobody can reach this server any more: its address and token go
-  if (own_) {
-    // No region of this rank is reachable directly from now on; a peer's write in progress finishes first.
-    for (size_t i = 0; i < kSlots; ++i) own_->slots()[i].tag.store(0);
-    try {
-      wait_for_writers(0);
-    } catch (const CommError& e) {
-      SC_LOG(LogLevel::error, s_.rank, "") << "one-sided: closing: " << e.what();
+  // Nobody can reach this server any more: its address, token and directory go (the prefix holds them all).
+  forget(*store_, key(s_.rank));
+  if (!directory_closed_)
+    for (const auto& [id, why] : close_directory())
+      SC_LOG(LogLevel::error, s_.rank, "") << "one-sided: closing: " << why;
+}
+
+std::map<uint64_t, std::string> Service::close_directory() {
+  std::map<uint64_t, std::string> stuck;
+  if (!own_ || directory_closed_) return stuck;
+  directory_closed_ = true;
+  for (size_t i = 0; i < kSlots; ++i) own_->slots()[i].tag.store(0);
+  for (int p = 0; p < s_.size; ++p) {
+    const uint64_t id = own_->writers()[p].load();
+    bool registered = false;
+    {
+      std::lock_guard lock(regions_mu_);
+      registered = regions_.count(id) != 0;  // else deregistering it failed already, and said so
     }
-    forget(*store_, key(s_.rank) + "/directory");
+    if (id == 0 || !registered || stuck.count(id)) continue;
+    try {
+      wait_for_writers(id);
+    } catch (const CommError& e) {
+      stuck[id] = e.what();
+    }
   }
+  return stuck;
 }
 
 void Service::abort(const std::string& why) {
@@ -391,7 +422,7 @@ void Service::wait_for_writers(uint64_t id) {
     const std::atomic<uint64_t>& word = own_->writers()[p];
     for (int looks = 0;; ++looks) {
       const uint64_t writing = word.load();
-      if (writing == 0 || (id != 0 && writing != id)) break;
+      if (writing != id) break;
       if (looks < 100) {  // a write of a few pieces ends within microseconds
         std::this_thread::yield();
         continue;
@@ -441,11 +472,11 @@ std::shared_ptr<Request> Service::post(Kind kind, const RemoteRegion& region, st
   // one host: reading the target directly").
   constexpr uint64_t kDirectMinPiece = 4096;  // mean bytes per piece
   if ((kind == Kind::get || kind == Kind::put) && !codec && !s_.pids.empty() &&
-      *local_bytes >= kDirectMinPiece * pieces.size()) {
+      *local_bytes >= kDirectMinPiece * pieces.size() && outstanding_[static_cast<size_t>(region.rank)].load() == 0) {
     connect(region.rank);  // waits for the target's server (and directory), and is there if the server must serve
     if (auto req = copy_directly(kind, region, pieces, local)) return req;
   }
-  auto call = std::make_shared<Call>();
+  auto call = std::make_shared<Call>(outstanding_[static_cast<size_t>(region.rank)]);
   call->peer = region.rank;
   call->head.kind = static_cast<uint8_t>(kind);
   call->head.dtype = static_cast<uint8_t>(region.dtype);
@@ -485,8 +516,14 @@ Service::Directory* Service::directory(int peer) {
   std::lock_guard lock(directories_mu_);
   std::unique_ptr<Directory>& d = directories_[static_cast<size_t>(peer)];
   if (!d) {
+    std::string text;
+    try {
+      text = store_->check(key(peer) + "/directory").value_or("");
+    } catch (const CommError& e) {  // not remembered: a later call looks again
+      SC_LOG(LogLevel::debug, s_.rank, "") << "one-sided: rank " << peer << "'s directory: " << e.what();
+      return nullptr;
+    }
     d = std::make_unique<Directory>();
-    const std::string text = store_->check(key(peer) + "/directory").value_or("");
     char* end = nullptr;
     const long fd = std::strtol(text.c_str(), &end, 10);
     const uint64_t secret = *end == ' ' ? std::strtoull(end + 1, &end, 10) : 0;
@@ -496,6 +533,12 @@ Service::Directory* Service::directory(int peer) {
                                        directory_bytes(s_.size), "rank " + std::to_string(peer) + "'s one-sided directory",
                                        why);
       d->secret = secret;
+      const DirectoryHeader* h = d->mem.mapped() ? d->header() : nullptr;
+      if (h && (h->magic != kDirectoryMagic || h->secret != secret || h->ranks != static_cast<uint64_t>(s_.size))) {
+        why = "rank " + std::to_string(peer) + "'s descriptor " + std::to_string(fd) +
+              " is not its one-sided directory (closed and reused?)";
+        d->mem = {};
+      }
       if (!d->mem.mapped()) SC_LOG(LogLevel::debug, s_.rank, "") << "one-sided: " << why << "; the server serves";
     }
   }

@@ -31,7 +31,9 @@
 //     written after deregistering returns.
 // Anything else (not registered, changed, a piece outside the region, a failed copy) sends the call to the
 // server, which serves it or refuses it as for any peer. accumulatev always goes through the server, which
-// applies concurrent accumulates one at a time under the region's lock.
+// applies concurrent accumulates one at a time under the region's lock. A call is copied directly only while
+// none of this rank's calls to that target is outstanding at the server, so that one initiator's calls to a
+// target still land in the order it made them.
 #pragma once
 
 #include <atomic>
@@ -77,8 +79,12 @@ class Service {
   // Listens, publishes "rma/<rank>/<claim>" in the (job's) store and starts the thread.
   Service(const Settings& settings, std::shared_ptr<Store> store);
   // Fails the calls still outstanding ("the communicator was closed") and joins the thread: once it returns,
-  // nothing touches a registered region.
+  // the server touches no registered region, nor does a peer's direct write (see close_directory).
   ~Service();
+  // Makes every region unreachable directly and waits for the peers' direct writes into registered regions in
+  // progress. Returns, by region id, why a region's writer did not finish within the timeout: those buffers
+  // must stay allocated. The destructor runs it where the owner did not.
+  std::map<uint64_t, std::string> close_directory();
   // Fails the calls outstanding and every later one with `why` (Communicator::abort).
   void abort(const std::string& why);
   // Bytes of staging the target holds now (requests being received or served, answers queued): for tests.
@@ -130,13 +136,17 @@ class Service {
   // A get or put with a process on this host, copied directly (see above); null where the server must serve it.
   std::shared_ptr<Request> copy_directly(Kind kind, const RemoteRegion& region, std::span<const RemotePiece> pieces,
                                          std::span<const LocalPiece> local);
-  // Waits until no peer's word in this rank's directory holds `id` (0: any region).
+  // Waits until no peer's word in this rank's directory holds `id`; CommError naming the writer after the
+  // timeout knob.
   void wait_for_writers(uint64_t id);
   struct Directory;
   // `peer`'s directory, mapped on first use; null where it cannot be (the server serves).
   Directory* directory(int peer);
 
   Settings s_;
+  // [peer]: this rank's calls to it that the server path holds (posted, not yet done): while any is, calls to
+  // that peer are not copied directly (their order). Declared before every container of calls, which it outlives.
+  std::unique_ptr<std::atomic<int>[]> outstanding_;
   uint8_t token_[16];  // what initiators must present (Hello::token)
   std::shared_ptr<Store> store_;
   net::Fd listener_, epfd_, wakefd_;
@@ -154,6 +164,7 @@ class Service {
   std::mutex directories_mu_;
   std::vector<std::unique_ptr<Directory>> directories_;  // [peer]: looked up on the first direct call to it
   std::atomic<uint64_t> direct_gets_{0}, direct_puts_{0};
+  bool directory_closed_ = false;
 
   std::mutex connect_mu_;  // one caller connects to a peer at a time
   std::mutex mu_;          // the inbox, and which peers have a channel

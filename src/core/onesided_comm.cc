@@ -41,7 +41,11 @@ uint64_t Communicator::register_region(void* base, size_t bytes, DataType dtype)
 void Communicator::deregister_region(uint64_t id) {
   // Returns only once the server touches the region no more: the caller may free it next.
   std::shared_lock lock(rma_mu_);
-  if (!rma_) return;  // never started, or closing stopped the server and took every region with it
+  if (!rma_) {  // never started, or closing stopped the server and took every region with it
+    // ...but a peer stopped in the middle of a direct write into this one may still write.
+    if (const auto it = unsafe_regions_.find(id); it != unsafe_regions_.end()) throw CommError(it->second);
+    return;
+  }
   if (!closed_) check_usable();
   rma_->remove(id);
 }

@@ -1,6 +1,7 @@
 #include "transport/cma.h"
 
 #include <poll.h>
+#include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -399,10 +400,18 @@ int write_process(int pid, std::span<const iovec> local, std::span<const iovec> 
 }
 
 bool process_gone(int pid) {
-  // A zombie still answers kill(pid, 0) but runs no more: its state in /proc says so.
-  const std::string stat = first_line(("/proc/" + std::to_string(pid) + "/stat").c_str());
-  const auto paren = stat.rfind(')');
-  return paren == std::string::npos || paren + 2 >= stat.size() || stat[paren + 2] == 'Z' || stat[paren + 2] == 'X';
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return true;
+  // A zombie still answers kill(pid, 0) but runs no more; a leader thread that exited while others run shows as
+  // one too, so only a zombie with no other thread is gone. Whatever cannot be read is taken as alive.
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  bool zombie = false;
+  long threads = -1;
+  while (std::getline(status, line)) {
+    if (line.rfind("State:", 0) == 0) zombie = line.find_first_of("ZX", 6) != std::string::npos;
+    if (line.rfind("Threads:", 0) == 0) threads = std::strtol(line.c_str() + 8, nullptr, 10);
+  }
+  return zombie && threads == 1;
 }
 
 void Local::read_peer(Transport& t, int peer, std::span<const iovec> local, std::span<const iovec> remote) {

@@ -37,7 +37,7 @@ std::string host_identity(std::string& error);
 int read_process(int pid, std::span<const iovec> local, std::span<const iovec> remote);
 // The same, writing `local` into `remote` (process_vm_writev).
 int write_process(int pid, std::span<const iovec> local, std::span<const iovec> remote);
-// Whether process `pid` has exited (gone from /proc, or a zombie).
+// Whether process `pid` has exited (gone, or a zombie with no thread left running); false where it cannot tell.
 bool process_gone(int pid);
 
 class Local {

@@ -430,6 +430,36 @@ def test_puts_on_one_host_write_the_target_directly(direct):
     assert direct_counts(body, direct) == [1 if direct == "auto" else 0] * 2
 
 
+def test_one_initiator_s_calls_to_a_target_land_in_order_direct_or_not():
+    """A putv of small pieces (the server's path) posted without waiting, then a putv of the same bytes that could
+    be written directly: the later one lands last every time, as a target serves one initiator's calls in order.
+    A call is copied directly only while none to that target is outstanding at its server."""
+    nbytes = 64 * KIB
+
+    def body(comm):
+        mine = np.zeros(nbytes, np.uint8)
+        region = comm.register(mine)
+        remote = comm.exchange_regions(region)
+        wrong = []
+        if comm.rank == 0:
+            got = np.empty(nbytes, np.uint8)
+            for i in range(20):
+                first = comm.iputv(1, np.full(nbytes, 2 * i + 1, np.uint8), remote[1], np.arange(0, nbytes, 512), 512)
+                comm.putv(1, np.full(nbytes, 2 * i + 2, np.uint8), remote[1], [0], nbytes)
+                first.wait()
+                comm.getv(1, remote[1], [0], nbytes, got)
+                if not (got == 2 * i + 2).all():
+                    wrong.append(i)
+            comm.putv(1, np.full(nbytes, 99, np.uint8), remote[1], [0], nbytes)  # nothing outstanding: direct
+        comm.barrier()
+        region.close()
+        return wrong, comm.engine_stats()["direct_puts"]
+
+    wrong, direct = run_thread_ranks(2, body)[0]
+    assert wrong == [], f"rounds {wrong}: the earlier put overwrote the later one"
+    assert direct >= 1, direct
+
+
 def test_deregistering_waits_for_a_direct_put_in_progress():
     """Rank 0 puts 256 KiB directly into rank 1's newest region as fast as it can, while rank 1 registers a buffer,
     deregisters it, fills it with a poison value and checks, just before registering it again, that no byte changed
@@ -569,46 +599,57 @@ def test_bench_embedding_reports_every_method_and_checks_rows(tmp_path):
     assert all(r["median_s"] > 0 for r in table) and "rows checked" in proc.stdout
 
 
-def test_a_writer_stopped_in_a_direct_put_holds_deregistration_for_the_timeout_then_is_named():
+@pytest.mark.parametrize("when", ["deregistering", "closing"])
+def test_a_writer_stopped_in_a_direct_put_holds_deregistration_for_the_timeout_then_is_named(when):
     """A peer on this host that announced a direct put into a region and then stopped (here: its word in the
     target's shared directory set by hand, as a process stopped in the middle of its write leaves it) holds the
-    region's deregistration for the timeout knob; then close() fails naming that rank and the region, and the
-    buffer is kept alive for good, so that a late write never lands in reused memory."""
+    region's deregistration, or the communicator's close, for the timeout knob; then Region.close() fails naming
+    that rank and the region (after the communicator closed too), and the buffer is kept alive for good, so that
+    a late write never lands in reused memory."""
     import mmap
     import os
     import struct
 
     from smartcoll import _onesided
 
-    def body(comm):
-        comm.barrier()
-        if comm.rank == 0:  # starts no one-sided server: rank 1's directory is the process's only one
-            comm.barrier()
-            return None
-        buf = np.zeros(64 * KIB, np.uint8)
-        region = comm.register(buf)
-        fds = []
+    def memfds() -> set:
+        found = set()
         for f in os.listdir("/proc/self/fd"):
             try:
                 if os.readlink(f"/proc/self/fd/{f}").startswith("/memfd:smartcoll-rma"):
-                    fds.append(f)
+                    found.add(f)
             except OSError:  # closed meanwhile (listdir's own, another thread's)
                 pass
+        return found
+
+    def body(comm):
+        comm.barrier()
+        if comm.rank == 0:  # starts no one-sided server: the directory that appears is rank 1's
+            comm.barrier()
+            return None
+        before = memfds()
+        buf = np.zeros(64 * KIB, np.uint8)
+        region = comm.register(buf)
+        fds = memfds() - before
         assert len(fds) == 1, fds
-        fd = os.open(f"/proc/self/fd/{fds[0]}", os.O_RDWR)
+        fd = os.open(f"/proc/self/fd/{fds.pop()}", os.O_RDWR)
         try:
             with mmap.mmap(fd, 0) as directory:
-                word = 1024 * 24  # rank 0's word: after the 1024 slots of (tag, base, bytes)
+                word = 32 + 1024 * 24  # rank 0's word: after the header and the 1024 slots of (tag, base, bytes)
                 assert len(directory) == word + 2 * 8
                 struct.pack_into("<Q", directory, word, region.id)
                 start = time.monotonic()
+                if when == "closing":
+                    comm.barrier()
+                    comm.close()  # logs the stuck writer and returns
                 with pytest.raises(smartcoll.CommError) as failed:
                     region.close()
                 waited = time.monotonic() - start
                 struct.pack_into("<Q", directory, word, 0)
         finally:
             os.close(fd)
-        comm.barrier()
+        if when == "deregistering":
+            comm.barrier()
         return str(failed.value), waited, any(kept is buf for kept in _onesided._KEPT)
 
     message, waited, kept = run_thread_ranks(2, body, timeout=1)[1]
