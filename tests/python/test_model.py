@@ -318,6 +318,10 @@ def test_calibrate_fit_weighs_every_point_by_its_relative_error():
     assert max(errors) < 0.15 and all(e > 1e-3 for e in errors[1:]), errors
     alpha, goodput = calibrate.fit_line([(2, 1e6, 1e-2), (2, 2e6, 2e-2)])  # no latency at all
     assert alpha == calibrate.MIN_ALPHA_S and goodput == pytest.approx(1e8, rel=1e-4)
+    # A small call faster than its bytes at the large calls' rate (back-to-back broadcasts overlap): the rate
+    # comes from the large calls, not from the small one's 8 KiB in 20 us.
+    alpha, goodput = calibrate.fit_line([(2, 8192, 2e-5), (2, 2e6, 2e-2), (2, 8e6, 8e-2)])
+    assert alpha == calibrate.MIN_ALPHA_S and goodput == pytest.approx(1e8, rel=1e-3)
 
 
 @needs_core

@@ -141,13 +141,15 @@ def fit_times(collective: str, algo: str, small: int, large: list[int], nranks: 
 
 def fit_line(points: list[tuple[float, float, float]]) -> tuple[float, float]:
     """(alpha, goodput) with the least sum of squared relative errors of steps x alpha + wire / goodput against
-    the measured times, over `points` of (steps, wire bytes, seconds); two points are met exactly. alpha is kept
-    at MIN_ALPHA_S at least (the goodput then refitted with it)."""
+    the measured times, over `points` of (steps, wire bytes, seconds), the latency point first; two points are
+    met exactly. Where that puts alpha under MIN_ALPHA_S (a small call faster than a step's latency: calls that
+    overlap, as a root's broadcasts do), alpha is MIN_ALPHA_S and the goodput comes from the other points alone,
+    since the latency point then says nothing about the rate."""
     rows = np.array([[steps / t, wire / t] for steps, wire, t in points])
     (alpha, per_byte), *_ = np.linalg.lstsq(rows, np.ones(len(points)), rcond=None)
     if alpha < MIN_ALPHA_S:
-        alpha = MIN_ALPHA_S
-        per_byte = float(rows[:, 1] @ (1 - alpha * rows[:, 0]) / (rows[:, 1] @ rows[:, 1]))
+        alpha, rest = MIN_ALPHA_S, rows[1:]
+        per_byte = float(rest[:, 1] @ (1 - alpha * rest[:, 0]) / (rest[:, 1] @ rest[:, 1]))
     return float(alpha), 1 / per_byte if per_byte > 0 else 0.0
 
 
