@@ -100,7 +100,8 @@ def killed(comm, out: dict, outdir: Path) -> None:
 
 def stalled(comm, out: dict, outdir: Path) -> None:
     """Rank 1 registers, then stops (SIGSTOP): rank 0's getv gets no answer from its server (a wait with a shorter
-    timeout raises TimeoutError) and fails after the timeout knob; or, read directly (rma_direct), completes."""
+    timeout raises TimeoutError) and fails after the timeout knob; or, read directly (rma_direct), completes, and
+    then a putv written directly completes too (read back directly)."""
     data = np.ones(1024, dtype=np.float32)
     region = comm.register(data)
     remote = comm.exchange_regions(region)
@@ -128,6 +129,12 @@ def stalled(comm, out: dict, outdir: Path) -> None:
     except smartcoll.CommError as e:
         out["error"] = str(e)
     out["elapsed"] = time.time() - start
+    if "got" in out:
+        comm.putv(1, np.full(1024, 2.0, np.float32), remote[1], [0])
+        back = np.empty(1024, np.float32)
+        comm.getv(1, remote[1], [0], 4096, back)
+        out["put_back"] = back.tolist()
+        out["direct"] = {k: v for k, v in comm.engine_stats().items() if k.startswith("direct_")}
 
 
 def main() -> None:

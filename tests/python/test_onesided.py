@@ -569,13 +569,15 @@ def test_a_stalled_target_fails_the_call_after_the_timeout(ranks, tmp_path):
 
 
 def test_a_stopped_target_on_this_host_is_read_directly(ranks, tmp_path):
-    """The same stopped target, with gets read directly (rma_direct=auto, the default): the target's process
-    takes no part, so the call completes."""
+    """The same stopped target, with gets and puts copied directly (rma_direct=auto, the default), between two
+    processes: the target's process takes no part, so the calls complete."""
     res = ranks(2, ["stalled", tmp_path, 2], timeout=60, worker=WORKER, must_finish=[0])
     assert_all_ok(res, [0])
     out = outcomes(tmp_path, [0])[0]
     assert "error" not in out and "timeout" not in out, out
     assert out["got"] == [1.0] * 1024, out
+    assert out["put_back"] == [2.0] * 1024, out
+    assert out["direct"] == {"direct_gets": 2, "direct_puts": 1}, out
 
 
 def test_the_embedding_example_checks_its_rows():
