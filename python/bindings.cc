@@ -385,9 +385,10 @@ NB_MODULE(_core, m) {
         return std::map<std::string, uint64_t>{
             {"connections", st.connections}, {"refused", st.refused},       {"jobs_formed", st.jobs_formed},
             {"jobs_failed", st.jobs_failed}, {"jobs_now", st.jobs_now},     {"calls", st.calls},
-            {"bytes_read", st.bytes_read},   {"bytes_written", st.bytes_written}};
+            {"bytes_read", st.bytes_read},   {"bytes_written", st.bytes_written},
+            {"buffer_peak", st.buffer_peak}};
       }, "Counters: connections accepted and refused, jobs formed, failed and running, calls run, bytes read from "
-         "and written into the ranks' memory.");
+         "and written into the ranks' memory, and the most bytes of the ranks' data one job held for a call.");
   m.def("nicd_default_socket", &nicd::default_socket,
         "Where ranks and the daemon meet when nicd_socket is empty.");
 

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cerrno>
 #include <condition_variable>
+#include <deque>
 #include <cstring>
 #include <functional>
 #include <initializer_list>
@@ -36,7 +37,9 @@ constexpr auto kHeartbeat = std::chrono::milliseconds(500);
 // shorter) is not a rank, and would only hold one of the daemon's descriptors.
 constexpr double kHelloDeadline = 10;
 constexpr size_t kPieceBytes = 1 << 20;  // the local reduction reads and combines this much at a time
-constexpr size_t kChunkBytes = 4 << 20;  // an allreduce goes between hosts in chunks of this much
+constexpr size_t kChunkBytes = 4 << 20;  // allreduce and broadcast go between hosts in chunks of this much
+// Chunks in flight at once: what the daemon holds for a reduction or a broadcast, whatever the call's size.
+constexpr size_t kWindowChunks = 4;
 
 void pin(const std::vector<int>& cpus) {
   if (cpus.empty()) return;
@@ -119,10 +122,16 @@ struct Job {
   bool next_call(std::vector<Member>& members);
   void execute(const std::vector<Member>& ms);
   void transfer(bool write, const Member& m, uint64_t remote, char* local, size_t len);
-  void local_reduce(const std::vector<Member>& ms, const Post& p, size_t from, size_t count, char* acc);
-  // acc = the allreduce of every rank's input; done(from, count) is told of each chunk as soon as it is final.
-  void allreduce(const std::vector<Member>& ms, const Post& p, size_t count, char* acc,
-                 const std::function<void(size_t, size_t)>& done = {});
+  // into = elements [from, from + count) of every local rank's input, combined in rank order.
+  void local_reduce(const std::vector<Member>& ms, const Post& p, size_t from, size_t count, char* into);
+  // A call's `count` elements in chunks, at most kWindowChunks in flight: start(from, k, slot) fills the chunk's
+  // slot and returns the daemons' call on it (null: none), finish(from, k, slot) runs once that call is done.
+  void windowed(size_t count, size_t esize,
+                const std::function<std::shared_ptr<Request>(size_t, size_t, char*)>& start,
+                const std::function<void(size_t, size_t, char*)>& finish);
+  // The allreduce of every rank's input, chunk by chunk: done(from, count, sum) is told of each as it is final.
+  void allreduce(const std::vector<Member>& ms, const Post& p, size_t count,
+                 const std::function<void(size_t, size_t, char*)>& done);
   void alltoall(const std::vector<Member>& ms, const Post& p);
   size_t widest_host() const;
   std::string name() const { return "job '" + hello.job_id + "'"; }
@@ -143,7 +152,8 @@ struct Job {
   // memory (a rank may free a buffer as soon as its call is answered).
   bool running = false;
   std::unique_ptr<Communicator> inter;  // among the daemons of the job's hosts; null with one host
-  std::vector<char> stage;
+  std::vector<char> stage, window;  // a piece of one rank's input; the chunks in flight
+  size_t call_held = 0;             // bytes the call being run holds besides stage and window (allgather, alltoall)
   std::thread worker;
   std::atomic<bool> finished{false};
   Clock::time_point created = Clock::now();
@@ -326,62 +336,76 @@ static void wait_between_hosts(const std::shared_ptr<Request>& req) {
   }
 }
 
-// acc[from, from + count) = elements [from, from + count) of every local rank's input, x_0 op x_1 op ... in rank
-// order, piece by piece so that what was just read is combined while it is in cache.
-void Job::local_reduce(const std::vector<Member>& ms, const Post& p, size_t from, size_t count, char* acc) {
+// Piece by piece, so that what was just read is combined while it is in cache.
+void Job::local_reduce(const std::vector<Member>& ms, const Post& p, size_t from, size_t count, char* into) {
   const auto dt = static_cast<DataType>(p.dtype);
   const auto op = static_cast<ReduceOp>(p.op);
   const size_t esize = dtype_size(dt), piece = kPieceBytes / esize;
   stage.resize(kPieceBytes);
-  for (size_t at = from; at < from + count; at += piece) {
-    const size_t k = std::min(piece, from + count - at);
-    transfer(false, ms[0], ms[0].post.in + at * esize, acc + at * esize, k * esize);
+  for (size_t at = 0; at < count; at += piece) {
+    const size_t k = std::min(piece, count - at);
+    char* acc = into + at * esize;
+    transfer(false, ms[0], ms[0].post.in + (from + at) * esize, acc, k * esize);
     for (size_t i = 1; i < ms.size(); ++i) {
-      transfer(false, ms[i], ms[i].post.in + at * esize, stage.data(), k * esize);
-      reduce(dt, op, acc + at * esize, acc + at * esize, stage.data(), k);
+      transfer(false, ms[i], ms[i].post.in + (from + at) * esize, stage.data(), k * esize);
+      reduce(dt, op, acc, acc, stage.data(), k);
     }
   }
 }
 
-void Job::allreduce(const std::vector<Member>& ms, const Post& p, size_t count, char* acc,
-                    const std::function<void(size_t, size_t)>& done) {
-  const auto dt = static_cast<DataType>(p.dtype);
-  const auto op = static_cast<ReduceOp>(p.op);
-  const size_t esize = dtype_size(dt), chunk = kChunkBytes / esize;
-  const Codec codec = Codec::parse(p.codec);
-  // Chunk by chunk: the daemons' engine carries one chunk between hosts while the next is read and reduced here.
-  // avg combines as sum everywhere and divides once, by the whole world, as the in-process engine does.
-  // Every chunk is read before any is finished, so that results written back never overwrite an input (in
-  // place) that is still to be read; each is written back while the later ones are still between hosts.
-  std::vector<std::shared_ptr<Request>> inflight;
-  auto finish = [&](size_t at) {
-    const size_t k = std::min(chunk, count - at);
-    if (op == ReduceOp::avg) scale_divide(dt, acc + at * esize, k, hello.size);
-    if (done) done(at, k);
+void Job::windowed(size_t count, size_t esize, const std::function<std::shared_ptr<Request>(size_t, size_t, char*)>& start,
+                   const std::function<void(size_t, size_t, char*)>& finish) {
+  const size_t chunk = kChunkBytes / esize;
+  window.resize(std::min(count, kWindowChunks * chunk) * esize);
+  // A chunk's slot is reused only once its call is done and finished: the daemons' engine carries up to
+  // kWindowChunks chunks between hosts while the next is read here. A chunk is written back only after every
+  // rank's input for its elements was read, so a call in place never overwrites input still to be read.
+  std::deque<std::pair<size_t, std::shared_ptr<Request>>> inflight;  // (first element, the daemons' call)
+  auto slot = [&](size_t at) { return window.data() + (at / chunk % kWindowChunks) * chunk * esize; };
+  auto finish_oldest = [&] {
+    const auto [at, req] = inflight.front();
+    if (req) wait_between_hosts(req);
+    inflight.pop_front();
+    finish(at, std::min(chunk, count - at), slot(at));
   };
   try {
     for (size_t at = 0; at < count; at += chunk) {
-      const size_t k = std::min(chunk, count - at);
-      local_reduce(ms, p, at, k, acc);
-      if (inter)
-        inflight.push_back(inter->allreduce(acc + at * esize, acc + at * esize, k, dt,
-                                            op == ReduceOp::avg ? ReduceOp::sum : op, Algorithm::automatic, codec));
+      if (inflight.size() == kWindowChunks) finish_oldest();
+      inflight.emplace_back(at, start(at, std::min(chunk, count - at), slot(at)));
     }
-    for (size_t at = 0, i = 0; at < count; at += chunk, ++i) {
-      if (inter) wait_between_hosts(inflight[i]);
-      finish(at);
-    }
+    while (!inflight.empty()) finish_oldest();
   } catch (const std::exception& e) {
-    // No chunk may still be in flight when its buffer goes: fail the others and let them finish first.
+    // No chunk may still be in flight when its slot goes: fail the others and let them finish first.
     if (inter) inter->abort(e.what());
-    for (const auto& req : inflight) {
+    for (const auto& [at, req] : inflight) {
       try {
-        req->wait();
+        if (req) req->wait();
       } catch (const CommError&) {  // the first error is the one reported
       }
     }
     throw;
   }
+}
+
+void Job::allreduce(const std::vector<Member>& ms, const Post& p, size_t count,
+                    const std::function<void(size_t, size_t, char*)>& done) {
+  const auto dt = static_cast<DataType>(p.dtype);
+  const auto op = static_cast<ReduceOp>(p.op);
+  const size_t esize = dtype_size(dt);
+  const Codec codec = Codec::parse(p.codec);
+  // avg combines as sum everywhere and divides once, by the whole world, as the in-process engine does.
+  windowed(
+      count, esize,
+      [&](size_t at, size_t k, char* slot) -> std::shared_ptr<Request> {
+        local_reduce(ms, p, at, k, slot);
+        if (!inter) return nullptr;
+        return inter->allreduce(slot, slot, k, dt, op == ReduceOp::avg ? ReduceOp::sum : op, Algorithm::automatic,
+                                codec);
+      },
+      [&](size_t at, size_t k, char* sum) {
+        if (op == ReduceOp::avg) scale_divide(dt, sum, k, hello.size);
+        done(at, k, sum);
+      });
 }
 
 size_t Job::widest_host() const {
@@ -416,6 +440,7 @@ void Job::alltoall(const std::vector<Member>& ms, const Post& p) {
   }
   if (!inter) return;
   std::vector<char> recv(send.size());  // [source host][its rank j][this host's rank k]
+  call_held = in.size() + send.size() + recv.size();
   wait_between_hosts(inter->alltoall(send.data(), recv.data(), segment, DataType::u8));
   for (size_t h = 0; h < members.size(); ++h) {
     if (h == static_cast<size_t>(host)) continue;
@@ -441,33 +466,44 @@ void Job::execute(const std::vector<Member>& ms) {
   const size_t esize = dtype_size(static_cast<DataType>(p.dtype)), n = static_cast<size_t>(hello.size);
   const size_t block = static_cast<size_t>(p.count) * esize;
   std::vector<char> buf;
+  call_held = 0;
   switch (coll) {
     case Collective::allreduce:
-      buf.resize(block);
-      allreduce(ms, p, p.count, buf.data(), [&](size_t at, size_t k) {
-        for (const Member& m : ms) transfer(true, m, m.post.out + at * esize, buf.data() + at * esize, k * esize);
+      allreduce(ms, p, p.count, [&](size_t at, size_t k, char* sum) {
+        for (const Member& m : ms) transfer(true, m, m.post.out + at * esize, sum, k * esize);
       });
       break;
-    case Collective::reduce_scatter:  // the whole vector reduced; each rank gets its block
-      buf.resize(n * block);
-      allreduce(ms, p, n * p.count, buf.data());
-      for (const Member& m : ms)
-        transfer(true, m, m.post.out, buf.data() + static_cast<size_t>(m.rank) * block, block);
+    case Collective::reduce_scatter:  // the whole vector reduced; each rank gets the part of a chunk in its block
+      allreduce(ms, p, n * p.count, [&](size_t at, size_t k, char* sum) {
+        for (const Member& m : ms) {
+          const size_t first = static_cast<size_t>(m.rank) * p.count;
+          const size_t lo = std::max(at, first), hi = std::min(at + k, first + p.count);
+          if (lo < hi)
+            transfer(true, m, m.post.out + (lo - first) * esize, sum + (lo - at) * esize,
+                     (hi - lo) * esize);
+        }
+      });
       break;
     case Collective::reduce:
-      buf.resize(block);
-      allreduce(ms, p, p.count, buf.data());
-      for (const Member& m : ms)
-        if (m.rank == p.root) transfer(true, m, m.post.out, buf.data(), block);
+      allreduce(ms, p, p.count, [&](size_t at, size_t k, char* sum) {
+        for (const Member& m : ms)
+          if (m.rank == p.root) transfer(true, m, m.post.out + at * esize, sum, k * esize);
+      });
       break;
     case Collective::broadcast: {
-      buf.resize(block);
       const int root_host = hello.hosts[static_cast<size_t>(p.root)];
-      for (const Member& m : ms)
-        if (m.rank == p.root) transfer(false, m, m.post.out, buf.data(), block);
-      if (inter) wait_between_hosts(inter->broadcast(buf.data(), p.count, static_cast<DataType>(p.dtype), root_host));
-      for (const Member& m : ms)
-        if (m.rank != p.root) transfer(true, m, m.post.out, buf.data(), block);
+      const auto dt = static_cast<DataType>(p.dtype);
+      windowed(
+          p.count, esize,
+          [&](size_t at, size_t k, char* slot) -> std::shared_ptr<Request> {
+            for (const Member& m : ms)
+              if (m.rank == p.root) transfer(false, m, m.post.out + at * esize, slot, k * esize);
+            return inter ? inter->broadcast(slot, k, dt, root_host) : nullptr;
+          },
+          [&](size_t at, size_t k, char* slot) {
+            for (const Member& m : ms)
+              if (m.rank != p.root) transfer(true, m, m.post.out + at * esize, slot, k * esize);
+          });
       break;
     }
     case Collective::allgather: {
@@ -482,6 +518,7 @@ void Job::execute(const std::vector<Member>& ms) {
         wait_between_hosts(inter->allgather(contribution.data(), all.data(), widest * block, DataType::u8, Codec()));
       }
       buf.resize(n * block);
+      call_held = all.size() + (inter ? widest * block : 0) + buf.size();
       for (size_t h = 0; h < members.size(); ++h)
         for (size_t j = 0; j < members[h].size(); ++j)
           std::memcpy(buf.data() + static_cast<size_t>(members[h][j]) * block,
@@ -512,6 +549,8 @@ void Job::run() {
       if (!failed.empty()) break;
       std::lock_guard stats(server.stats_mu_);
       ++server.stats_.calls;
+      server.stats_.buffer_peak = std::max<uint64_t>(server.stats_.buffer_peak,
+                                                     stage.capacity() + window.capacity() + call_held);
     }
   } catch (const std::exception& e) {
     std::lock_guard lock(mu);

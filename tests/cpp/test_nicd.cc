@@ -95,10 +95,48 @@ TEST(Nicd, OneHostEveryCollective) {
   daemon.stop();
 }
 
+// What a daemon may hold for a reduction or a broadcast of any size: its window of chunks in flight (4 x 4 MiB)
+// and the piece of one rank's input it combines (1 MiB).
+constexpr uint64_t kWindowBytes = (16 << 20) + (1 << 20);
+
+TEST(Nicd, LargeCallsHoldAWindowOfChunksNotTheVector) {
+  nicd::Server daemon({socket_path("large"), {}, 60});
+  daemon.start();
+  const int n = 3;
+  run_threads(n, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, n, std::move(store), nicd_options(daemon.path()));
+    std::vector<int32_t> x(6000001), y(x.size());  // 24 MB: more than the window
+    for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<int32_t>(i % 1000) + r;
+    comm.allreduce(x.data(), y.data(), x.size(), DataType::i32, ReduceOp::sum)->wait();
+    for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(y[i], 3 * static_cast<int32_t>(i % 1000) + 3) << i;
+    comm.allreduce(x.data(), x.data(), x.size(), DataType::i32, ReduceOp::max)->wait();  // in place
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(x[i], static_cast<int32_t>(i % 1000) + 2) << i;
+    const size_t count = 2500003;
+    std::vector<int32_t> full(n * count), mine(count, -1);
+    for (size_t j = 0; j < full.size(); ++j) full[j] = static_cast<int32_t>(j % 777) + r;
+    comm.reduce_scatter(full.data(), mine.data(), count, DataType::i32, ReduceOp::sum)->wait();
+    for (size_t i = 0; i < count; ++i)
+      ASSERT_EQ(mine[i], 3 * static_cast<int32_t>((r * count + i) % 777) + 3) << i;
+    std::vector<int32_t> at_root(x.size(), -1);
+    comm.reduce(y.data(), at_root.data(), y.size(), DataType::i32, ReduceOp::sum, 1)->wait();
+    for (size_t i = 0; r == 1 && i < at_root.size(); ++i) ASSERT_EQ(at_root[i], 3 * y[i]) << i;
+    std::vector<int64_t> b(5000000, -1);
+    if (r == 2)
+      for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<int64_t>(i) * 7;
+    comm.broadcast(b.data(), b.size(), DataType::i64, 2)->wait();
+    for (size_t i = 0; i < b.size(); ++i) ASSERT_EQ(b[i], static_cast<int64_t>(i) * 7) << i;
+  });
+  const nicd::ServerStats st = daemon.stats();
+  EXPECT_EQ(st.calls, 5u);
+  EXPECT_LE(st.buffer_peak, kWindowBytes);
+  EXPECT_GE(st.buffer_peak, uint64_t{16} << 20);  // the window was used whole
+  daemon.stop();
+}
+
 // Two daemons, as on hosts a and b, and a file store both reach; body(comm) runs on n ranks, on host a where
-// on_a(r). Every job forms on both daemons and none fails.
+// on_a(r). Every job forms on both daemons and none fails. Returns the daemons' counters.
 template <class OnA, class Body>
-void on_two_hosts(const std::string& tag, int n, OnA on_a, Body body) {
+std::pair<nicd::ServerStats, nicd::ServerStats> on_two_hosts(const std::string& tag, int n, OnA on_a, Body body) {
   nicd::Server a({socket_path(tag + "a"), {}, 20}), b({socket_path(tag + "b"), {}, 20});
   a.start();
   b.start();
@@ -113,13 +151,15 @@ void on_two_hosts(const std::string& tag, int n, OnA on_a, Body body) {
   EXPECT_EQ(a.stats().jobs_formed, 1u);
   EXPECT_EQ(b.stats().jobs_formed, 1u);
   EXPECT_EQ(a.stats().jobs_failed + b.stats().jobs_failed, 0u);
+  const auto stats = std::pair{a.stats(), b.stats()};
   a.stop();
   b.stop();
   std::filesystem::remove_all(dir);
+  return stats;
 }
 
 TEST(Nicd, TwoHostsMeetThroughTheJobsStore) {
-  on_two_hosts("store", 4, [](int r) { return r < 2; }, [](int r, Communicator& comm) {
+  const auto [a, b] = on_two_hosts("store", 4, [](int r) { return r < 2; }, [](int r, Communicator& comm) {
     ASSERT_EQ(comm.hosts(), (std::vector<int>{0, 0, 1, 1}));
     std::vector<int64_t> x(600011, r + 1), y(x.size());  // two chunks between the hosts
     comm.allreduce(x.data(), y.data(), x.size(), DataType::i64, ReduceOp::prod)->wait();
@@ -130,8 +170,21 @@ TEST(Nicd, TwoHostsMeetThroughTheJobsStore) {
     std::vector<int32_t> bc(9, r == 3 ? 5 : 0);
     comm.broadcast(bc.data(), bc.size(), DataType::i32, 3)->wait();
     for (int32_t v : bc) ASSERT_EQ(v, 5);
+    // Larger than the daemons' window: chunks between the hosts, several in flight, slots reused.
+    std::vector<int32_t> big(6000001), sum(big.size());
+    for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<int32_t>(i % 1000) * (r + 1);
+    comm.allreduce(big.data(), sum.data(), big.size(), DataType::i32, ReduceOp::sum)->wait();
+    for (size_t i = 0; i < sum.size(); ++i) ASSERT_EQ(sum[i], 10 * static_cast<int32_t>(i % 1000)) << i;
+    std::vector<int64_t> wide(3000000, r == 3 ? 0 : -1);
+    if (r == 3)
+      for (size_t i = 0; i < wide.size(); ++i) wide[i] = static_cast<int64_t>(i) * 3;
+    comm.broadcast(wide.data(), wide.size(), DataType::i64, 3)->wait();
+    for (size_t i = 0; i < wide.size(); ++i) ASSERT_EQ(wide[i], static_cast<int64_t>(i) * 3) << i;
     check_alltoalls(comm);
   });
+  // The large reductions and broadcasts hold no more than the window, which the daemon keeps for the next call;
+  // the small alltoalls (80 KB with it) hold their whole segments.
+  EXPECT_LE(std::max(a.buffer_peak, b.buffer_peak), kWindowBytes + (1 << 20));
 }
 
 // 3 ranks on host 0 and 1 on host 1: the daemons' segments are padded to 3 x 3 blocks.

@@ -81,7 +81,8 @@ def _counters(stats: dict) -> str:
     return (
         f"jobs {stats['jobs_now']} running, {stats['jobs_formed']} formed, {stats['jobs_failed']} failed; "
         f"calls {stats['calls']}; read {stats['bytes_read'] / 1e6:.1f} MB, written "
-        f"{stats['bytes_written'] / 1e6:.1f} MB; connections {stats['connections']} "
+        f"{stats['bytes_written'] / 1e6:.1f} MB, held {stats['buffer_peak'] / 1e6:.1f} MB at most for a call; "
+        f"connections {stats['connections']} "
         f"({stats['refused']} refused)"
     )
 
