@@ -124,9 +124,10 @@ struct Job {
   void transfer(bool write, const Member& m, uint64_t remote, char* local, size_t len);
   // into = elements [from, from + count) of every local rank's input, combined in rank order.
   void local_reduce(const std::vector<Member>& ms, const Post& p, size_t from, size_t count, char* into);
-  // A call's `count` elements in chunks, at most kWindowChunks in flight: start(from, k, slot) fills the chunk's
-  // slot and returns the daemons' call on it (null: none), finish(from, k, slot) runs once that call is done.
-  void windowed(size_t count, size_t esize,
+  // A call's `count` units in chunks of `chunk`, at most kWindowChunks in flight, each with a slot of
+  // `slot_bytes`: start(from, k, slot) fills the chunk's slot and returns the daemons' call on it (null: none),
+  // finish(from, k, slot) runs once that call is done.
+  void windowed(size_t count, size_t chunk, size_t slot_bytes,
                 const std::function<std::shared_ptr<Request>(size_t, size_t, char*)>& start,
                 const std::function<void(size_t, size_t, char*)>& finish);
   // The allreduce of every rank's input, chunk by chunk: done(from, count, sum) is told of each as it is final.
@@ -153,6 +154,7 @@ struct Job {
   bool running = false;
   std::unique_ptr<Communicator> inter;  // among the daemons of the job's hosts; null with one host
   std::vector<char> stage, window;  // a piece of one rank's input; the chunks in flight
+  std::vector<char> spread;         // alltoall: one rank's part of every block
   size_t call_held = 0;             // bytes the call being run holds besides stage and window (allgather, alltoall)
   std::thread worker;
   std::atomic<bool> finished{false};
@@ -353,15 +355,15 @@ void Job::local_reduce(const std::vector<Member>& ms, const Post& p, size_t from
   }
 }
 
-void Job::windowed(size_t count, size_t esize, const std::function<std::shared_ptr<Request>(size_t, size_t, char*)>& start,
+void Job::windowed(size_t count, size_t chunk, size_t slot_bytes,
+                   const std::function<std::shared_ptr<Request>(size_t, size_t, char*)>& start,
                    const std::function<void(size_t, size_t, char*)>& finish) {
-  const size_t chunk = kChunkBytes / esize;
-  window.resize(std::min(count, kWindowChunks * chunk) * esize);
+  window.resize(std::min((count + chunk - 1) / chunk, kWindowChunks) * slot_bytes);
   // A chunk's slot is reused only once its call is done and finished: the daemons' engine carries up to
   // kWindowChunks chunks between hosts while the next is read here. A chunk is written back only after every
   // rank's input for its elements was read, so a call in place never overwrites input still to be read.
   std::deque<std::pair<size_t, std::shared_ptr<Request>>> inflight;  // (first element, the daemons' call)
-  auto slot = [&](size_t at) { return window.data() + (at / chunk % kWindowChunks) * chunk * esize; };
+  auto slot = [&](size_t at) { return window.data() + (at / chunk % kWindowChunks) * slot_bytes; };
   auto finish_oldest = [&] {
     const auto [at, req] = inflight.front();
     if (req) wait_between_hosts(req);
@@ -394,8 +396,9 @@ void Job::allreduce(const std::vector<Member>& ms, const Post& p, size_t count,
   const size_t esize = dtype_size(dt);
   const Codec codec = Codec::parse(p.codec);
   // avg combines as sum everywhere and divides once, by the whole world, as the in-process engine does.
+  const size_t chunk = kChunkBytes / esize;
   windowed(
-      count, esize,
+      count, chunk, chunk * esize,
       [&](size_t at, size_t k, char* slot) -> std::shared_ptr<Request> {
         local_reduce(ms, p, at, k, slot);
         if (!inter) return nullptr;
@@ -414,40 +417,57 @@ size_t Job::widest_host() const {
   return widest;
 }
 
-// Rank s's input is n blocks, block d for rank d; rank d's output is n blocks, block s from rank s. A block
-// between two ranks of this host goes straight from the source's input (read once) into the destination's
-// output. Between hosts the daemons exchange one alltoall whose segment from host g to host h holds a block for
-// every pair (a rank of g, a rank of h), padded to widest x widest blocks as allgather pads to the widest host.
+// Rank s's input is n blocks, block d for rank d; rank d's output is n blocks, block s from rank s. The call runs
+// in parts: bytes [lo, lo + len) of every block at a time, through the window of chunks. A part between two ranks
+// of this host goes straight from the source's input (read once) into the destination's output. Between hosts
+// the daemons exchange, per part, one alltoall whose segment from host g to host h holds the part of the block
+// of every pair (a rank of g, a rank of h), padded to widest x widest parts as allgather pads to the widest host;
+// the next parts are read and sent while earlier ones are between hosts.
 void Job::alltoall(const std::vector<Member>& ms, const Post& p) {
   const size_t n = static_cast<size_t>(hello.size), block = p.count * dtype_size(static_cast<DataType>(p.dtype));
-  // Checked with the host count: the send and receive buffers hold one segment per host.
+  if (block == 0) return;
+  // Checked with the host count: a slot holds a send and a receive segment per host.
   const size_t hosts = static_cast<size_t>(host_count), widest = widest_host();
-  const size_t segment = bytes_of({hosts, widest, widest, block}) / hosts;
-  auto at = [&](char* segments, size_t h, size_t from, size_t to) {
-    return segments + h * segment + (from * widest + to) * block;
+  const size_t pairs = bytes_of({hosts, widest, widest});
+  // A part's send and receive segments together (on one host, what one rank's part spreads to: n pieces) are
+  // about one chunk, so the window holds what it holds for a reduction.
+  const size_t part = std::max<size_t>(1, std::min(block, kChunkBytes / (inter ? 2 * pairs : n)));
+  spread.resize(n * part);
+  call_held = spread.capacity();
+  auto out_at = [&](const Member& m, int source, size_t lo) {
+    return m.post.out + static_cast<uint64_t>(source) * block + lo;
   };
-  auto place = [&](const Member& m, int rank) { return m.post.out + static_cast<uint64_t>(rank) * block; };
-  std::vector<char> in(n * block), send(inter ? static_cast<size_t>(host_count) * segment : 0);
-  for (size_t j = 0; j < ms.size(); ++j) {
-    transfer(false, ms[j], ms[j].post.in, in.data(), n * block);
-    for (const Member& to : ms)
-      transfer(true, to, place(to, ms[j].rank), in.data() + static_cast<size_t>(to.rank) * block, block);
-    for (size_t h = 0; inter && h < members.size(); ++h) {
-      if (h == static_cast<size_t>(host)) continue;
-      for (size_t k = 0; k < members[h].size(); ++k)
-        std::memcpy(at(send.data(), h, j, k), in.data() + static_cast<size_t>(members[h][k]) * block, block);
-    }
-  }
-  if (!inter) return;
-  std::vector<char> recv(send.size());  // [source host][its rank j][this host's rank k]
-  call_held = in.size() + send.size() + recv.size();
-  wait_between_hosts(inter->alltoall(send.data(), recv.data(), segment, DataType::u8));
-  for (size_t h = 0; h < members.size(); ++h) {
-    if (h == static_cast<size_t>(host)) continue;
-    for (size_t j = 0; j < members[h].size(); ++j)
-      for (size_t k = 0; k < ms.size(); ++k)
-        transfer(true, ms[k], place(ms[k], members[h][j]), at(recv.data(), h, j, k), block);
-  }
+  windowed(
+      block, part, inter ? 2 * pairs * part : 0,
+      [&](size_t lo, size_t len, char* slot) -> std::shared_ptr<Request> {
+        auto at = [&](size_t h, size_t from, size_t to) { return slot + ((h * widest + from) * widest + to) * len; };
+        for (size_t j = 0; j < ms.size(); ++j) {
+          if (len == block)  // the whole input at once
+            transfer(false, ms[j], ms[j].post.in, spread.data(), n * block);
+          for (size_t d = 0; len < block && d < n; ++d)
+            transfer(false, ms[j], ms[j].post.in + d * block + lo, spread.data() + d * len, len);
+          for (const Member& to : ms)
+            transfer(true, to, out_at(to, ms[j].rank, lo), spread.data() + static_cast<size_t>(to.rank) * len, len);
+          for (size_t h = 0; inter && h < members.size(); ++h) {
+            if (h == static_cast<size_t>(host)) continue;
+            for (size_t k = 0; k < members[h].size(); ++k)
+              std::memcpy(at(h, j, k), spread.data() + static_cast<size_t>(members[h][k]) * len, len);
+          }
+        }
+        if (!inter) return nullptr;
+        return inter->alltoall(slot, slot + pairs * len, widest * widest * len, DataType::u8);
+      },
+      [&](size_t lo, size_t len, char* slot) {
+        // [source host][its rank j][this host's rank k], after the send segments
+        char* recv = slot + pairs * len;
+        for (size_t h = 0; inter && h < members.size(); ++h) {
+          if (h == static_cast<size_t>(host)) continue;
+          for (size_t j = 0; j < members[h].size(); ++j)
+            for (size_t k = 0; k < ms.size(); ++k)
+              transfer(true, ms[k], out_at(ms[k], members[h][j], lo),
+                       recv + ((h * widest + j) * widest + k) * len, len);
+        }
+      });
 }
 
 void Job::execute(const std::vector<Member>& ms) {
@@ -493,8 +513,9 @@ void Job::execute(const std::vector<Member>& ms) {
     case Collective::broadcast: {
       const int root_host = hello.hosts[static_cast<size_t>(p.root)];
       const auto dt = static_cast<DataType>(p.dtype);
+      const size_t chunk = kChunkBytes / esize;
       windowed(
-          p.count, esize,
+          p.count, chunk, chunk * esize,
           [&](size_t at, size_t k, char* slot) -> std::shared_ptr<Request> {
             for (const Member& m : ms)
               if (m.rank == p.root) transfer(false, m, m.post.out + at * esize, slot, k * esize);
