@@ -19,6 +19,7 @@
 #include <functional>
 #include <initializer_list>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <utility>
 
@@ -26,6 +27,7 @@
 #include "smartcoll/comm.h"
 #include "smartcoll/reduce.h"
 #include "smartcoll/store.h"
+#include "transport/cma.h"
 
 namespace smartcoll::nicd {
 
@@ -122,6 +124,9 @@ struct Job {
   bool next_call(std::vector<Member>& members);
   void execute(const std::vector<Member>& ms);
   void transfer(bool write, const Member& m, uint64_t remote, char* local, size_t len);
+  // The same for many ranges at once (one system call per IOV_MAX of them): `remote` and `local` hold the same
+  // bytes, cut alike or not.
+  void transferv(bool write, const Member& m, std::span<const iovec> remote, std::span<const iovec> local);
   // into = elements [from, from + count) of every local rank's input, combined in rank order.
   void local_reduce(const std::vector<Member>& ms, const Post& p, size_t from, size_t count, char* into);
   // A call's `count` units in chunks of `chunk`, at most kWindowChunks in flight, each with a slot of
@@ -200,6 +205,11 @@ void Job::answer_running(const std::string& error) {
 }
 
 void Job::transfer(bool write, const Member& m, uint64_t remote, char* local, size_t len) {
+  const iovec r{reinterpret_cast<void*>(static_cast<uintptr_t>(remote)), len}, l{local, len};
+  transferv(write, m, {&r, 1}, {&l, 1});
+}
+
+void Job::transferv(bool write, const Member& m, std::span<const iovec> remote, std::span<const iovec> local) {
   if (stopping) throw CommError("the job failed");  // the reason is the job's, already given
   if (m.pidfd >= 0) {
     // A pid is only reused after its process is gone; a gone process is never read or written.
@@ -208,26 +218,17 @@ void Job::transfer(bool write, const Member& m, uint64_t remote, char* local, si
       throw CommError("rank " + std::to_string(m.rank) + " (pid " + std::to_string(m.pid) + ") exited during " +
                       describe(m.post));
   }
-  const size_t total = len;
-  while (len > 0) {
-    const size_t step = std::min<size_t>(len, size_t{1} << 30);
-    iovec l{local, step};
-    iovec r{reinterpret_cast<void*>(static_cast<uintptr_t>(remote)), step};
-    const ssize_t k = write ? ::process_vm_writev(m.pid, &l, 1, &r, 1, 0) : ::process_vm_readv(m.pid, &l, 1, &r, 1, 0);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) {
-      const int err = k < 0 ? errno : 0;
-      const std::string hint = err == ESRCH    ? ": the rank exited"
-                               : err == EFAULT ? ": the buffer is not mapped there (freed, or too small)"
-                               : err == EPERM  ? ": permission denied (another user, or Yama ptrace_scope)"
-                                               : "";
-      throw CommError(std::string(write ? "writing the result into" : "reading the input of") + " rank " +
-                      std::to_string(m.rank) + " (pid " + std::to_string(m.pid) + ") for " + describe(m.post) +
-                      " failed: " + (err ? std::strerror(err) : "short transfer") + hint);
-    }
-    local += k;
-    remote += static_cast<uint64_t>(k);
-    len -= static_cast<size_t>(k);
+  size_t total = 0;
+  for (const iovec& v : local) total += v.iov_len;
+  const int err = total == 0 ? 0 : write ? cma::write_process(m.pid, local, remote) : cma::read_process(m.pid, local, remote);
+  if (err != 0) {
+    const std::string hint = err == ESRCH    ? ": the rank exited"
+                             : err == EFAULT ? ": the buffer is not mapped there (freed, or too small)"
+                             : err == EPERM  ? ": permission denied (another user, or Yama ptrace_scope)"
+                                             : "";
+    throw CommError(std::string(write ? "writing the result into" : "reading the input of") + " rank " +
+                    std::to_string(m.rank) + " (pid " + std::to_string(m.pid) + ") for " + describe(m.post) +
+                    " failed: " + (err > 0 ? std::strerror(err) : "short transfer") + hint);
   }
   std::lock_guard lock(server.stats_mu_);
   (write ? server.stats_.bytes_written : server.stats_.bytes_read) += total;
@@ -441,11 +442,12 @@ void Job::alltoall(const std::vector<Member>& ms, const Post& p) {
       block, part, inter ? 2 * pairs * part : 0,
       [&](size_t lo, size_t len, char* slot) -> std::shared_ptr<Request> {
         auto at = [&](size_t h, size_t from, size_t to) { return slot + ((h * widest + from) * widest + to) * len; };
+        std::vector<iovec> remote(n);
         for (size_t j = 0; j < ms.size(); ++j) {
-          if (len == block)  // the whole input at once
-            transfer(false, ms[j], ms[j].post.in, spread.data(), n * block);
-          for (size_t d = 0; len < block && d < n; ++d)
-            transfer(false, ms[j], ms[j].post.in + d * block + lo, spread.data() + d * len, len);
+          for (size_t d = 0; d < n; ++d)
+            remote[d] = {reinterpret_cast<void*>(static_cast<uintptr_t>(ms[j].post.in + d * block + lo)), len};
+          const iovec local{spread.data(), n * len};
+          transferv(false, ms[j], remote, {&local, 1});
           for (const Member& to : ms)
             transfer(true, to, out_at(to, ms[j].rank, lo), spread.data() + static_cast<size_t>(to.rank) * len, len);
           for (size_t h = 0; inter && h < members.size(); ++h) {
@@ -460,12 +462,16 @@ void Job::alltoall(const std::vector<Member>& ms, const Post& p) {
       [&](size_t lo, size_t len, char* slot) {
         // [source host][its rank j][this host's rank k], after the send segments
         char* recv = slot + pairs * len;
-        for (size_t h = 0; inter && h < members.size(); ++h) {
-          if (h == static_cast<size_t>(host)) continue;
-          for (size_t j = 0; j < members[h].size(); ++j)
-            for (size_t k = 0; k < ms.size(); ++k)
-              transfer(true, ms[k], out_at(ms[k], members[h][j], lo),
-                       recv + ((h * widest + j) * widest + k) * len, len);
+        for (size_t k = 0; inter && k < ms.size(); ++k) {
+          std::vector<iovec> remote, local;
+          for (size_t h = 0; h < members.size(); ++h) {
+            if (h == static_cast<size_t>(host)) continue;
+            for (size_t j = 0; j < members[h].size(); ++j) {
+              remote.push_back({reinterpret_cast<void*>(static_cast<uintptr_t>(out_at(ms[k], members[h][j], lo))), len});
+              local.push_back({recv + ((h * widest + j) * widest + k) * len, len});
+            }
+          }
+          transferv(true, ms[k], remote, local);
         }
       });
 }
@@ -485,7 +491,6 @@ void Job::execute(const std::vector<Member>& ms) {
                     std::to_string(p.root) + " is not a rank of this job of " + std::to_string(hello.size));
   const size_t esize = dtype_size(static_cast<DataType>(p.dtype)), n = static_cast<size_t>(hello.size);
   const size_t block = static_cast<size_t>(p.count) * esize;
-  std::vector<char> buf;
   call_held = 0;
   switch (coll) {
     case Collective::allreduce:
@@ -528,23 +533,38 @@ void Job::execute(const std::vector<Member>& ms) {
       break;
     }
     case Collective::allgather: {
-      // Each host contributes its ranks' blocks in rank order, padded to the largest host; the daemons gather
-      // these and put every block at its rank's place.
-      const size_t widest = widest_host();
-      std::vector<char> all(bytes_of({static_cast<size_t>(host_count), widest, block}));
-      char* mine = all.data() + static_cast<size_t>(host) * widest * block;
-      for (size_t j = 0; j < ms.size(); ++j) transfer(false, ms[j], ms[j].post.in, mine + j * block, block);
-      if (inter) {
-        std::vector<char> contribution(mine, mine + widest * block);
-        wait_between_hosts(inter->allgather(contribution.data(), all.data(), widest * block, DataType::u8, Codec()));
-      }
-      buf.resize(n * block);
-      call_held = all.size() + (inter ? widest * block : 0) + buf.size();
-      for (size_t h = 0; h < members.size(); ++h)
-        for (size_t j = 0; j < members[h].size(); ++j)
-          std::memcpy(buf.data() + static_cast<size_t>(members[h][j]) * block,
-                      all.data() + (h * widest + j) * block, block);
-      for (const Member& m : ms) transfer(true, m, m.post.out, buf.data(), n * block);
+      // In parts, bytes [lo, lo + len) of every block at a time, through the window: each host contributes its
+      // ranks' parts in rank order, padded to the largest host; the daemons gather these, and every part goes
+      // to its rank's place in every local rank's output. A part's slot (every host's parts, then this host's
+      // contribution) is about one chunk.
+      const size_t widest = widest_host(), hosts = static_cast<size_t>(host_count);
+      const size_t part = std::max<size_t>(1, std::min(block, kChunkBytes / bytes_of({hosts + 1, widest})));
+      windowed(
+          block, part, bytes_of({hosts + 1, widest, part}),
+          [&](size_t lo, size_t len, char* slot) -> std::shared_ptr<Request> {
+            char* mine = slot + static_cast<size_t>(host) * widest * len;
+            for (size_t j = 0; j < ms.size(); ++j) transfer(false, ms[j], ms[j].post.in + lo, mine + j * len, len);
+            if (!inter) return nullptr;
+            char* contribution = slot + hosts * widest * len;
+            std::memcpy(contribution, mine, widest * len);
+            return inter->allgather(contribution, slot, widest * len, DataType::u8, Codec());
+          },
+          [&](size_t lo, size_t len, char* slot) {
+            std::vector<iovec> remote, local;
+            for (size_t h = 0; h < members.size(); ++h)
+              for (size_t j = 0; j < members[h].size(); ++j) {
+                remote.push_back({nullptr, len});
+                local.push_back({slot + (h * widest + j) * len, len});
+              }
+            for (const Member& m : ms) {
+              size_t i = 0;
+              for (size_t h = 0; h < members.size(); ++h)
+                for (size_t j = 0; j < members[h].size(); ++j)
+                  remote[i++].iov_base = reinterpret_cast<void*>(
+                      static_cast<uintptr_t>(m.post.out + static_cast<uint64_t>(members[h][j]) * block + lo));
+              transferv(true, m, remote, local);
+            }
+          });
       break;
     }
     case Collective::barrier:

@@ -99,6 +99,16 @@ TEST(Nicd, OneHostEveryCollective) {
 // and the piece of one rank's input it combines (1 MiB).
 constexpr uint64_t kWindowBytes = (16 << 20) + (1 << 20);
 
+// An allgather of `count` elements per rank whose values name their rank and place.
+void check_allgather(Communicator& comm, size_t count) {
+  const int n = comm.size(), r = comm.rank();
+  std::vector<int32_t> mine(count), all(static_cast<size_t>(n) * count, -1);
+  for (size_t i = 0; i < count; ++i) mine[i] = r * 1000000 + static_cast<int32_t>(i % 999983);
+  comm.allgather(mine.data(), all.data(), count, DataType::i32)->wait();
+  for (size_t i = 0; i < all.size(); ++i)
+    ASSERT_EQ(all[i], static_cast<int32_t>(i / count) * 1000000 + static_cast<int32_t>(i % count % 999983)) << i;
+}
+
 TEST(Nicd, LargeCallsHoldAWindowOfChunksNotTheVector) {
   nicd::Server daemon({socket_path("large"), {}, 60});
   daemon.start();
@@ -126,9 +136,10 @@ TEST(Nicd, LargeCallsHoldAWindowOfChunksNotTheVector) {
     comm.broadcast(b.data(), b.size(), DataType::i64, 2)->wait();
     for (size_t i = 0; i < b.size(); ++i) ASSERT_EQ(b[i], static_cast<int64_t>(i) * 7) << i;
     check_alltoall<int32_t>(comm, 786433, DataType::i32);  // 3 MB blocks: parts of 4 MiB / 3 ranks
+    check_allgather(comm, 625001);                         // 2.5 MB blocks: 4 parts
   });
   const nicd::ServerStats st = daemon.stats();
-  EXPECT_EQ(st.calls, 6u);
+  EXPECT_EQ(st.calls, 7u);
   // The alltoall spreads one rank's part of every block (about one chunk) besides the window kept from before.
   EXPECT_LE(st.buffer_peak, kWindowBytes + (4 << 20));
   EXPECT_GE(st.buffer_peak, uint64_t{16} << 20);  // the window was used whole
@@ -184,6 +195,7 @@ TEST(Nicd, TwoHostsMeetThroughTheJobsStore) {
     for (size_t i = 0; i < wide.size(); ++i) ASSERT_EQ(wide[i], static_cast<int64_t>(i) * 3) << i;
     check_alltoalls(comm);
     check_alltoall<float>(comm, 400001, DataType::f32);  // 1.6 MB blocks: 7 parts of 256 KiB between the hosts
+    check_allgather(comm, 400001);                       // 1.6 MB blocks: 3 parts
   });
   // The window, which the daemon keeps for the next call, and an alltoall's spread part (under 1 MiB here).
   EXPECT_LE(std::max(a.buffer_peak, b.buffer_peak), kWindowBytes + (1 << 20));
@@ -194,6 +206,8 @@ TEST(Nicd, AlltoallAcrossUnevenHosts) {
   on_two_hosts("uneven", 4, [](int r) { return r != 2; }, [](int, Communicator& comm) {
     ASSERT_EQ(comm.hosts(), (std::vector<int>{0, 0, 1, 0}));
     check_alltoalls(comm);
+    check_alltoall<int32_t>(comm, 300001, DataType::i32);  // 1.2 MB blocks in parts, padded to 3 x 3
+    check_allgather(comm, 300001);                         // the same, padded to 3 per host
   });
 }
 
