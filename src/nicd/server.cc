@@ -42,6 +42,11 @@ constexpr size_t kPieceBytes = 1 << 20;  // the local reduction reads and combin
 constexpr size_t kChunkBytes = 4 << 20;  // allreduce and broadcast go between hosts in chunks of this much
 // Chunks in flight at once: what the daemon holds for a reduction or a broadcast, whatever the call's size.
 constexpr size_t kWindowChunks = 4;
+// The smallest part of a block that allgather and alltoall move at once: with many hosts and ranks, a part sized
+// to fill one chunk would shrink to bytes, and each part costs one call among the daemons and a system call per
+// rank. The window then holds more than four chunks (4 x 2 x hosts x widest^2 x 64 KiB for alltoall), still
+// less than the whole call would.
+constexpr size_t kMinPartBytes = 64 << 10;
 
 void pin(const std::vector<int>& cpus) {
   if (cpus.empty()) return;
@@ -160,7 +165,6 @@ struct Job {
   std::unique_ptr<Communicator> inter;  // among the daemons of the job's hosts; null with one host
   std::vector<char> stage, window;  // a piece of one rank's input; the chunks in flight
   std::vector<char> spread;         // alltoall: one rank's part of every block
-  size_t call_held = 0;             // bytes the call being run holds besides stage and window (allgather, alltoall)
   std::thread worker;
   std::atomic<bool> finished{false};
   Clock::time_point created = Clock::now();
@@ -432,9 +436,8 @@ void Job::alltoall(const std::vector<Member>& ms, const Post& p) {
   const size_t pairs = bytes_of({hosts, widest, widest});
   // A part's send and receive segments together (on one host, what one rank's part spreads to: n pieces) are
   // about one chunk, so the window holds what it holds for a reduction.
-  const size_t part = std::max<size_t>(1, std::min(block, kChunkBytes / (inter ? 2 * pairs : n)));
+  const size_t part = std::min(block, std::max(kMinPartBytes, kChunkBytes / (inter ? 2 * pairs : n)));
   spread.resize(n * part);
-  call_held = spread.capacity();
   auto out_at = [&](const Member& m, int source, size_t lo) {
     return m.post.out + static_cast<uint64_t>(source) * block + lo;
   };
@@ -491,7 +494,6 @@ void Job::execute(const std::vector<Member>& ms) {
                     std::to_string(p.root) + " is not a rank of this job of " + std::to_string(hello.size));
   const size_t esize = dtype_size(static_cast<DataType>(p.dtype)), n = static_cast<size_t>(hello.size);
   const size_t block = static_cast<size_t>(p.count) * esize;
-  call_held = 0;
   switch (coll) {
     case Collective::allreduce:
       allreduce(ms, p, p.count, [&](size_t at, size_t k, char* sum) {
@@ -538,7 +540,7 @@ void Job::execute(const std::vector<Member>& ms) {
       // to its rank's place in every local rank's output. A part's slot (every host's parts, then this host's
       // contribution) is about one chunk.
       const size_t widest = widest_host(), hosts = static_cast<size_t>(host_count);
-      const size_t part = std::max<size_t>(1, std::min(block, kChunkBytes / bytes_of({hosts + 1, widest})));
+      const size_t part = std::min(block, std::max(kMinPartBytes, kChunkBytes / bytes_of({hosts + 1, widest})));
       windowed(
           block, part, bytes_of({hosts + 1, widest, part}),
           [&](size_t lo, size_t len, char* slot) -> std::shared_ptr<Request> {
@@ -591,7 +593,7 @@ void Job::run() {
       std::lock_guard stats(server.stats_mu_);
       ++server.stats_.calls;
       server.stats_.buffer_peak = std::max<uint64_t>(server.stats_.buffer_peak,
-                                                     stage.capacity() + window.capacity() + call_held);
+                                                     stage.capacity() + window.capacity() + spread.capacity());
     }
   } catch (const std::exception& e) {
     std::lock_guard lock(mu);

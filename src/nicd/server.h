@@ -38,8 +38,8 @@ struct ServerStats {
   uint64_t jobs_formed = 0, jobs_failed = 0, jobs_now = 0;
   uint64_t calls = 0;  // collectives completed (once per job, not per rank)
   uint64_t bytes_read = 0, bytes_written = 0;  // of the ranks' memory
-  // Bytes of the ranks' data one job held at most for a call: a reduction or a broadcast holds at most
-  // kWindowChunks chunks, whatever its size; allgather and alltoall hold their whole result.
+  // Bytes of the ranks' data one job held at most after a call: its window of chunks in flight, the piece a
+  // reduction combines in and an alltoall's part of every block, whatever the call's size.
   uint64_t buffer_peak = 0;
 };
 

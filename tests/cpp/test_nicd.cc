@@ -30,11 +30,13 @@ Options nicd_options(const std::string& socket, const std::string& host = "") {
   return test_options({{"engine", "nicd"}, {"nicd_socket", socket}, {"host", host}});
 }
 
-// Rank r sends rank d element i of block d: a value naming (r, d, i), so a block at the wrong place shows. An
-// alltoall only moves data, so the floats are checked bitwise too.
+// Rank r sends rank d element i of block d: a value naming (r, d, i), with no short period in i, so a block or a
+// part at the wrong place shows. Integers under 2^24: exact in float too. An alltoall only moves data, so the
+// floats are checked bitwise too.
 template <typename T>
 T a2a_value(int from, int to, size_t i) {
-  return static_cast<T>(from * 1000000 + to * 1000 + static_cast<int>(i % 1000)) + static_cast<T>(i % 7) / T{8};
+  return static_cast<T>((static_cast<uint64_t>(from) * 1000003 + static_cast<uint64_t>(to) * 10007 + i * 7919) %
+                        16777213);
 }
 
 template <typename T>
@@ -99,12 +101,14 @@ TEST(Nicd, OneHostEveryCollective) {
 // and the piece of one rank's input it combines (1 MiB).
 constexpr uint64_t kWindowBytes = (16 << 20) + (1 << 20);
 
-// An allgather of `count` elements per rank whose values name their rank and place.
-void check_allgather(Communicator& comm, size_t count) {
+// An allgather of `count` elements per rank whose values name their rank and place; in place: the input is the
+// rank's own block of the output.
+void check_allgather(Communicator& comm, size_t count, bool in_place = false) {
   const int n = comm.size(), r = comm.rank();
   std::vector<int32_t> mine(count), all(static_cast<size_t>(n) * count, -1);
-  for (size_t i = 0; i < count; ++i) mine[i] = r * 1000000 + static_cast<int32_t>(i % 999983);
-  comm.allgather(mine.data(), all.data(), count, DataType::i32)->wait();
+  int32_t* in = in_place ? all.data() + static_cast<size_t>(r) * count : mine.data();
+  for (size_t i = 0; i < count; ++i) in[i] = r * 1000000 + static_cast<int32_t>(i % 999983);
+  comm.allgather(in, all.data(), count, DataType::i32)->wait();
   for (size_t i = 0; i < all.size(); ++i)
     ASSERT_EQ(all[i], static_cast<int32_t>(i / count) * 1000000 + static_cast<int32_t>(i % count % 999983)) << i;
 }
@@ -119,8 +123,8 @@ TEST(Nicd, LargeCallsHoldAWindowOfChunksNotTheVector) {
     for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<int32_t>(i % 1000) + r;
     comm.allreduce(x.data(), y.data(), x.size(), DataType::i32, ReduceOp::sum)->wait();
     for (size_t i = 0; i < y.size(); ++i) ASSERT_EQ(y[i], 3 * static_cast<int32_t>(i % 1000) + 3) << i;
-    comm.allreduce(x.data(), x.data(), x.size(), DataType::i32, ReduceOp::max)->wait();  // in place
-    for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(x[i], static_cast<int32_t>(i % 1000) + 2) << i;
+    comm.allreduce(x.data(), x.data(), x.size(), DataType::i32, ReduceOp::sum)->wait();  // in place
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(x[i], 3 * static_cast<int32_t>(i % 1000) + 3) << i;
     const size_t count = 2500003;
     std::vector<int32_t> full(n * count), mine(count, -1);
     for (size_t j = 0; j < full.size(); ++j) full[j] = static_cast<int32_t>(j % 777) + r;
@@ -385,6 +389,76 @@ TEST(Nicd, ARootOutsideTheJobFailsTheCallNotTheDaemon) {
     comm.barrier()->wait();
   });
   EXPECT_EQ(daemon.stats().jobs_formed, 2u);
+  daemon.stop();
+}
+
+// 3 ranks on host 0 and 1 on host 1, every call in several chunks or parts: in place, avg, roots on either host.
+TEST(Nicd, UnevenHostsInPlaceAvgAndRootsInChunks) {
+  on_two_hosts("chunks", 4, [](int r) { return r != 2; }, [](int r, Communicator& comm) {
+    const int n = 4;
+    // in place, 6 chunks and a tail
+    {
+      std::vector<int32_t> x(6000001);
+      for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<int32_t>(i % 1000) + r;
+      comm.allreduce(x.data(), x.data(), x.size(), DataType::i32, ReduceOp::sum)->wait();
+      for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(x[i], 4 * static_cast<int32_t>(i % 1000) + 6) << i;
+    }
+    // in-place reduce_scatter (in == out)
+    {
+      const size_t count = 2500003;
+      std::vector<int32_t> full(n * count);
+      for (size_t j = 0; j < full.size(); ++j) full[j] = static_cast<int32_t>(j % 777) * (r + 1);
+      comm.reduce_scatter(full.data(), full.data(), count, DataType::i32, ReduceOp::sum)->wait();
+      for (size_t i = 0; i < count; ++i)
+        ASSERT_EQ(full[i], 10 * static_cast<int32_t>((r * count + i) % 777)) << "rs " << i;
+    }
+    // avg divides once, whatever the chunks
+    {
+      std::vector<double> f(1500007), g(f.size());
+      for (size_t i = 0; i < f.size(); ++i) f[i] = 4.0 * (i % 100) + r;
+      comm.allreduce(f.data(), g.data(), f.size(), DataType::f64, ReduceOp::avg)->wait();
+      for (size_t i = 0; i < g.size(); ++i) ASSERT_EQ(g[i], 4.0 * (i % 100) + 1.5) << "avg " << i;
+    }
+    // to a root on the other host, and to one on this host, in place at the root
+    for (int root : {2, 0}) {
+      std::vector<int32_t> x(5000003);
+      for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<int32_t>(i % 1001) + r;
+      comm.reduce(x.data(), r == root ? x.data() : nullptr, x.size(), DataType::i32, ReduceOp::sum, root)->wait();
+      if (r == root)
+        for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(x[i], 4 * static_cast<int32_t>(i % 1001) + 6) << "reduce " << i;
+    }
+    // from a root that shares its host, 5 chunks and a tail
+    {
+      std::vector<int64_t> b(2700001, -1);
+      if (r == 1)
+        for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<int64_t>(i) * 5 + 1;
+      comm.broadcast(b.data(), b.size(), DataType::i64, 1)->wait();
+      for (size_t i = 0; i < b.size(); ++i) ASSERT_EQ(b[i], static_cast<int64_t>(i) * 5 + 1) << "bc " << i;
+    }
+    check_allgather(comm, 600001, /*in_place=*/true);  // more parts than the window has slots
+    check_alltoall<int32_t>(comm, 700001, DataType::i32);
+  });
+}
+
+// In place on one host: the reduce_scatter's output is its own block of the input; the allgather's input is its
+// own block of the output.
+TEST(Nicd, InPlaceCallsOnOneHostInChunks) {
+  nicd::Server daemon({socket_path("inplace"), {}, 60});
+  daemon.start();
+  const int n = 3;
+  run_threads(n, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, n, std::move(store), nicd_options(daemon.path()));
+    const size_t count = 2500003;
+    std::vector<int32_t> full(n * count);
+    for (size_t j = 0; j < full.size(); ++j) full[j] = static_cast<int32_t>(j % 777) * (r + 1);
+    comm.reduce_scatter(full.data(), full.data(), count, DataType::i32, ReduceOp::sum)->wait();
+    for (size_t i = 0; i < count; ++i) ASSERT_EQ(full[i], 6 * static_cast<int32_t>((r * count + i) % 777)) << i;
+    std::vector<int32_t> x(6000001);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<int32_t>(i % 1000) + r;
+    comm.allreduce(x.data(), x.data(), x.size(), DataType::i32, ReduceOp::sum)->wait();
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(x[i], 3 * static_cast<int32_t>(i % 1000) + 3) << i;
+    check_allgather(comm, 1000001, /*in_place=*/true);
+  });
   daemon.stop();
 }
 
