@@ -611,6 +611,7 @@ def test_a_writer_stopped_in_a_direct_put_holds_deregistration_for_the_timeout_t
     import mmap
     import os
     import struct
+    import threading
 
     from smartcoll import _onesided
 
@@ -624,9 +625,12 @@ def test_a_writer_stopped_in_a_direct_put_holds_deregistration_for_the_timeout_t
                 pass
         return found
 
+    done = threading.Event()  # rank 1 is through: rank 0 must not sit in a call meanwhile (1 s timeouts)
+
     def body(comm):
         comm.barrier()
         if comm.rank == 0:  # starts no one-sided server: the directory that appears is rank 1's
+            done.wait(30)
             comm.barrier()
             return None
         before = memfds()
@@ -642,6 +646,7 @@ def test_a_writer_stopped_in_a_direct_put_holds_deregistration_for_the_timeout_t
                 struct.pack_into("<Q", directory, word, region.id)
                 start = time.monotonic()
                 if when == "closing":
+                    done.set()
                     comm.barrier()
                     comm.close()  # logs the stuck writer and returns
                 with pytest.raises(smartcoll.CommError) as failed:
@@ -651,6 +656,7 @@ def test_a_writer_stopped_in_a_direct_put_holds_deregistration_for_the_timeout_t
         finally:
             os.close(fd)
         if when == "deregistering":
+            done.set()
             comm.barrier()
         return str(failed.value), waited, any(kept is buf for kept in _onesided._KEPT)
 
