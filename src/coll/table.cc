@@ -276,6 +276,16 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
   const bool rings = c == Collective::allgather || c == Collective::reduce_scatter;
   if (spread && (q.interleaved || rings) && needs_hosts(q).empty() && call_bytes(c, q) > small_bytes)
     return Algorithm::hier;
+  // alltoall across many hosts: direct's n-1 senders converge on every receiver at once and overflow a port with
+  // a short queue (incast): on 8 emulated 1 Gbit/s hosts 1 MiB per rank took 154-252 ms with direct, 8-10 ms with
+  // pairwise, which sends to one peer at a time; from 16 MiB both stalled and direct less (BENCHMARKS.md, "The
+  // cost model against every collective and algorithm"). The model has no incast term (with a calibrated profile
+  // it picked direct: 211 ms against pairwise's 7.9): the rule comes before a profile.
+  constexpr int kIncastHosts = 8;
+  constexpr size_t kPairwiseMaxBytes = size_t{4} << 20;
+  if (c == Collective::alltoall && q.hosts >= kIncastHosts && call_bytes(c, q) > small_bytes &&
+      call_bytes(c, q) <= kPairwiseMaxBytes && !q.compressed)
+    return Algorithm::pairwise;
   if (profile) return cheapest(c, q, *profile, small_bytes);
   const bool small = q.bytes <= small_bytes;
   const bool small_total = call_bytes(c, q) <= small_bytes;
@@ -302,18 +312,8 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
       return same_host ? Algorithm::cma : Algorithm::ring;
     case Collective::reduce_scatter:
       return same_host && !small_total ? Algorithm::cma : algorithms(c).front().algo;
-    case Collective::alltoall: {
-      if (same_host && !small_total) return Algorithm::cma;
-      // Across many hosts direct's n-1 senders converge on every receiver at once and overflow a port with a short
-      // queue (incast): on 8 emulated 1 Gbit/s hosts 1 MiB per rank took 154-252 ms with direct, 8-10 ms with
-      // pairwise, which sends to one peer at a time; from 16 MiB both stalled and direct less (BENCHMARKS.md, "The
-      // cost model against every collective and algorithm").
-      constexpr int kIncastHosts = 8;
-      constexpr size_t kPairwiseMaxBytes = size_t{4} << 20;
-      if (q.hosts >= kIncastHosts && !small_total && call_bytes(c, q) <= kPairwiseMaxBytes && !q.compressed)
-        return Algorithm::pairwise;
-      return Algorithm::direct;
-    }
+    case Collective::alltoall:
+      return same_host && !small_total ? Algorithm::cma : Algorithm::direct;
     case Collective::broadcast:
     case Collective::reduce:
       if (small) return Algorithm::tree;

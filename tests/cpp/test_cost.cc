@@ -426,19 +426,23 @@ TEST(CostModel, SameHostCallsGoThroughTheSegmentWhileCacheSized) {
 }
 
 TEST(CostModel, AlltoallAcrossManyHostsGoesPairwiseUpTo4MiB) {
-  // Without a profile: 8 hosts or more, above rhd_max_bytes and up to 4 MiB per rank in all: pairwise (incast).
-  auto pick = [](int n, int hosts, size_t block) {
-    Query q{n, block, false, false, false};
-    q.hosts = hosts;
-    q.per_host = n / hosts;
-    return choose(Collective::alltoall, q, Algorithm::automatic, 256 * 1024);
-  };
-  EXPECT_EQ(pick(8, 8, 128 * 1024), Algorithm::pairwise);      // 1 MiB in all
-  EXPECT_EQ(pick(16, 16, 256 * 1024), Algorithm::pairwise);    // 4 MiB in all
-  EXPECT_EQ(pick(16, 16, 256 * 1024 + 1), Algorithm::direct);  // beyond 4 MiB
-  EXPECT_EQ(pick(8, 8, 4 * 1024), Algorithm::direct);          // 32 KiB in all: small
-  EXPECT_EQ(pick(4, 4, 256 * 1024), Algorithm::direct);        // 4 hosts: direct measured fine
-  EXPECT_EQ(pick(8, 4, 128 * 1024), Algorithm::direct);        // 4 hosts of 2 ranks
+  // 8 hosts or more, above rhd_max_bytes and up to 4 MiB per rank in all: pairwise (incast), with a profile too
+  // (the model, which has no incast term, would take direct: the rule comes first).
+  const Profile builtin = Profile::builtin();
+  for (const Profile* profile : {static_cast<const Profile*>(nullptr), &builtin}) {
+    auto pick = [&](int n, int hosts, size_t block) {
+      Query q{n, block, false, false, false};
+      q.hosts = hosts;
+      q.per_host = n / hosts;
+      return choose(Collective::alltoall, q, Algorithm::automatic, 256 * 1024, profile);
+    };
+    EXPECT_EQ(pick(8, 8, 128 * 1024), Algorithm::pairwise);      // 1 MiB in all
+    EXPECT_EQ(pick(16, 16, 256 * 1024), Algorithm::pairwise);    // 4 MiB in all
+    EXPECT_EQ(pick(16, 16, 256 * 1024 + 1), Algorithm::direct);  // beyond 4 MiB
+    EXPECT_NE(pick(8, 8, 4 * 1024), Algorithm::pairwise);        // 32 KiB in all: small
+    EXPECT_EQ(pick(4, 4, 256 * 1024), Algorithm::direct);        // 4 hosts: direct measured fine
+    EXPECT_EQ(pick(8, 4, 128 * 1024), Algorithm::direct);        // 4 hosts of 2 ranks
+  }
 }
 
 TEST(CostModel, WithoutProfileTheSizeRulesStay) {
