@@ -43,9 +43,10 @@ inline constexpr Knob kKnobs[] = {
      "(whose copy also excludes accumulatev into the same region during it); accumulatev always goes to the server"},
     {"shm_bytes", "1048576", "int", 0, 1 << 26, true,
      "same-host path: bytes per rank that a call may put through the shared control segment (algo=shm: one round "
-     "of stores and loads, no system call while the ranks run); auto takes it for a call that fits, in any "
-     "collective but alltoallv, while each rank copies at most 6 MiB through the segment (its part in, n parts "
-     "out) and all ranks together 24 MiB. The segment holds 2 x this per rank. 0: never"},
+     "of stores and loads, two for allreduce and reduce from 16 KiB, no system call while the ranks run); auto "
+     "takes it for a call that fits, in any collective but alltoallv, while each rank copies at most 6 MiB through "
+     "the segment (its part in, what it reads out) and all ranks together 24 MiB. The segment holds 2 x this per "
+     "rank. 0: never"},
     {"rhd_max_bytes", "262144", "int", 0, kNoLimit, true,
      "auto uses latency-optimized algorithms (recursive doubling/halving, trees, Bruck) up to this many bytes"},
     {"model_profile", "", "str", 0, 0, false,

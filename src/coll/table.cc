@@ -65,16 +65,22 @@ std::string needs_switch_hosts(const Query& q) {
 
 // Same host, small calls: every rank copies its input into the segment and, once all have, computes its output
 // from every rank's place there (reading n vectors or blocks): one round, no system call while the ranks run.
-// `wire` counts the bytes read from the segment.
+// `wire` counts the bytes read from the segment. allreduce and reduce from 16 KiB (transport/cma.cc) take two
+// rounds: rank q reduces chunk q of every rank's vector in place of its own, then the chunks are copied out
+// (reading one vector in chunks and the others' chunks; (n-1)/n of a vector reduced); their entries count that.
 double all_n(int n) { return static_cast<double>(n); }
 double one(int) { return 1.0; }
-constexpr AlgorithmInfo shm_entry(std::string (*unsupported)(const Query&), double (*read)(int), double (*reduced)(int)) {
-  return {Algorithm::shm, "same host, small calls: the data goes through the shared control segment, one round",
-          same_host_shm, unsupported, one, read, reduced,
+constexpr char kShmText[] = "same host, small calls: the data goes through the shared control segment, one round";
+constexpr AlgorithmInfo shm_entry(std::string (*unsupported)(const Query&), double (*read)(int), double (*reduced)(int),
+                                  const char* text = kShmText) {
+  return {Algorithm::shm, text, same_host_shm, unsupported, one, read, reduced,
           // choose() takes it by its own rule before any profile: the cost entry leaves out the cache that
           // decides between it and the reads.
           AlgorithmInfo::Auto::never};
 }
+constexpr char kShmChunksText[] =
+    "same host, small calls: the data goes through the shared control segment; from 16 KiB rank q reduces chunk q "
+    "there and the chunks are copied out, two rounds";
 constexpr AlgorithmInfo kAllreduceAlgos[] = {
     {Algorithm::ring, "pipelined segmented ring (reduce-scatter + allgather in one pipeline), any codec",
      allreduce_ring, any, [](int n) { return 2.0 * (n - 1); }, ring_wire, share},
@@ -86,7 +92,7 @@ constexpr AlgorithmInfo kAllreduceAlgos[] = {
      [](int n) { return log2p(n) + fold(n); }},
     {Algorithm::cma, "same host: every rank reads its peers' buffers once with process_vm_readv", same_host_cma,
      needs_cma, [](int) { return 4.0; }, share, share},
-    shm_entry(needs_shm, all_n, [](int n) { return n - 1.0; }),
+    shm_entry(needs_shm, [](int n) { return 1.0 + share(n); }, share, kShmChunksText),
     {Algorithm::hier,
      "hierarchical: reduce-scatter on each host, allreduce across hosts per local index, allgather on each host",
      allreduce_hier, needs_hosts, [](int n) { return 2.0 * (n - 1); }, ring_wire, share},
@@ -157,7 +163,7 @@ constexpr AlgorithmInfo kReduceAlgos[] = {
     {Algorithm::chain, "pipelined chain: the link rate whatever n, n-1 steps to fill", reduce_chain, raw_only,
      [](int n) { return n - 1.0; }, [](int) { return 1.0; }, [](int) { return 1.0; }},
     kCmaReduce,
-    shm_entry(needs_shm, all_n, [](int n) { return n - 1.0; }),
+    shm_entry(needs_shm, [](int n) { return 1.0 + share(n); }, share, kShmChunksText),
     {Algorithm::hier, "hierarchical: a pipelined chain on each host, then a chain across hosts", reduce_hier,
      needs_hosts, [](int n) { return n - 1.0; }, [](int) { return 1.0; }, [](int) { return 1.0; },
      AlgorithmInfo::Auto::never},

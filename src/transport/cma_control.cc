@@ -196,6 +196,7 @@ class ShmControl final : public Control {
   size_t data_bytes() const override { return segment_.data_bytes(); }
   char* next_data() override { return place(rank_, calls_ + 1); }
   const char* data(int p) const override { return place(p, calls_); }
+  char* own_data() override { return place(rank_, calls_); }
 
  private:
 

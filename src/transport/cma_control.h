@@ -91,6 +91,9 @@ class Control {
   // done.
   virtual char* next_data() { return nullptr; }
   virtual const char* data(int /*p*/) const { return nullptr; }
+  // data(rank), writable: a call may put its result there for its peers to read after a barrier, in a part that
+  // no peer reads before it.
+  virtual char* own_data() { return nullptr; }
 };
 
 // Control messages over the Transport (stream 0), failing after its timeout without progress.

@@ -415,12 +415,18 @@ TEST(CostModel, SameHostCallsGoThroughTheSegmentWhileCacheSized) {
   EXPECT_EQ(pick(Collective::allreduce, 2, 8), Algorithm::shm);
   EXPECT_EQ(pick(Collective::allreduce, 2, 8, kMiB, &builtin), Algorithm::shm);
   EXPECT_EQ(pick(Collective::barrier, 8, 0), Algorithm::shm);
-  EXPECT_EQ(pick(Collective::allreduce, 4, kMiB), Algorithm::shm);          // 1 + 4 MiB per rank, 20 in all
+  // allreduce in chunks: its input in, one vector read in chunks and (n-1)/n of it copied out.
+  EXPECT_EQ(pick(Collective::allreduce, 4, kMiB), Algorithm::shm);          // 1 + 1.75 MiB per rank, 11 in all
   EXPECT_EQ(pick(Collective::allreduce, 4, kMiB + 4), Algorithm::cma);      // beyond the room
-  EXPECT_EQ(pick(Collective::allreduce, 2, 4 * kMiB, 64 * kMiB), Algorithm::cma);  // 12 MiB per rank
+  EXPECT_EQ(pick(Collective::allreduce, 2, 4 * kMiB, 64 * kMiB), Algorithm::cma);  // 10 MiB per rank
+  EXPECT_EQ(pick(Collective::allreduce, 16, kMiB), Algorithm::cma);         // 2.9 MiB per rank, 47 in all
+  EXPECT_EQ(pick(Collective::allgather, 4, 256 * 1024), Algorithm::shm);    // 1.25 MiB per rank
+  EXPECT_EQ(pick(Collective::allgather, 8, kMiB, 64 * kMiB), Algorithm::cma);  // 9 MiB per rank
   EXPECT_EQ(pick(Collective::alltoall, 4, 256 * 1024), Algorithm::shm);     // 1 MiB in, 1 MiB out
   EXPECT_EQ(pick(Collective::alltoall, 2, 2 * kMiB, 64 * kMiB), Algorithm::cma);   // 8 MiB per rank
-  EXPECT_EQ(pick(Collective::allreduce, 16, 256 * 1024), Algorithm::rhd);   // 4.25 MiB per rank, 68 in all
+  EXPECT_EQ(pick(Collective::allreduce, 16, 256 * 1024), Algorithm::shm);   // 0.73 MiB per rank, 11.8 in all
+  EXPECT_EQ(pick(Collective::allreduce, 64, 256 * 1024), Algorithm::rhd);   // 0.75 MiB per rank, 47.8 in all
+  EXPECT_EQ(pick(Collective::allgather, 16, 256 * 1024), Algorithm::cma);   // 4.25 MiB per rank, 68 in all
   EXPECT_EQ(pick(Collective::allreduce, 2, 8, 0), Algorithm::rd);           // no room: shm_bytes=0
   EXPECT_EQ(pick(Collective::alltoallv, 2, 8), Algorithm::direct);
 }

@@ -424,8 +424,9 @@ TEST(Nicd, UnevenHostsInPlaceAvgAndRootsInChunks) {
       std::vector<int32_t> x(5000003);
       for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<int32_t>(i % 1001) + r;
       comm.reduce(x.data(), r == root ? x.data() : nullptr, x.size(), DataType::i32, ReduceOp::sum, root)->wait();
-      if (r == root)
+      if (r == root) {
         for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(x[i], 4 * static_cast<int32_t>(i % 1001) + 6) << "reduce " << i;
+      }
     }
     // from a root that shares its host, 5 chunks and a tail
     {
