@@ -32,7 +32,7 @@ nb::dict predict(const std::string& collective, const std::string& algo, int n, 
   nb::dict d;
   d["total"] = k.total, d["latency"] = k.latency, d["link"] = k.link, d["reduce"] = k.reduce;
   d["codec"] = k.codec, d["mem"] = k.mem, d["copy"] = k.copy, d["steps"] = k.steps;
-  d["wire_bytes"] = k.wire_bytes, d["bound"] = k.bound;
+  d["wire_bytes"] = k.wire_bytes, d["cpu"] = k.cpu, d["bound"] = k.bound;
   d["unsupported"] = coll::find(c, a).unsupported(q);
   return d;
 }
@@ -73,7 +73,8 @@ void bind_model(nb::module_& m) {
      "(small_bytes: the rhd_max_bytes knob).");
   m.def("model_iteration", [](const std::vector<double>& elems, double batch, int n, const std::string& algo,
                               const std::string& codec, const std::string& profile, double compute_scale,
-                              bool error_feedback, std::optional<std::vector<double>> measured) {
+                              bool error_feedback, std::optional<std::vector<double>> measured, double cores,
+                              double engine_cores) {
     std::optional<coll::MeasuredCompute> phases;
     if (measured) {
       if (measured->size() != 3) throw nb::value_error("measured: (forward, backward, update) seconds");
@@ -81,17 +82,21 @@ void bind_model(nb::module_& m) {
     }
     const coll::IterationCost it =
         coll::iteration(elems, batch, n, parse_algorithm(algo, Collective::allreduce), codec,
-                        Profile::parse(profile, "(given)"), compute_scale, error_feedback, phases ? &*phases : nullptr);
+                        Profile::parse(profile, "(given)"), compute_scale, error_feedback, phases ? &*phases : nullptr,
+                        coll::CoreSharing{cores, engine_cores});
     nb::dict d;
     d["fwd"] = it.fwd, d["bwd"] = it.bwd, d["update"] = it.update, d["allreduce"] = it.allreduce;
     d["feedback"] = it.feedback;
-    d["exposed"] = it.exposed, d["total"] = it.total, d["layer_allreduce"] = it.layer_allreduce;
+    d["exposed"] = it.exposed, d["contention"] = it.contention, d["total"] = it.total;
+    d["layer_allreduce"] = it.layer_allreduce;
     return d;
   }, "elems"_a, "batch"_a, "n"_a, "algo"_a, "codec"_a, "profile"_a, "compute_scale"_a = 1.0,
-     "error_feedback"_a = false, "measured"_a = nb::none(),
+     "error_feedback"_a = false, "measured"_a = nb::none(), "cores"_a = 0.0, "engine_cores"_a = 0.0,
      "The FPGA smart-NIC paper's training-iteration model (seconds per phase) for layers of `elems` parameters; "
      "error_feedback: the DDP hook's error feedback on the backward pass (with a compressing codec); measured: "
-     "(forward, backward, update) seconds per iteration as measured, in place of the GEMM and update model.");
+     "(forward, backward, update) seconds per iteration as measured, in place of the GEMM and update model; "
+     "cores, engine_cores: a rank's cores and those set aside for its engine (coll::CoreSharing; 0: the paper's "
+     "model, the all-reduce takes nothing from the compute).");
 }
 
 }  // namespace smartcoll

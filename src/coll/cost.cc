@@ -34,6 +34,7 @@ constexpr Field kFields[] = {
     {"switch_link_Bps", &Profile::switch_link_Bps, true, true},
     {"flops", &Profile::flops, false, false},
     {"update_s_per_byte", &Profile::update_s_per_byte, false, false},
+    {"wire_cpu_s_per_byte", &Profile::wire_cpu_s_per_byte, true, true},
 };
 constexpr std::string_view kFormat = "smartcoll-model-profile/1";
 // Free-form fields a profile may carry (calibrate records how it measured); the model ignores them.
@@ -321,6 +322,10 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
     }
     default: k.link = k.wire_bytes / link;
   }
+  // This rank's own reductions (none where the switch sums), codec work and copies, at one core's rates.
+  const bool switch_sums = a == Algorithm::switch_ && p.switch_Bps > 0;
+  k.cpu = (switch_sums ? 0 : info.reduced(n) * bytes / p.reduce_Bps) + k.codec * cores + k.copy +
+          k.wire_bytes * p.wire_cpu_s_per_byte;
   k.latency = k.steps * p.alpha(a == Algorithm::switch_hier ? Algorithm::switch_ : a) + local_latency;
   const std::pair<double, const char*> terms[] = {
       {k.link, "link"}, {k.reduce, "reduce"}, {k.codec, "codec"}, {k.mem, "mem"}, {(1 - copy_alone) * k.copy, "copy"}};
@@ -349,26 +354,35 @@ Algorithm cheapest(Collective c, const Query& q, const Profile& p, size_t small_
 }
 
 IterationCost iteration(const std::vector<double>& elems, double batch, int n, Algorithm algo, std::string_view codec,
-                        const Profile& p, double compute_scale, bool error_feedback, const MeasuredCompute* measured) {
+                        const Profile& p, double compute_scale, bool error_feedback, const MeasuredCompute* measured,
+                        const CoreSharing& sharing) {
   IterationCost it;
   const size_t L = elems.size();
   if (L == 0) return it;
+  if (sharing.cores < 0 || sharing.engine_cores < 0 || (sharing.engine_cores > 0 && sharing.engine_cores >= sharing.cores))
+    throw InvalidArgument("iteration: a rank's cores (" + number(sharing.cores) + ") must exceed the engine's (" +
+                          number(sharing.engine_cores) + "), both non-negative");
+  // The compute's cores: all the rank's, or those the engine leaves (measured phases already ran on them).
+  const double aside = sharing.engine_cores > 0 && !measured ? sharing.cores / (sharing.cores - sharing.engine_cores) : 1;
+  const bool contended = sharing.cores > 0 && sharing.engine_cores == 0;
   double all = 0;
   for (const double e : elems) all += e;
-  std::vector<double> F(L + 1), B(L + 1), U(L + 1), AR(L + 1);  // 1-based, as in the paper
+  std::vector<double> F(L + 1), B(L + 1), U(L + 1), AR(L + 1), CPU(L + 1);  // 1-based, as in the paper
   for (size_t l = 1; l <= L; ++l) {
     const double e = elems[l - 1];
     if (measured) {
       const double share = all > 0 ? e / all : 1.0 / static_cast<double>(L);
       F[l] = measured->fwd * share, B[l] = measured->bwd * share, U[l] = measured->update * share;
     } else {
-      F[l] = compute_scale * 2 * e * batch / p.flops;
-      B[l] = compute_scale * 4 * e * batch / p.flops;
-      U[l] = p.update_s_per_byte * 4 * e;
+      F[l] = aside * compute_scale * 2 * e * batch / p.flops;
+      B[l] = aside * compute_scale * 4 * e * batch / p.flops;
+      U[l] = aside * p.update_s_per_byte * 4 * e;
     }
     const bool compressed = codec != "" && codec != "identity";
     const Query q{n, static_cast<size_t>(4 * e), compressed, false, false};
-    AR[l] = predict(Collective::allreduce, algo, q, p, codec).total;
+    const Cost k = predict(Collective::allreduce, algo, q, p, codec);
+    AR[l] = k.total;
+    CPU[l] = contended ? k.cpu / sharing.cores : 0;
     if (!measured && error_feedback && compressed && n > 1) {
       const CodecRates& r = rates(p, codec);
       const double ef = compute_scale * 4 * e * (1 / r.encode_Bps + 1 / r.decode_Bps + kFeedbackPasses / p.mem_Bps);
@@ -378,13 +392,20 @@ IterationCost iteration(const std::vector<double>& elems, double batch, int n, A
     it.fwd += F[l], it.bwd += B[l], it.update += U[l], it.allreduce += AR[l];
     it.layer_allreduce.push_back(AR[l]);
   }
+  // A window where compute overlaps layer l's all-reduce: the longer of the two, the compute stretched by the
+  // all-reduce's CPU work where they share the cores (CPU[l] is 0 otherwise).
+  auto window = [&](double compute, size_t l) {
+    const double stretched = compute + CPU[l];
+    it.contention += std::max(stretched, AR[l]) - std::max(compute, AR[l]);
+    return std::max(stretched, AR[l]);
+  };
   double t = it.fwd + B[L];
   if (L == 1) {
     t += AR[1] + U[1];
   } else {
-    t += std::max(B[L - 1], AR[L]);
-    for (size_t l = L - 1; l >= 2; --l) t += std::max(U[l + 1] + B[l - 1], AR[l]);
-    t += std::max(U[2], AR[1]) + U[1];
+    t += window(B[L - 1], L);
+    for (size_t l = L - 1; l >= 2; --l) t += window(U[l + 1] + B[l - 1], l);
+    t += window(U[2], 1) + U[1];
   }
   it.total = t;
   it.exposed = t - it.fwd - it.bwd - it.update;

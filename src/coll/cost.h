@@ -41,6 +41,10 @@ struct Profile {
   // The training-iteration model: the worker's float32 GEMM rate, and weight-update seconds per parameter byte.
   double flops = 0;
   double update_s_per_byte = 0;
+  // CPU seconds a rank's process spends per byte on its busiest link, sent and received (system calls, the
+  // kernel's TCP path, the engine's bookkeeping), beyond reductions and codecs; 0: not measured. What an
+  // all-reduce takes from a compute that shares the rank's cores (iteration()).
+  double wire_cpu_s_per_byte = 0;
   std::string origin = "built-in";  // the file it came from, for messages
 
   // Parameters of a 1 Gbit/s Ethernet cluster of ordinary hosts; docs/cost-model.md gives their sources.
@@ -68,6 +72,9 @@ struct Cost {
   double copy = 0;     // same-host bytes / copy rate (cma, the on-host phases of hier)
   double steps = 0;
   double wire_bytes = 0;  // bytes on the busiest link
+  // CPU seconds the call costs this rank in all, whatever overlaps: its reductions and codec work at one core's
+  // rates, its same-host copies, and wire_bytes x wire_cpu_s_per_byte.
+  double cpu = 0;
   std::string bound;      // the term the pipeline is limited by: link, reduce, codec, mem or copy
 };
 
@@ -95,6 +102,7 @@ struct IterationCost {
   double fwd = 0, bwd = 0, update = 0, allreduce = 0;  // sums over layers
   double feedback = 0;                                 // the error feedback's share of bwd
   double exposed = 0;                                  // total - fwd - bwd - update: what overlap did not hide
+  double contention = 0;  // what the all-reduces' CPU work added to the overlapped windows (CoreSharing)
   double total = 0;
   std::vector<double> layer_allreduce;
 };
@@ -106,9 +114,19 @@ struct IterationCost {
 struct MeasuredCompute {
   double fwd = 0, bwd = 0, update = 0;
 };
+// How the worker's compute and its all-reduces share the cores (the paper's worker has a NIC for the all-reduce
+// and all its cores for compute). `cores`: the cores one rank has (its host's cores over the ranks on it; 0: the
+// paper's model, the all-reduce costs the compute nothing). `engine_cores` of them are set aside for the engine
+// (the engine_cpus knob, or the offload daemon's --cpus on the rank's host): the compute runs on the rest,
+// cores / (cores - engine_cores) times longer, and the all-reduce takes nothing from it. With none set aside, a
+// compute that keeps the rank's cores busy gives way to the all-reduce's CPU work: a window where they overlap
+// lasts at least compute + Cost::cpu / cores.
+struct CoreSharing {
+  double cores = 0, engine_cores = 0;
+};
 IterationCost iteration(const std::vector<double>& elems, double batch, int n, Algorithm algo, std::string_view codec,
                         const Profile& p, double compute_scale = 1, bool error_feedback = false,
-                        const MeasuredCompute* measured = nullptr);
+                        const MeasuredCompute* measured = nullptr, const CoreSharing& sharing = {});
 inline constexpr double kFeedbackPasses = 7.5;  // float32 passes: 3 (x += r), 3 (r = x - q), 1.5 (isfinite, any)
 
 }  // namespace smartcoll::coll

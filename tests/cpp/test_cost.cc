@@ -321,6 +321,65 @@ TEST(CostModel, ErrorFeedbackLengthensTheBackwardPass) {
   }
 }
 
+// A rank's all-reduce costs it CPU time: its reductions at one core's rate and its bytes on the busiest link at
+// wire_cpu_s_per_byte. Where compute and all-reduce share the rank's cores, each overlapped window lasts at least
+// the compute plus that CPU time over the cores; with cores set aside for the engine the compute runs on the rest.
+TEST(CostModel, SharedCoresStretchTheComputeAnAllreduceOverlaps) {
+  Profile p = link_only(0, 1e9);
+  p.flops = 1e12;
+  p.update_s_per_byte = 1e-11;
+  p.reduce_Bps = 10e9;
+  p.wire_cpu_s_per_byte = 2e-9;
+  const double e = 1e6, S = 4 * e;  // 1e6 parameters a layer, 4 MB of gradient
+  const Cost k = predict(Collective::allreduce, Algorithm::ring, call(4, S), p);
+  // The ring at N = 4: 1.5 S on the busiest link, 0.75 S reduced.
+  EXPECT_NEAR(k.cpu, 0.75 * S / 10e9 + 1.5 * S * 2e-9, 1e-12);
+  const double AR = 1.5 * S / 1e9, F = 2 * e * 64 / 1e12, B = 2 * F, U = 1e-11 * S;
+  const std::vector<double> layers(3, e);
+  // The paper's model: the all-reduce takes nothing from the compute (AR = 6 ms hides B and U).
+  const IterationCost paper = iteration(layers, 64, 4, Algorithm::ring, "", p);
+  EXPECT_NEAR(paper.total, 3 * F + B + 3 * AR + U, 1e-12);
+  EXPECT_EQ(paper.contention, 0);
+  // Half a core per rank (4 ranks on 2 cores): C = 2 x 12.3 ms of CPU per layer stretches every window.
+  const double C = k.cpu / 0.5;
+  auto w = [&](double compute) { return std::max(compute + C, AR); };
+  const IterationCost shared = iteration(layers, 64, 4, Algorithm::ring, "", p, 1, false, nullptr, {0.5, 0});
+  EXPECT_NEAR(shared.total, 3 * F + B + w(B) + w(U + B) + w(U) + U, 1e-12);
+  EXPECT_NEAR(shared.contention, shared.total - paper.total, 1e-12);
+  EXPECT_NEAR(shared.exposed, shared.total - 3 * (F + B + U), 1e-12);
+  // Two cores, one of them the engine's: compute at half speed, no contention.
+  const IterationCost aside = iteration(layers, 64, 4, Algorithm::ring, "", p, 1, false, nullptr, {2, 1});
+  EXPECT_NEAR(aside.total, 3 * 2 * F + 2 * B + std::max(2 * B, AR) + std::max(2 * U + 2 * B, AR) +
+                               std::max(2 * U, AR) + 2 * U, 1e-12);
+  EXPECT_EQ(aside.contention, 0);
+  // Measured phases already ran on the cores the engine left: they are not stretched again.
+  const MeasuredCompute m{0.003, 0.006, 0.0003};
+  EXPECT_NEAR(iteration(layers, 64, 4, Algorithm::ring, "", p, 1, false, &m, {2, 1}).fwd, 0.003, 1e-15);
+  // With one worker there is no all-reduce and nothing to share.
+  EXPECT_EQ(iteration(layers, 64, 1, Algorithm::ring, "", p, 1, false, nullptr, {0.5, 0}).contention, 0);
+  // The engine cannot have all of the rank's cores.
+  EXPECT_THROW(iteration(layers, 64, 4, Algorithm::ring, "", p, 1, false, nullptr, {1, 1}), InvalidArgument);
+  EXPECT_THROW(iteration(layers, 64, 4, Algorithm::ring, "", p, 1, false, nullptr, {-1, 0}), InvalidArgument);
+}
+
+TEST(CostModel, WireCpuIsAnOptionalProfileField) {
+  Profile p = Profile::builtin();
+  EXPECT_EQ(p.wire_cpu_s_per_byte, 0);  // not measured: no contention term
+  p.wire_cpu_s_per_byte = 1.25e-9;
+  const Profile back = Profile::parse(p.to_json(), "round trip");
+  EXPECT_EQ(back.wire_cpu_s_per_byte, 1.25e-9);
+  std::string text = p.to_json();
+  text.replace(text.find("1.25e-09"), 8, "-1");
+  try {
+    Profile::parse(text, "bad.json");
+    FAIL() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("bad.json: field 'wire_cpu_s_per_byte': expected a non-negative number"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 double scaling(const Profile& p, double batch, int n, std::string_view codec) {
   const std::vector<double> layers(20, kM * kM);
   return n * iteration(layers, batch, 1, Algorithm::ring, codec, p).total /

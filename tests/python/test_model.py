@@ -157,6 +157,52 @@ def test_predict_train_with_measured_compute(tmp_path):
     assert r.returncode != 0 and "--compute measured takes each variant's phases" in r.stderr, r.stderr
 
 
+@needs_core
+def test_predict_train_with_cores_shared_with_the_engine(tmp_path):
+    """A profile with wire_cpu_s_per_byte and a measured run of 4 ranks on a 2-CPU machine: each rank has half a
+    core, and the all-reduces' CPU work stretches the compute they overlap; --cores-per-rank 0 is the paper's
+    model, and the engine cannot have all of a rank's cores."""
+    from smartcoll import _core
+
+    profile = json.loads(_core.model_builtin_profile())
+    profile["wire_cpu_s_per_byte"] = 2e-9
+    prof = write(tmp_path / "profile.json", profile)
+    measured = {"metadata": {"world_size": 4, "cpu_count": 2, "layers": 4, "width": 1024, "batch": 64},
+                "variants": [{"name": "smartcoll+bfp16", "status": "ok", "total_ms": 100.0}]}
+    src = write(tmp_path / "train.json", measured)
+    preds = {}
+    for cores in ("default", "0"):
+        out = tmp_path / f"pred-{cores}.json"
+        extra = [] if cores == "default" else ["--cores-per-rank", cores]
+        r = run_cli("model", "predict", "train", "--profile", str(prof), "--measured", str(src), "--nodes", "1,4",
+                    "--variants", "smartcoll+bfp16", "--json", str(out), *extra)
+        assert r.returncode == 0, r.stderr
+        preds[cores] = json.loads(out.read_text())
+    shared, paper = preds["default"], preds["0"]
+    assert shared["cores_per_rank"] == 0.5 and paper["cores_per_rank"] == 0
+    at4 = {k: next(p for p in v["variants"]["smartcoll+bfp16"]["points"] if p["n"] == 4) for k, v in preds.items()}
+    assert at4["0"]["contention"] == 0 and at4["default"]["contention"] > 0
+    assert at4["default"]["total"] == pytest.approx(at4["0"]["total"] + at4["default"]["contention"])
+    r = run_cli("model", "predict", "train", "--profile", str(prof), "--measured", str(src), "--engine-cores", "0.5")
+    assert r.returncode != 0 and "--engine-cores (0.5) must be under --cores-per-rank (0.5)" in r.stderr, r.stderr
+
+
+@needs_core
+def test_calibrate_wire_cpu_is_what_the_ring_s_cpu_leaves_per_wire_byte():
+    from smartcoll import _core
+    from smartcoll.tools.model import calibrate
+
+    base = _core.model_builtin_profile()
+    large = [MiB, 4 * MiB, 16 * MiB]
+    cpu = {}
+    for b in large:
+        k = _core.model_predict("allreduce", "ring", 4, b, base)
+        cpu[b] = k["cpu"] + 3e-9 * k["wire_bytes"]
+    cpu[MiB] *= 10  # one noisy size: the median keeps the others'
+    assert calibrate.wire_cpu(4, large, cpu, base) == pytest.approx(3e-9)
+    assert calibrate.wire_cpu(4, large, {}, base) == 0.0  # not measured
+
+
 def test_calibrate_quick_writes_a_usable_profile(tmp_path):
     out = tmp_path / "p.json"
     r = run_cli("model", "calibrate", "-n", "2", "--quick", "--codecs", "bfp16", "--width", "256", "--out", str(out),

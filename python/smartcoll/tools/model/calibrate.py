@@ -24,6 +24,9 @@ What is measured, in this order (a progress bar on stderr):
   flops           torch float32 GEMM of the training experiment's shape (batch x width by width x width) with
                   the threads a rank of `smartcoll bench train` gets (CPUs / N)
   update_s_per_byte  torch SGD with momentum on one width x width layer, seconds per parameter byte
+  wire_cpu_s_per_byte  the ring allreduce's process CPU per call at the large sizes (every thread, the kernel's
+                  work in its system calls), less the model's reduction work, per byte on its busiest link (the
+                  median over the sizes): what an all-reduce takes from a compute that shares its cores
 
   alpha_algo.switch, efficiency_algo.switch, switch_Bps, switch_link_Bps
         only where an aggregation switch is set (SMARTCOLL_SWITCH, or a cluster started with --aggregator):
@@ -47,6 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from smartcoll import _core
@@ -90,11 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bench_times(collective: str, algo: str, sizes: list[int], nranks: int, cluster: str | None, iters: int,
-                limit: float) -> dict[int, float]:
+                limit: float, cpu: Optional[dict[int, float]] = None) -> dict[int, float]:
     """Seconds per call of `smartcoll bench` at each size: the max over ranks of each rank's median call. A mean
     of 20 calls took in the TCP retransmission timeouts (200 ms) that a shaped link's short queue causes now and
     then, and put a fitted efficiency off by 14-71% (BENCHMARKS.md, "The cost model against every collective and
-    algorithm"); the median leaves those stalls out, which the model does not predict anyway."""
+    algorithm"); the median leaves those stalls out, which the model does not predict anyway. With `cpu`, also
+    the CPU seconds a rank's process used per call at each size (mean over ranks; every thread and the kernel's
+    work in its system calls)."""
     with tempfile.TemporaryDirectory(prefix="smartcoll-calibrate-") as d:
         out = Path(d) / "bench.json"
         cmd = [sys.executable, "-m", "smartcoll.tools.cli", "bench", collective, "-n", str(nranks), "--algo", algo,
@@ -114,6 +120,9 @@ def bench_times(collective: str, algo: str, sizes: list[int], nranks: int, clust
         else:
             raise RuntimeError(f"{' '.join(cmd[2:])} failed ({r.returncode}):\n{r.stderr[-2000:]}")
         rows = json.loads(out.read_text())["results"]
+    if cpu is not None:
+        cpu.update({row["bytes"]: row["smartcoll"]["cpu_s_per_GB"] * row["bytes"] / 1e9 for row in rows
+                    if row["smartcoll"].get("cpu_s_per_GB") is not None})
     return {row["bytes"]: row["smartcoll"]["time_us"] * 1e-6 for row in rows}
 
 
@@ -122,14 +131,18 @@ def fit_sizes(algo: str, small: int, large: list[int]) -> list[int]:
 
 
 def fit_times(collective: str, algo: str, small: int, large: list[int], nranks: int, cluster: str | None,
-              iters: int, limit: float) -> dict[int, float]:
+              iters: int, limit: float, cpu: Optional[dict[int, float]] = None) -> dict[int, float]:
     """`bench_times` at the algorithm's points, run again (best time per size kept) while the small call is not
-    faster than the largest, up to FIT_RUNS runs; fit_link reports points that stay that way."""
+    faster than the largest, up to FIT_RUNS runs; fit_link reports points that stay that way. With `cpu`, the
+    process CPU seconds per call of the run that gave each size's best time."""
     sizes = fit_sizes(algo, small, large)
     big = sizes[-1]
     best: dict[int, float] = {}
     for run in range(1, FIT_RUNS + 1):
-        got = bench_times(collective, algo, sizes, nranks, cluster, iters, limit)
+        used: dict[int, float] = {}
+        got = bench_times(collective, algo, sizes, nranks, cluster, iters, limit, used)
+        if cpu is not None:
+            cpu.update({b: used[b] for b, t in got.items() if b in used and t < best.get(b, float("inf"))})
         best = {b: min(t, best.get(b, t)) for b, t in got.items()}
         if best[big] > best[small]:
             break
@@ -177,6 +190,18 @@ def fit_link(nranks: int, small: int, large: list[int], times: dict[tuple[str, s
             raise RuntimeError(f"{collective} {algo}: the times {', '.join(f'{format_size(b)} {t[b]:.2e} s' for b in sizes)} "
                                "fit no positive goodput; calibrate on a quieter machine")
     return {"alpha_algo": alphas, "goodput_algo": goodputs}
+
+
+def wire_cpu(nranks: int, large: list[int], cpu: dict[int, float], profile: str) -> float:
+    """CPU seconds per byte on the busiest link (the profile's wire_cpu_s_per_byte) from the ring allreduce's
+    process CPU per call at the large sizes: what is left after the model's own reduction work, over the bytes the
+    ring puts on its busiest link; the median over the sizes. 0 where none was measured."""
+    per_byte = []
+    for b in large:
+        if b in cpu:
+            k = _core.model_predict("allreduce", "ring", nranks, b, profile)  # wire_cpu_s_per_byte 0: the rest
+            per_byte.append(max(0.0, cpu[b] - k["cpu"]) / k["wire_bytes"])
+    return float(np.median(per_byte)) if per_byte else 0.0
 
 
 def switch_terms(switch: str, cluster, nranks: int, large: int, t_large: float, link_Bps: float) -> dict:
@@ -255,10 +280,11 @@ def main(args: argparse.Namespace) -> int:
 
     t0 = time.monotonic()
     times: dict[tuple[str, str], dict[int, float]] = {}
+    ring_cpu: dict[int, float] = {}
     try:
         for collective, algo in fits:
             times[(collective, algo)] = fit_times(collective, algo, small, large, nranks, args.cluster, iters,
-                                                  args.time_limit)
+                                                  args.time_limit, ring_cpu if algo == "ring" else None)
             progress(f"{collective} {algo}")
         fit = fit_link(nranks, small, large, times)
     except RuntimeError as e:
@@ -279,6 +305,7 @@ def main(args: argparse.Namespace) -> int:
     profile.update(rates)
     profile.update(alpha_s=fit["alpha_algo"]["rhd"], alpha_algo=fit["alpha_algo"], link_Bps=link_Bps,
                    link_efficiency=efficiency["ring"], efficiency_algo=efficiency)
+    profile["wire_cpu_s_per_byte"] = wire_cpu(nranks, large, ring_cpu, json.dumps(profile))
     if switch:
         profile.update(switch_terms(switch, cluster, nranks, max(large), times[("allreduce", "switch")][max(large)],
                                     link_Bps))
@@ -287,6 +314,7 @@ def main(args: argparse.Namespace) -> int:
         "ranks": nranks, "cluster": args.cluster, "iperf_GBps": iperf,
         "fit_s": {f"{c} {a}": {str(b): t for b, t in got.items()} for (c, a), got in times.items()},
         "torch_threads": threads, "seconds": round(time.monotonic() - t0, 1),
+        "ring_process_cpu_s": {str(b): c for b, c in ring_cpu.items()},
     }
     text = json.dumps(profile, indent=1) + "\n"
     _core.model_parse_profile(text, str(args.out))  # what auto and predict will read back must be valid
@@ -297,5 +325,6 @@ def main(args: argparse.Namespace) -> int:
         f"(rhd {efficiency['rhd'] / efficiency['ring']:.2f}x, rd {efficiency['rd'] / efficiency['ring']:.2f}x the ring's), reduce "
         f"{rates['reduce_Bps'] / 1e9:.2f} GB/s, mem {rates['mem_Bps'] / 1e9:.2f} GB/s"
         + (f", GEMM {rates['flops'] / 1e9:.1f} GFLOP/s" if "flops" in rates else "")
+        + f", {profile['wire_cpu_s_per_byte'] * 1e9:.2f} CPU s per GB on the wire"
     )
     return 0

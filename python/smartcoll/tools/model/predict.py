@@ -18,6 +18,7 @@ per N: the iteration time and the throughput relative to one worker (N x T(1) / 
 takes a `smartcoll bench train --json` file: its layer shape, batch and N become the defaults, and its
 measured totals are printed next to the prediction (error %) and drawn as points (normalized with the
 predicted T(1)). --png draws the paper's Fig. 4b: ideal line, one line per variant, measured points.
+--cores-per-rank and --engine-cores say how compute and all-reduce share a rank's cores (docs/cost-model.md).
 """
 
 from __future__ import annotations
@@ -65,6 +66,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train: forward, backward and update from the profile's GEMM and update rates (gemm, "
                              "the paper's model) or each variant's own phases in the --measured run (measured: "
                              "what is left to predict is the all-reduce and its overlap)")
+    parser.add_argument("--cores-per-rank", type=float,
+                        help="train: the cores one rank has (its host's over the ranks on it): the all-reduces' CPU "
+                             "work (the profile's wire_cpu_s_per_byte, reductions, codecs) then stretches the "
+                             "compute it overlaps. Default: with --measured, that run's machine CPUs over its ranks "
+                             "(smartcoll bench train runs every rank on one machine); else 0, the paper's model, "
+                             "where the all-reduce takes nothing from the compute")
+    parser.add_argument("--engine-cores", type=float, default=0.0,
+                        help="train: of those, cores set aside for the engine (engine_cpus, or the offload daemon's "
+                             "--cpus): the compute runs on the rest and the all-reduce takes nothing from it "
+                             "(default: 0)")
     parser.add_argument("--png", type=Path, help="train: draw the scaling (needs matplotlib)")
     parser.add_argument("--json", type=Path, help="write the predictions")
 
@@ -125,6 +136,14 @@ def train_predictions(args: argparse.Namespace, profile: str, measured: Optional
         raise ValueError("--compute-scale stretches the GEMM model's compute; with --compute measured the compute "
                          "is as measured: leave one of them out")
     out["compute"] = args.compute
+    cores = args.cores_per_rank
+    if cores is None:
+        cores = meta["cpu_count"] / meta["world_size"] if meta.get("cpu_count") and meta.get("world_size") else 0.0
+    if cores < 0 or args.engine_cores < 0 or (args.engine_cores > 0 and args.engine_cores >= cores):
+        raise ValueError(f"--engine-cores ({args.engine_cores:g}) must be under --cores-per-rank ({cores:g}), "
+                         "both non-negative")
+    out["cores_per_rank"], out["engine_cores"] = cores, args.engine_cores
+    sharing = {"cores": cores, "engine_cores": args.engine_cores}
     for name in names:
         v = VARIANTS[name]
         algo, codec = v.env.get("SMARTCOLL_ALGO", "ring"), v.codec or ""
@@ -136,10 +155,10 @@ def train_predictions(args: argparse.Namespace, profile: str, measured: Optional
                                  f"choose --variants among {', '.join(runs)}")
             phases = [runs[name]["phases_ms"][k] / 1e3 for k in ("fwd", "bwd", "update")]
         per_n = {n: _core.model_iteration(elems, batch, n, algo, codec, profile, args.compute_scale, feedback,
-                                          phases)
+                                          phases, **sharing)
                  for n in nodes}
-        t1 = per_n[1]["total"] if 1 in per_n else \
-            _core.model_iteration(elems, batch, 1, algo, codec, profile, args.compute_scale, False, phases)["total"]
+        t1 = per_n[1]["total"] if 1 in per_n else _core.model_iteration(
+            elems, batch, 1, algo, codec, profile, args.compute_scale, False, phases, **sharing)["total"]
         entry = {"algo": algo, "codec": codec or "identity", "t1_s": t1,
                  "points": [{"n": n, **per_n[n], "throughput_x1": n * t1 / per_n[n]["total"]} for n in nodes]}
         for r in (measured or {}).get("variants", []):
@@ -157,7 +176,10 @@ def print_train(pred: dict) -> None:
     print(f"{pred['layers']}-layer MLP {pred['width']}x{pred['width']}, batch {pred['batch']} per worker: "
           "predicted ms per iteration (throughput relative to one worker; ideal = N)"
           + ("; forward, backward and update as measured at N workers, one worker's taken as the same"
-             if pred["compute"] == "measured" else ""))
+             if pred["compute"] == "measured" else "")
+          + (f"; {pred['cores_per_rank']:g} cores per rank" + (f", {pred['engine_cores']:g} of them the engine's"
+                                                               if pred["engine_cores"] else ", shared with the engine")
+             if pred["cores_per_rank"] else ""))
     headers = ["N", *variants, "ideal"]
     table = []
     for i, n in enumerate(pred["nodes"]):
@@ -169,7 +191,9 @@ def print_train(pred: dict) -> None:
             m = v["measured"]
             p = next(p for p in v["points"] if p["n"] == m["n"])
             print(f"measured {name} at N={m['n']}: {m['total_s'] * 1e3:.1f} ms, predicted {p['total'] * 1e3:.1f} ms "
-                  f"({m['error_pct']:+.0f}%)" + (f"; error feedback {p['feedback'] * 1e3:.1f} ms of it" if p["feedback"] else ""))
+                  f"({m['error_pct']:+.0f}%)" + (f"; error feedback {p['feedback'] * 1e3:.1f} ms of it" if p["feedback"] else "")
+                  + (f"; the all-reduces' CPU work on the shared cores {p['contention'] * 1e3:.1f} ms of it"
+                     if p["contention"] else ""))
 
 
 def draw(pred: dict, path: Path) -> Optional[str]:
