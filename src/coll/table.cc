@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "coll/cost.h"
+#include "transport/cma.h"
 
 namespace smartcoll::coll {
 
@@ -265,7 +266,10 @@ Algorithm choose(Collective c, const Query& q, Algorithm requested, size_t small
     constexpr double kShmRankBytes = 6 << 20, kShmCallBytes = 24 << 20;
     const AlgorithmInfo& shm = find(c, Algorithm::shm);
     const bool blocks = c == Collective::reduce_scatter || c == Collective::alltoall;
-    const double in = static_cast<double>(q.bytes) * (blocks ? q.n : 1), per_rank = in + shm.wire(q.n) * q.bytes;
+    // allreduce and reduce read n vectors below the size where they go in chunks (the table's entry is theirs).
+    const bool one_round = (c == Collective::allreduce || c == Collective::reduce) && q.bytes < cma::kSplitReductionBytes;
+    const double in = static_cast<double>(q.bytes) * (blocks ? q.n : 1),
+                 per_rank = in + (one_round ? q.n : shm.wire(q.n)) * static_cast<double>(q.bytes);
     if (shm.unsupported(q).empty() && per_rank <= kShmRankBytes && q.n * per_rank <= kShmCallBytes)
       return Algorithm::shm;
   }

@@ -306,7 +306,7 @@ Local::Local(Transport& t, bool shm, double spin_us, size_t data_bytes)
   bool all_mapped = true;
   for (int p = 0; p < n; ++p) all_mapped &= verdicts[p].shm == 1;
   if (all_mapped) {
-    control_ = shm_control(std::move(segment), t, spin_us, [this, &t] { check_alive(t); });
+    control_ = shm_control(std::move(segment), t, spin_us, [this, &t](int p) { return exited(t, p); });
   } else {
     control_ = tcp_control(t);
     SC_LOG(r == 0 ? LogLevel::info : LogLevel::debug, r, "")
@@ -434,9 +434,18 @@ void Local::check_alive(Transport& t) {
   int k = poll(fds.data(), fds.size(), 0);
   if (k <= 0) return;
   for (size_t i = 0; i < fds.size(); ++i)
-    if (fds[i].revents & (POLLIN | POLLHUP | POLLERR))
-      throw CommError(prefix(t) + ": rank " + std::to_string(ranks[i]) + " (pid " + std::to_string(pids_[ranks[i]]) +
-                      ") exited during the call; that rank crashed or failed (see its output)");
+    if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) throw CommError(exited_text(t, ranks[i]));
+}
+
+std::string Local::exited(Transport& t, int p) const {
+  if (p < 0 || p >= static_cast<int>(pidfds_.size()) || pidfds_[p] < 0) return "";
+  pollfd fd{pidfds_[p], POLLIN, 0};
+  return poll(&fd, 1, 0) > 0 && (fd.revents & (POLLIN | POLLHUP | POLLERR)) ? exited_text(t, p) : "";
+}
+
+std::string Local::exited_text(Transport& t, int p) const {
+  return prefix(t) + ": rank " + std::to_string(p) + " (pid " + std::to_string(pids_[p]) +
+         ") exited during the call; that rank crashed or failed (see its output)";
 }
 
 void Local::reduce_from_all(Transport& t, Sides& s, const Call& c, size_t from, size_t len, uint64_t dst_off) {
@@ -500,12 +509,6 @@ size_t chunk_begin(size_t count, int n, int q) {
   return uq * base + std::min(uq, extra);
 }
 size_t chunk_len(size_t count, int n, int q) { return chunk_begin(count, n, q + 1) - chunk_begin(count, n, q); }
-// Through the segment, an allreduce or reduce of at least this many bytes is reduced in chunks, one per rank,
-// then copied out after a barrier: each rank adds (n-1)/n of a vector instead of n-1 vectors, and reads two
-// instead of n. Measured at 4 ranks on 2 cores (BENCHMARKS.md, "Same-host reductions through the segment in
-// chunks"): 1 MiB in 377-407 us against 667-704, level from 1 to 16 KiB, where the barrier costs what the
-// chunks save.
-constexpr size_t kSplitReductionBytes = 16384;
 bool split_reduction(size_t block, int n) { return n >= 2 && block >= kSplitReductionBytes; }
 }  // namespace
 
@@ -772,7 +775,12 @@ void Local::run_reads(Transport& t, const Call& c) {
     case Collective::alltoallv:  // not on this path (coll/table.cc)
       break;
   }
-  check_alive(t);
+  // The ranks read from are alive (their pids not recycled). In a broadcast that is the root alone: the other
+  // non-roots may be done and gone.
+  if (c.coll != Collective::broadcast)
+    check_alive(t);
+  else if (std::string why = exited(t, c.root); !why.empty())
+    throw CommError(why);
   // No rank returns (and lets its caller touch its buffers) while a peer may still be reading them. In a
   // broadcast only the root's buffer is read: the others go on to their next call at once.
   control_->barrier(2, c.coll != Collective::broadcast || r == c.root);

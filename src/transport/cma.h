@@ -22,6 +22,13 @@
 
 namespace smartcoll::cma {
 
+// Through the segment, an allreduce or reduce of at least this many bytes is reduced in chunks, one per rank,
+// then copied out after a barrier: each rank adds (n-1)/n of a vector instead of n-1 vectors, and reads two
+// instead of n. Measured at 4 ranks on 2 cores (BENCHMARKS.md, "Same-host reductions through the segment in
+// chunks"): 1 MiB in 377-407 us against 667-704, level from 1 to 16 KiB, where the barrier costs what the
+// chunks save.
+inline constexpr size_t kSplitReductionBytes = 16384;
+
 // Bytes at an address of this process: a piece of a list call, as its table, which peers read, lists them.
 struct Extent {
   uint64_t at, bytes;
@@ -90,8 +97,9 @@ class Local {
     // The data goes through the control segment instead of single-copy reads: each rank copies its input into
     // its place there, publishes, and once every rank has published computes its output from the places (the
     // same rank-order reduction as the reads; no closing barrier, as nobody reads a rank's buffers). One round
-    // of the segment per call: for small calls, where a read's system call and page pinning cost more than the
-    // copies. What a rank puts there must fit segment_room().
+    // of the segment per call, two for allreduce and reduce from kSplitReductionBytes: for small calls, where a
+    // read's system call and page pinning cost more than the copies. What a rank puts there must fit
+    // segment_room().
     bool through_segment = false;
   };
   // Runs `c` with single-copy reads of the peers' buffers: each byte crosses memory once (allgather, alltoall,
@@ -152,6 +160,9 @@ class Local {
   void read_peer(Transport& t, int peer, std::span<const iovec> local, std::span<const iovec> remote);
   // Throws CommError naming a peer whose process has exited (guards against reads from a recycled pid).
   void check_alive(Transport& t);
+  // Why rank p's process has exited (the CommError's text), or "" while it runs.
+  std::string exited(Transport& t, int p) const;
+  std::string exited_text(Transport& t, int p) const;
 
   void narrow();         // undoes the PR_SET_PTRACER widening, if this made one
   bool widened_ = false;  // PR_SET_PTRACER_ANY is in force because of this communicator

@@ -139,7 +139,7 @@ class ShmControl final : public Control {
  public:
   using Clock = std::chrono::steady_clock;
 
-  ShmControl(Segment segment, Transport& t, double spin_us, std::function<void()> check_alive)
+  ShmControl(Segment segment, Transport& t, double spin_us, std::function<std::string(int)> exited)
       : t_(t),
         segment_(std::move(segment)),
         header_(static_cast<Header*>(segment_.base())),
@@ -150,7 +150,7 @@ class ShmControl final : public Control {
         n_(t.size()),
         timeout_(t.timeout),
         spin_(std::chrono::duration<double, std::micro>(spin_for(t.size(), spin_us))),
-        check_alive_(std::move(check_alive)) {}
+        exited_(std::move(exited)) {}
 
   ~ShmControl() override { leave(); }
 
@@ -266,16 +266,17 @@ class ShmControl final : public Control {
       if (counter == &Slot::published && left()) throw CommError(left_text("waiting for " + waited_for()));
       for (int p : missing()) {
         check_elsewhere(p, call);  // first: a peer that went elsewhere may have closed since
-        // Gone, and still not there: a peer that arrived, finished the call (a call through the segment has no
-        // closing barrier) and closed since missing() looked is not missing. It arrived before it left.
+        // Gone, and still not there: a peer that arrived, finished the call (a call through the segment, or a
+        // barrier it need not wait at) and closed since missing() looked is not missing. It arrived before it
+        // left, and before its process exited: looked at after either, its count is conclusive.
         if (slots_[p].gone.load() && (slots_[p].*counter).load() < k) {
           const std::string why = t_.peer_failure(p);
           throw CommError("cma: rank " + std::to_string(p) + (why.empty() ? " failed or closed its communicator" : " failed") +
                           " before getting to " + waited_for() + " (this rank: " + std::to_string(rank_) + ")" +
                           (why.empty() ? "" : ": " + why));
         }
+        if (std::string why = exited_(p); !why.empty() && (slots_[p].*counter).load() < k) throw CommError(why);
       }
-      check_alive_();
       if (Clock::now() - start > timeout_) {
         std::string who;
         for (int p : missing()) who += (who.empty() ? "rank " : ", rank ") + std::to_string(p);
@@ -316,7 +317,7 @@ class ShmControl final : public Control {
   const int rank_, n_;
   const std::chrono::duration<double> timeout_;
   const std::chrono::duration<double> spin_;
-  std::function<void()> check_alive_;
+  std::function<std::string(int)> exited_;
   uint64_t calls_ = 0, barriers_ = 0;
   Clock::time_point published_at_{};
 };
@@ -326,8 +327,8 @@ class ShmControl final : public Control {
 std::unique_ptr<Control> tcp_control(Transport& t) { return std::make_unique<TcpControl>(t); }
 
 std::unique_ptr<Control> shm_control(Segment segment, Transport& t, double spin_us,
-                                     std::function<void()> check_alive) {
-  return std::make_unique<ShmControl>(std::move(segment), t, spin_us, std::move(check_alive));
+                                     std::function<std::string(int)> exited) {
+  return std::make_unique<ShmControl>(std::move(segment), t, spin_us, std::move(exited));
 }
 
 // ---- the segment ----

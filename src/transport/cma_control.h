@@ -119,12 +119,13 @@ class Segment {
   size_t data_bytes_ = 0;
 };
 
-// The control channel over a mapped segment, for the ranks of `t` (its rank, size and timeout). `check_alive`
-// throws naming a peer whose process has exited; it runs between waits. A wait spins for `spin_us` where this
-// process may use at least as many CPUs as there are ranks (none otherwise), then sleeps on a futex in short
-// slices.
+// The control channel over a mapped segment, for the ranks of `t` (its rank, size and timeout). `exited(p)`
+// says why rank p's process has exited ("" while it runs); between waits a peer that exited without getting to
+// what is waited for fails the wait. One that got there and then exited did its part: a peer may finish a call
+// whose last barrier it does not wait at, and close. A wait spins for `spin_us` where this process may use at
+// least as many CPUs as there are ranks (none otherwise), then sleeps on a futex in short slices.
 // A peer that fails is named with its reason where it left one (Transport::peer_failure).
 std::unique_ptr<Control> shm_control(Segment segment, Transport& t, double spin_us,
-                                     std::function<void()> check_alive);
+                                     std::function<std::string(int)> exited);
 
 }  // namespace smartcoll::cma

@@ -1034,6 +1034,55 @@ void peer_dies_mid_call(int delay_ms, bool list, bool through_segment = false) {
   EXPECT_TRUE(named) << outcomes[0].output << "\n" << outcomes[1].output;
 }
 
+// A rank that does not wait at a call's last barrier (reduce's non-roots in chunks through the segment, and
+// broadcast's non-roots after their reads) may finish the call and exit while the root still waits there for a
+// slower rank: that is not a failure. Rank 2 stops waiting for the call at once (a deadline) and comes back 0.7 s
+// later; rank 1 finishes and exits meanwhile; the root must get the right result.
+void finished_peer_exits_while_the_root_waits(Collective coll, size_t count, bool through_segment) {
+  const int n = 3;
+  TempDir dir;
+  ASSERT_FALSE(dir.path.empty());
+  auto outcomes = run_processes(n, [&](const ChildIo& io) {
+    int code = 0;
+    {
+      ChildRank rank(dir.path, io.rank, n, cma_options("5"));
+      auto& [store, t, local] = rank;
+      if (!rank.over_shm(io)) return 3;
+      std::vector<float> in(count, 1.0f + static_cast<float>(io.rank)), out(count, 0.0f);
+      char* dst = reinterpret_cast<char*>(coll == Collective::broadcast ? in.data() : out.data());
+      cma::Local::Call call{coll, DataType::f32, ReduceOp::sum, 0, count, reinterpret_cast<char*>(in.data()), dst};
+      call.through_segment = through_segment;
+      if (io.rank == 2 && !local.run(t, call, std::chrono::steady_clock::now()))
+        std::this_thread::sleep_for(std::chrono::milliseconds(700));
+      else if (io.rank != 2)
+        std::this_thread::sleep_for(std::chrono::milliseconds(150));
+      try {
+        local.run(t, call);
+        const float want = coll == Collective::broadcast ? 1.0f : 6.0f;  // rank 0's 1, or 1 + 2 + 3
+        const float got = coll == Collective::broadcast ? in[count - 1] : out[count - 1];
+        io.write(io.rank != 0 || got == want ? "ok" : "wrong: " + std::to_string(got));
+      } catch (const std::exception& e) {
+        io.write(std::string("error: ") + e.what());
+        code = 7;
+      }
+      if (io.rank == 1) {
+        ::close(io.out_fd);  // reported; exits at once, not waiting for the others' reports as finish() does
+        _exit(code);
+      }
+    }
+    io.finish();
+    return code;
+  });
+  for (int r = 0; r < n; ++r)
+    EXPECT_TRUE(exited_with(outcomes[r], 0) && outcomes[r].output == "ok")
+        << collective_name(coll) << " rank " << r << ": " << outcomes[r].output;
+}
+
+TEST(CmaProcessesErrors, APeerThatFinishedAndExitedIsNoFailure) {
+  finished_peer_exits_while_the_root_waits(Collective::reduce, 8192, true);  // in chunks: 32 KiB
+  finished_peer_exits_while_the_root_waits(Collective::broadcast, 8192, false);
+}
+
 TEST(CmaProcessesErrors, PeerDyingMidCallIsCommErrorNamingIt) {
   for (int delay_ms : {0, 15, 60}) peer_dies_mid_call(delay_ms, false);
 }

@@ -485,6 +485,9 @@ TEST(CostModel, SameHostCallsGoThroughTheSegmentWhileCacheSized) {
   EXPECT_EQ(pick(Collective::alltoall, 2, 2 * kMiB, 64 * kMiB), Algorithm::cma);   // 8 MiB per rank
   EXPECT_EQ(pick(Collective::allreduce, 16, 256 * 1024), Algorithm::shm);   // 0.73 MiB per rank, 11.8 in all
   EXPECT_EQ(pick(Collective::allreduce, 64, 256 * 1024), Algorithm::rhd);   // 0.75 MiB per rank, 47.8 in all
+  // Under 16 KiB a reduction takes one round: every rank reads all n vectors.
+  EXPECT_EQ(pick(Collective::allreduce, 32, 8192), Algorithm::shm);         // 264 KiB per rank, 8.3 MiB in all
+  EXPECT_EQ(pick(Collective::allreduce, 64, 8192), Algorithm::rd);          // 520 KiB per rank, 32.5 MiB in all
   EXPECT_EQ(pick(Collective::allgather, 16, 256 * 1024), Algorithm::cma);   // 4.25 MiB per rank, 68 in all
   EXPECT_EQ(pick(Collective::allreduce, 2, 8, 0), Algorithm::rd);           // no room: shm_bytes=0
   EXPECT_EQ(pick(Collective::alltoallv, 2, 8), Algorithm::direct);
