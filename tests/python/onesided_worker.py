@@ -98,16 +98,23 @@ def killed(comm, out: dict, outdir: Path) -> None:
     out["calls"] = calls
 
 
+def share_region(comm, data: np.ndarray, outdir: Path, pid_of: int):
+    """Registers `data` and exchanges the regions; rank `pid_of` leaves its pid in OUTDIR/pid<rank>; then a
+    barrier. Returns (this rank's region, every rank's)."""
+    region = comm.register(data)
+    remote = comm.exchange_regions(region)
+    if comm.rank == pid_of:
+        (outdir / f"pid{pid_of}").write_text(str(os.getpid()))
+    comm.barrier()
+    return region, remote
+
+
 def stalled(comm, out: dict, outdir: Path) -> None:
     """Rank 1 registers, then stops (SIGSTOP): rank 0's getv gets no answer from its server (a wait with a shorter
     timeout raises TimeoutError) and fails after the timeout knob; or, read directly (rma_direct), completes, and
     then a putv written directly completes too (read back directly)."""
     data = np.ones(1024, dtype=np.float32)
-    region = comm.register(data)
-    remote = comm.exchange_regions(region)
-    if comm.rank == 1:
-        (outdir / "pid1").write_text(str(os.getpid()))
-    comm.barrier()
+    region, remote = share_region(comm, data, outdir, 1)
     if comm.rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)
         return
@@ -137,12 +144,82 @@ def stalled(comm, out: dict, outdir: Path) -> None:
         out["direct"] = {k: v for k, v in comm.engine_stats().items() if k.startswith("direct_")}
 
 
+def rank0_word(region_id: int) -> int:
+    """Rank 0's word in this process's directory of regions (its shared-memory memfd): the id of the region rank 0
+    is writing into directly, 0 when none (docs/vectored.md: the header, 1024 slots of 24 bytes, a word per rank)."""
+    import mmap
+    import struct
+
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{f}").startswith("/memfd:smartcoll-rma"):
+                continue
+            fd = os.open(f"/proc/self/fd/{f}", os.O_RDONLY)
+        except OSError:  # closed meanwhile
+            continue
+        try:
+            with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as directory:
+                return struct.unpack_from("<Q", directory, 32 + 1024 * 24)[0]
+        finally:
+            os.close(fd)
+    raise RuntimeError("no directory of regions in this process")
+
+
+def stopped_writer(comm, out: dict, outdir: Path) -> None:
+    """Rank 0 puts 64 MiB into rank 1's region again and again, each one process_vm_writev (rma_direct); rank 1
+    stops rank 0 (SIGSTOP) until one stop lands inside a put (rank 0's word in rank 1's directory names the
+    region), then deregisters: that waits for the timeout knob and fails naming rank 0. Rank 1 then lets rank 0
+    go on (SIGCONT): its put lands in the buffer Python kept, and its next put is refused."""
+    size = 64 << 20
+    target = np.zeros(size if comm.rank == 1 else 1, np.uint8)
+    region, remote = share_region(comm, target, outdir, 0)
+    if comm.rank == 0:
+        source = np.full(size, 7, np.uint8)
+        deadline, puts = time.monotonic() + 60, 0
+        while time.monotonic() < deadline:
+            try:
+                comm.putv(1, source, remote[1], [0])
+                puts += 1
+            except Exception as e:  # the region went away: refused, named
+                out["refused"] = f"{type(e).__name__}: {e}"
+                break
+        out["puts"] = puts
+        out["direct"] = comm.engine_stats()["direct_puts"]
+        (outdir / "done0").write_text("1")
+        return
+    pid = int((outdir / "pid0").read_text())
+    rng = np.random.default_rng(1)
+    for attempt in range(1, 101):
+        time.sleep(float(rng.uniform(0.001, 0.02)))
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not stopped(pid) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if rank0_word(region.id) == region.id:
+            break
+        os.kill(pid, signal.SIGCONT)
+    else:
+        out["error"] = "no stop landed inside a put in 100 attempts"
+        return
+    out["attempts"] = attempt
+    start = time.monotonic()
+    try:
+        region.close()
+        out["closed"] = True
+    except smartcoll.CommError as e:
+        out["close_error"] = str(e)
+    out["waited"] = time.monotonic() - start
+    os.kill(pid, signal.SIGCONT)
+    await_files([outdir / "done0"], 30)  # serving rank 0's next put, which finds the region gone
+
+
 def main() -> None:
     scenario, outdir = sys.argv[1], Path(sys.argv[2])
     out: dict = {}
     with smartcoll.init(timeout=float(sys.argv[3]) if len(sys.argv) > 3 else 20, connect_timeout=20) as comm:
         rank = comm.rank
-        {"sleeping": sleeping, "killed": killed, "stalled": stalled}[scenario](comm, out, outdir)
+        {"sleeping": sleeping, "killed": killed, "stalled": stalled, "stopped_writer": stopped_writer}[scenario](
+            comm, out, outdir)
         (outdir / f"rank{rank}.json").write_text(json.dumps(out))
         if scenario != "sleeping":  # a dead or stopped peer: leave without the closing handshakes
             os._exit(0)

@@ -580,6 +580,21 @@ def test_a_stopped_target_on_this_host_is_read_directly(ranks, tmp_path):
     assert out["direct"] == {"direct_gets": 2, "direct_puts": 1}, out
 
 
+def test_a_writer_process_stopped_inside_a_direct_put_holds_deregistration_then_is_named(ranks, tmp_path):
+    """A real process stopped (SIGSTOP) in the middle of a 64 MiB direct put: the target's Region.close() waits
+    for the timeout knob (1 s), then fails naming the writer and the region; the writer, let go, finishes that put
+    into the buffer Python kept and has its next put refused."""
+    res = ranks(2, ["stopped_writer", tmp_path, 1], timeout=120, worker=WORKER)
+    assert_all_ok(res)
+    out = outcomes(tmp_path, [0, 1])
+    assert "error" not in out[1], out[1]
+    assert re.search(r"rank 0 \(pid \d+\) has been writing into region \d+ of rank 1 for more than 1 s \(a stopped "
+                     r"process\?\): keep the buffer allocated", out[1].get("close_error", "")), out
+    assert 1.0 <= out[1]["waited"] < 10, out
+    assert out[0]["direct"] >= 1 and out[0]["puts"] >= 1, out[0]
+    assert re.search(r"rank 1 refused it: region \d+ was deregistered", out[0].get("refused", "")), out[0]
+
+
 def test_the_embedding_example_checks_its_rows():
     example = HERE.parents[1] / "examples" / "embedding_lookup.py"
     result = run_cli("run", "-n", "3", "--timeout", "60", "--", sys.executable, str(example), "--rows", "1000",
