@@ -609,7 +609,17 @@ const Addresses& Local::into_segment(Transport& t, const Call& c) {
   // Broadcast's buffer is `out` (the root's input); the others' inputs are the whole `in`.
   const Vector source = c.coll == Collective::broadcast ? side(c.out_list, c.out, need) : side(c.in_list, c.in, need);
   char* place = control_->next_data();
-  source.runs(0, need, [place](const char* from, uint64_t pos, uint64_t m) { std::memcpy(place + pos, from, m); });
+  auto put = [&](uint64_t from, uint64_t len) {
+    source.runs(from, len, [at = place + from](const char* p, uint64_t pos, uint64_t m) { std::memcpy(at + pos, p, m); });
+  };
+  if (c.coll == Collective::alltoall) {
+    // Block r stays out of the place: only this rank takes it, straight from its input (from_segment).
+    const size_t block = need / static_cast<size_t>(n), own = static_cast<size_t>(r) * block;
+    put(0, own);
+    put(own + block, need - own - block);
+  } else {
+    put(0, need);
+  }
   published_call_ = {kAddrMagic, static_cast<uint8_t>(c.coll), static_cast<uint8_t>(c.dt),
                      static_cast<uint8_t>(reduces(c.coll) ? c.op : ReduceOp::sum), 0, c.root, c.count,
                      0, 0, 0, 0, c.layout, 1};
@@ -670,7 +680,14 @@ void Local::from_segment(Transport& t, const Call& c) {
     case Collective::allgather:
     case Collective::alltoall: {
       const size_t at = c.coll == Collective::alltoall ? static_cast<size_t>(r) * block : 0;
-      for (int p = 0; p < n; ++p) copy_into(p, at, static_cast<size_t>(p) * block, block);
+      for (int p = 0; p < n; ++p)
+        if (p != r || c.coll == Collective::allgather) copy_into(p, at, static_cast<size_t>(p) * block, block);
+      if (c.coll == Collective::alltoall) {  // this rank's own block, not copied into its place
+        const Vector in = side(c.in_list, c.in, static_cast<size_t>(n) * block);
+        out.runs(at, block, [&](char* dst, uint64_t pos, uint64_t m) {
+          in.runs(at + pos, m, [dst](const char* from, uint64_t q, uint64_t k) { std::memcpy(dst + q, from, k); });
+        });
+      }
       break;
     }
     case Collective::broadcast:
