@@ -597,6 +597,23 @@ size_t out_bytes(const Local::Call& c, int n) {
   const size_t block = c.count * dtype_size(c.dt);
   return c.coll == Collective::allgather || c.coll == Collective::alltoall ? static_cast<size_t>(n) * block : block;
 }
+// Through the segment, the bytes [lo, hi) of rank r's input that no peer reads, which it leaves out of its place:
+// alltoall's block r (copied from the input, a list's pieces too); reduce_scatter's block r and, in chunks, an
+// allreduce's or reduce's chunk r, reduced from the input where it is one buffer that the output does not
+// overlap (in place, the reduction would overwrite it before rank order reaches it).
+std::pair<size_t, size_t> own_part(const Local::Call& c, int n, int r) {
+  const size_t esize = dtype_size(c.dt), block = c.count * esize, un = static_cast<size_t>(n);
+  const size_t ur = static_cast<size_t>(r);
+  if (c.coll == Collective::alltoall) return {ur * block, (ur + 1) * block};
+  const size_t in_bytes = c.coll == Collective::reduce_scatter ? un * block : block;
+  const bool apart = c.in_list.empty() && c.out_list.empty() && c.in && c.out &&
+                     (c.out + out_bytes(c, n) <= c.in || c.out >= c.in + in_bytes);
+  if (!apart || c.count == 0) return {0, 0};
+  if (c.coll == Collective::reduce_scatter) return {ur * block, (ur + 1) * block};
+  if ((c.coll == Collective::allreduce || c.coll == Collective::reduce) && split_reduction(block, n))
+    return {chunk_begin(c.count, n, r) * esize, chunk_begin(c.count, n, r + 1) * esize};
+  return {0, 0};
+}
 }  // namespace
 
 const Addresses& Local::into_segment(Transport& t, const Call& c) {
@@ -612,14 +629,10 @@ const Addresses& Local::into_segment(Transport& t, const Call& c) {
   auto put = [&](uint64_t from, uint64_t len) {
     source.runs(from, len, [at = place + from](const char* p, uint64_t pos, uint64_t m) { std::memcpy(at + pos, p, m); });
   };
-  if (c.coll == Collective::alltoall) {
-    // Block r stays out of the place: only this rank takes it, straight from its input (from_segment).
-    const size_t block = need / static_cast<size_t>(n), own = static_cast<size_t>(r) * block;
-    put(0, own);
-    put(own + block, need - own - block);
-  } else {
-    put(0, need);
-  }
+  // The part only this rank reads stays out of the place: it takes it from its input (from_segment).
+  const auto [lo, hi] = own_part(c, n, r);
+  put(0, lo);
+  put(hi, need - hi);
   published_call_ = {kAddrMagic, static_cast<uint8_t>(c.coll), static_cast<uint8_t>(c.dt),
                      static_cast<uint8_t>(reduces(c.coll) ? c.op : ReduceOp::sum), 0, c.root, c.count,
                      0, 0, 0, 0, c.layout, 1};
@@ -630,7 +643,11 @@ void Local::from_segment(Transport& t, const Call& c) {
   const int n = t.size(), r = t.rank();
   const size_t esize = dtype_size(c.dt), block = c.count * esize;
   const Vector out = side(c.out_list, c.out, out_bytes(c, n));
-  auto data = [this](int p, size_t at) { return control_->data(p) + at; };
+  // Rank r's own part of its input is read where it is (a single buffer: own_part).
+  const auto [lo, hi] = own_part(c, n, r);
+  auto data = [&](int p, size_t at) -> const char* {
+    return p == r && at >= lo && at < hi && c.coll != Collective::alltoall ? c.in + at : control_->data(p) + at;
+  };
   // out[to, to + len) = data(0)[from...] op data(1)[from...] op ... in rank order, as the reads reduce.
   auto reduce_to = [&](char* dst, size_t from, size_t bytes) {
     const size_t k = bytes / esize;
