@@ -600,14 +600,18 @@ size_t out_bytes(const Local::Call& c, int n) {
 // Through the segment, the bytes [lo, hi) of rank r's input that no peer reads, which it leaves out of its place:
 // alltoall's block r (copied from the input, a list's pieces too); reduce_scatter's block r and, in chunks, an
 // allreduce's or reduce's chunk r, reduced from the input where it is one buffer that the output does not
-// overlap (in place, the reduction would overwrite it before rank order reaches it).
+// overlap (in place, the reduction would overwrite it before rank order reaches it; a reduce's non-root writes
+// none).
 std::pair<size_t, size_t> own_part(const Local::Call& c, int n, int r) {
   const size_t esize = dtype_size(c.dt), block = c.count * esize, un = static_cast<size_t>(n);
   const size_t ur = static_cast<size_t>(r);
   if (c.coll == Collective::alltoall) return {ur * block, (ur + 1) * block};
   const size_t in_bytes = c.coll == Collective::reduce_scatter ? un * block : block;
-  const bool apart = c.in_list.empty() && c.out_list.empty() && c.in && c.out &&
-                     (c.out + out_bytes(c, n) <= c.in || c.out >= c.in + in_bytes);
+  // A reduce's non-root writes no output: only its input matters.
+  const bool writes_out = !(c.coll == Collective::reduce && r != c.root);
+  const bool apart = c.in_list.empty() && c.in &&
+                     (!writes_out || (c.out_list.empty() && c.out &&
+                                      (c.out + out_bytes(c, n) <= c.in || c.out >= c.in + in_bytes)));
   if (!apart || c.count == 0) return {0, 0};
   if (c.coll == Collective::reduce_scatter) return {ur * block, (ur + 1) * block};
   if ((c.coll == Collective::allreduce || c.coll == Collective::reduce) && split_reduction(block, n))
@@ -669,7 +673,9 @@ void Local::from_segment(Transport& t, const Call& c) {
     // vector's reduction would: the same bits.
     const size_t from = chunk_begin(c.count, n, r) * esize, len = chunk_len(c.count, n, r) * esize;
     char* own = control_->own_data() + from;
-    if (root_only && r != c.root) {
+    if (root_only && r != c.root && hi > lo) {
+      reduce_to(own, from, len);  // its chunk of the input is read from the input: the place is no operand
+    } else if (root_only && r != c.root) {
       // A non-root's out is not its result: reduce into scratch (in place would overwrite this rank's own chunk
       // of the input before rank order reaches it).
       reduce_chunk_.resize(len);
