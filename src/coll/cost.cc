@@ -254,6 +254,9 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
     k.codec = moved * (1 / r.encode_Bps + 1 / r.decode_Bps) / cores;
   }
   const double link = p.link_Bps * p.efficiency(a);
+  // This rank's own share of the bytes on the busiest link (several ranks of a host share its link) and of the
+  // bytes reduced, for Cost::cpu.
+  double rank_share = 1, rank_reduced = info.reduced(n) * bytes;
   double copy_alone = 0;  // the share of the host's copies that nothing overlaps (added to the bound)
   double local_latency = 0;  // steps on the host's own connections, where the algorithm's alpha is the switch's
   switch (a) {
@@ -270,6 +273,7 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
         k.steps = 2 * (h - 1) + 2 * (hosts - 1);
         k.copy = 2 * (h - 1) / h * bytes / p.copy_Bps;
         k.wire_bytes = 2 * (hosts - 1) / hosts * bytes;
+        rank_share = 1 / h;
         // In P pieces, the first piece's reduce-scatter and the last one's allgather alone are not overlapped.
         copy_alone = 1.0 / allreduce_hier_pieces(q.bytes);
       } else if (c == Collective::broadcast || c == Collective::reduce) {
@@ -278,6 +282,7 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
         k.steps = (hosts - 1) + (h - 1);
         k.copy = bytes / p.copy_Bps;
         k.wire_bytes = bytes;
+        rank_share = 1 / h;
       } else {
         // allgather, reduce_scatter (bytes: one rank's block): a ring across hosts, and one ring on the host per
         // host, each moving h - 1 blocks through the host's own connections. The host's link carries the h(H-1)
@@ -285,6 +290,7 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
         k.steps = (hosts - 1) + hosts * (h - 1);
         k.copy = hosts * (h - 1) * bytes / p.copy_Bps;
         k.wire_bytes = h * (hosts - 1) * bytes;
+        rank_share = 1 / h;
         copy_alone = 1;
       }
       k.link = k.wire_bytes / link;
@@ -299,6 +305,7 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
       const double switches = std::max(1, q.switches), vector = c == Collective::allreduce ? bytes : n * bytes,
                    sharing = q.hosts > 1 ? std::max(1, q.per_host) : 1;
       k.wire_bytes *= sharing;
+      rank_share = 1 / sharing;
       k.link = sharing * moved / link;
       if (p.switch_link_Bps > 0) k.link = std::max(k.link, n * vector / (switches * p.switch_link_Bps));
       if (p.switch_Bps > 0 && c != Collective::allgather) k.reduce = n * vector / (switches * p.switch_Bps);
@@ -314,6 +321,8 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
       k.copy = 2 * (h - 1) / h * bytes / p.copy_Bps;
       k.codec /= h;
       k.reduce = (h - 1) / h * bytes / (p.reduce_Bps * cores);  // the host's reduce-scatter
+      rank_reduced = (h - 1) / h * bytes;
+      rank_share = 1 / h;
       k.link = k.wire_bytes / (p.link_Bps * p.efficiency(Algorithm::switch_));
       if (p.switch_link_Bps > 0) k.link = std::max(k.link, hosts * bytes / (switches * p.switch_link_Bps));
       if (p.switch_Bps > 0) k.reduce = std::max(k.reduce, hosts * bytes / (switches * p.switch_Bps));
@@ -322,10 +331,9 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
     }
     default: k.link = k.wire_bytes / link;
   }
-  // This rank's own reductions (none where the switch sums), codec work and copies, at one core's rates.
-  const bool switch_sums = a == Algorithm::switch_ && p.switch_Bps > 0;
-  k.cpu = (switch_sums ? 0 : info.reduced(n) * bytes / p.reduce_Bps) + k.codec * cores + k.copy +
-          k.wire_bytes * p.wire_cpu_s_per_byte;
+  // This rank's own reductions (none where the switch sums), codec work, copies and share of the wire, at one
+  // core's rates.
+  k.cpu = rank_reduced / p.reduce_Bps + k.codec * cores + k.copy + rank_share * k.wire_bytes * p.wire_cpu_s_per_byte;
   k.latency = k.steps * p.alpha(a == Algorithm::switch_hier ? Algorithm::switch_ : a) + local_latency;
   const std::pair<double, const char*> terms[] = {
       {k.link, "link"}, {k.reduce, "reduce"}, {k.codec, "codec"}, {k.mem, "mem"}, {(1 - copy_alone) * k.copy, "copy"}};
@@ -381,7 +389,9 @@ IterationCost iteration(const std::vector<double>& elems, double batch, int n, A
     const bool compressed = codec != "" && codec != "identity";
     const Query q{n, static_cast<size_t>(4 * e), compressed, false, false};
     const Cost k = predict(Collective::allreduce, algo, q, p, codec);
-    AR[l] = k.total;
+    // On cores set aside the all-reduce takes at least its CPU time over them; on shared ones it stretches the
+    // compute instead.
+    AR[l] = sharing.engine_cores > 0 ? std::max(k.total, k.cpu / sharing.engine_cores) : k.total;
     CPU[l] = contended ? k.cpu / sharing.cores : 0;
     if (!measured && error_feedback && compressed && n > 1) {
       const CodecRates& r = rates(p, codec);

@@ -41,9 +41,9 @@ struct Profile {
   // The training-iteration model: the worker's float32 GEMM rate, and weight-update seconds per parameter byte.
   double flops = 0;
   double update_s_per_byte = 0;
-  // CPU seconds a rank's process spends per byte on its busiest link, sent and received (system calls, the
-  // kernel's TCP path, the engine's bookkeeping), beyond reductions and codecs; 0: not measured. What an
-  // all-reduce takes from a compute that shares the rank's cores (iteration()).
+  // CPU seconds a rank's process spends per byte it sends on its busiest link, the receiving of as many included
+  // (system calls, the kernel's TCP path, the engine's bookkeeping and polling), beyond reductions and codecs; 0:
+  // not measured. What an all-reduce takes from a compute that shares the rank's cores (iteration()).
   double wire_cpu_s_per_byte = 0;
   std::string origin = "built-in";  // the file it came from, for messages
 
@@ -73,7 +73,8 @@ struct Cost {
   double steps = 0;
   double wire_bytes = 0;  // bytes on the busiest link
   // CPU seconds the call costs this rank in all, whatever overlaps: its reductions and codec work at one core's
-  // rates, its same-host copies, and wire_bytes x wire_cpu_s_per_byte.
+  // rates, its same-host copies, and its share of wire_bytes (a host's ranks share its link) x
+  // wire_cpu_s_per_byte.
   double cpu = 0;
   std::string bound;      // the term the pipeline is limited by: link, reduce, codec, mem or copy
 };
@@ -101,7 +102,7 @@ Algorithm cheapest(Collective c, const Query& q, const Profile& p, size_t small_
 struct IterationCost {
   double fwd = 0, bwd = 0, update = 0, allreduce = 0;  // sums over layers
   double feedback = 0;                                 // the error feedback's share of bwd
-  double exposed = 0;                                  // total - fwd - bwd - update: what overlap did not hide
+  double exposed = 0;  // total - fwd - bwd - update: what overlap did not hide, contention included
   double contention = 0;  // what the all-reduces' CPU work added to the overlapped windows (CoreSharing)
   double total = 0;
   std::vector<double> layer_allreduce;
@@ -118,9 +119,11 @@ struct MeasuredCompute {
 // and all its cores for compute). `cores`: the cores one rank has (its host's cores over the ranks on it; 0: the
 // paper's model, the all-reduce costs the compute nothing). `engine_cores` of them are set aside for the engine
 // (the engine_cpus knob, or the offload daemon's --cpus on the rank's host): the compute runs on the rest,
-// cores / (cores - engine_cores) times longer, and the all-reduce takes nothing from it. With none set aside, a
-// compute that keeps the rank's cores busy gives way to the all-reduce's CPU work: a window where they overlap
-// lasts at least compute + Cost::cpu / cores.
+// cores / (cores - engine_cores) times longer (measured phases are taken as measured so: the run must have set
+// the cores aside), the all-reduce takes nothing from it and at least Cost::cpu / engine_cores. With none set
+// aside, a compute that keeps the rank's cores busy gives way to the all-reduce's CPU work: a window where they
+// overlap lasts at least compute + Cost::cpu / cores. A measured backward pass already ran beside the
+// all-reduces, so part of that may be in it twice; the GEMM model's compute is not scaled for cores under 1.
 struct CoreSharing {
   double cores = 0, engine_cores = 0;
 };

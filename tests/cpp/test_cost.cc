@@ -347,11 +347,14 @@ TEST(CostModel, SharedCoresStretchTheComputeAnAllreduceOverlaps) {
   EXPECT_NEAR(shared.total, 3 * F + B + w(B) + w(U + B) + w(U) + U, 1e-12);
   EXPECT_NEAR(shared.contention, shared.total - paper.total, 1e-12);
   EXPECT_NEAR(shared.exposed, shared.total - 3 * (F + B + U), 1e-12);
-  // Two cores, one of them the engine's: compute at half speed, no contention.
+  // Two cores, one of them the engine's: compute at half speed, no contention, and the all-reduce takes at least
+  // its 12.3 ms of CPU on the engine's one core (more than its 6 ms on the link).
   const IterationCost aside = iteration(layers, 64, 4, Algorithm::ring, "", p, 1, false, nullptr, {2, 1});
-  EXPECT_NEAR(aside.total, 3 * 2 * F + 2 * B + std::max(2 * B, AR) + std::max(2 * U + 2 * B, AR) +
-                               std::max(2 * U, AR) + 2 * U, 1e-12);
+  const double ar1 = std::max(AR, k.cpu / 1);
+  EXPECT_NEAR(aside.total, 3 * 2 * F + 2 * B + std::max(2 * B, ar1) + std::max(2 * U + 2 * B, ar1) +
+                               std::max(2 * U, ar1) + 2 * U, 1e-12);
   EXPECT_EQ(aside.contention, 0);
+  EXPECT_NEAR(aside.allreduce, 3 * k.cpu, 1e-12);
   // Measured phases already ran on the cores the engine left: they are not stretched again.
   const MeasuredCompute m{0.003, 0.006, 0.0003};
   EXPECT_NEAR(iteration(layers, 64, 4, Algorithm::ring, "", p, 1, false, &m, {2, 1}).fwd, 0.003, 1e-15);
@@ -360,6 +363,20 @@ TEST(CostModel, SharedCoresStretchTheComputeAnAllreduceOverlaps) {
   // The engine cannot have all of the rank's cores.
   EXPECT_THROW(iteration(layers, 64, 4, Algorithm::ring, "", p, 1, false, nullptr, {1, 1}), InvalidArgument);
   EXPECT_THROW(iteration(layers, 64, 4, Algorithm::ring, "", p, 1, false, nullptr, {-1, 0}), InvalidArgument);
+}
+
+// A host's ranks share its link: each rank's CPU counts its share of the host link's bytes.
+TEST(CostModel, CpuCountsOneRanksShareOfAHostsLink) {
+  Profile p = link_only(0, 1e9);
+  p.reduce_Bps = 1e30;
+  p.copy_Bps = 1e30;
+  p.wire_cpu_s_per_byte = 1e-9;
+  Query q{8, 8 << 20, false, false, false};
+  q.hosts = 4, q.per_host = 2;
+  const Cost hier = predict(Collective::allreduce, Algorithm::hier, q, p);
+  EXPECT_NEAR(hier.cpu, hier.wire_bytes / 2 * 1e-9, 1e-12);  // 2 ranks on each host's link
+  const Cost flat = predict(Collective::allreduce, Algorithm::ring, q, p);
+  EXPECT_NEAR(flat.cpu, flat.wire_bytes * 1e-9, 1e-12);
 }
 
 TEST(CostModel, WireCpuIsAnOptionalProfileField) {

@@ -184,7 +184,7 @@ def test_predict_train_with_cores_shared_with_the_engine(tmp_path):
     assert at4["0"]["contention"] == 0 and at4["default"]["contention"] > 0
     assert at4["default"]["total"] == pytest.approx(at4["0"]["total"] + at4["default"]["contention"])
     r = run_cli("model", "predict", "train", "--profile", str(prof), "--measured", str(src), "--engine-cores", "0.5")
-    assert r.returncode != 0 and "--engine-cores (0.5) must be under --cores-per-rank (0.5)" in r.stderr, r.stderr
+    assert r.returncode != 0 and "--engine-cores (0.5) must be 0 or under --cores-per-rank (0.5)" in r.stderr, r.stderr
 
 
 @needs_core

@@ -31,6 +31,7 @@ from typing import Optional
 from smartcoll import _core
 
 from . import NO_MATPLOTLIB, load_profile, pyplot, save_figure
+from ..bench.runners import status
 from ..bench.sizes import format_size, format_table, parse_sizes
 
 SUMMARY = "a collective's time per algorithm and codec, or the training iteration's scaling (Fig. 4b)"
@@ -137,11 +138,20 @@ def train_predictions(args: argparse.Namespace, profile: str, measured: Optional
                          "is as measured: leave one of them out")
     out["compute"] = args.compute
     cores = args.cores_per_rank
-    if cores is None:
-        cores = meta["cpu_count"] / meta["world_size"] if meta.get("cpu_count") and meta.get("world_size") else 0.0
-    if cores < 0 or args.engine_cores < 0 or (args.engine_cores > 0 and args.engine_cores >= cores):
-        raise ValueError(f"--engine-cores ({args.engine_cores:g}) must be under --cores-per-rank ({cores:g}), "
-                         "both non-negative")
+    if cores is None and meta:
+        if meta.get("cpu_count") and meta.get("world_size"):
+            cores = meta["cpu_count"] / meta["world_size"]
+            status(f"{cores:g} cores per rank: the measured run's {meta['cpu_count']} CPUs over its "
+                   f"{meta['world_size']} ranks, at every N (--cores-per-rank sets it; 0: the paper's model)")
+        else:
+            status("the measured run does not say its CPUs: the all-reduce takes nothing from the compute "
+                   "(--cores-per-rank sets the cores one rank has)")
+    cores = cores or 0.0
+    if cores < 0:
+        raise ValueError(f"--cores-per-rank must be 0 or more, got {cores:g}")
+    if args.engine_cores < 0 or (args.engine_cores > 0 and args.engine_cores >= cores):
+        raise ValueError(f"--engine-cores ({args.engine_cores:g}) must be 0 or under --cores-per-rank ({cores:g}): "
+                         "give --cores-per-rank, the cores one rank has, with it")
     out["cores_per_rank"], out["engine_cores"] = cores, args.engine_cores
     sharing = {"cores": cores, "engine_cores": args.engine_cores}
     for name in names:
