@@ -2,7 +2,9 @@
 
     smartcoll run -n 2 -- python examples/embedding_lookup.py [--rows 100000] [--dim 64] [--batch 4096]
 
-Rank r holds rows [start_r, start_{r+1}) of a ROWS x DIM float32 table and registers them as a region. Each rank
+Rank r holds rows [start_r, start_{r+1}) of a ROWS x DIM float32 table in a region it allocates (comm.allocate:
+shared memory, which peers on the same host map and copy from themselves; comm.register(array) serves any
+existing array instead, through the owner's one-sided server). Each rank
 draws a batch of random row ids and reads each row from the rank that holds it with getv: one call per owner, one
 piece of DIM * 4 bytes per row, landing straight in place in the batch's rows. The owners make no call while they
 are read (their one-sided server threads serve the reads), so a rank that is busy computing still serves its
@@ -30,8 +32,8 @@ def main() -> None:
         starts = [args.rows * r // comm.size for r in range(comm.size + 1)]
         lo, hi = starts[comm.rank], starts[comm.rank + 1]
         # Row i of the table is i + 0.25 * column: easy to check wherever it lands.
-        shard = np.arange(lo, hi, dtype=np.float32)[:, None] + 0.25 * np.arange(args.dim, dtype=np.float32)
-        with comm.register(shard) as region:
+        with comm.allocate((hi - lo, args.dim), "float32") as region:
+            region.buffer[:] = np.arange(lo, hi, dtype=np.float32)[:, None] + 0.25 * np.arange(args.dim, dtype=np.float32)
             shards = comm.exchange_regions(region)  # every rank's (rank, region id, bytes, dtype)
 
             ids = np.random.default_rng(comm.rank).integers(0, args.rows, args.batch)

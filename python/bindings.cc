@@ -508,6 +508,13 @@ NB_MODULE(_core, m) {
         Buffer b = buffer(buf);
         return c.register_region(b.data, b.count * dtype_size(b.dtype), b.dtype);
       })
+      .def("allocate_region", [](Communicator& c, size_t bytes, const std::string& dtype) {
+        AllocatedRegion r = c.allocate_region(bytes, parse_dtype(dtype));
+        // The array keeps the mapping: it outlives the region's registration, never the memory.
+        auto* keep = new std::shared_ptr<void>(std::move(r.memory));
+        nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<std::shared_ptr<void>*>(p); });
+        return nb::make_tuple(r.id, nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(r.data, {r.bytes}, owner));
+      })
       .def("deregister_region", [](Communicator& c, uint64_t id) {
         nb::gil_scoped_release release;
         c.deregister_region(id);

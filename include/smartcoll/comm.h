@@ -183,6 +183,9 @@ class Communicator {
   // taken one after the other, hold the pieces in order. Every field is checked here and again by the target.
   // `codec` (float32 regions, whole elements): each piece travels encoded; accumulate then takes sum only.
   uint64_t register_region(void* base, size_t bytes, DataType dtype);
+  // Allocates `bytes` (> 0) of shared memory and registers it (AllocatedRegion). CommError where the memory
+  // cannot be had.
+  AllocatedRegion allocate_region(size_t bytes, DataType dtype);
   // Waits for a copy in progress from or into the region, a peer's direct write on this host included; later
   // calls on it fail ("region N was deregistered"). CommError where a peer's direct write did not finish within
   // the timeout knob (a stopped process), also after close(): the buffer must then stay allocated.

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "smartcoll/types.h"
 
@@ -32,6 +33,17 @@ struct RemotePiece {
 struct LocalPiece {
   void* data = nullptr;
   size_t bytes = 0;
+};
+
+// A region in memory that the communicator allocated (Communicator::allocate_region): shared memory that peers
+// of the same host map, so that their getv and putv on it are plain copies in their own process, for pieces of
+// any size; elsewhere it is served as any region. `data` (`bytes`, zeroed, page-aligned) stays valid while
+// `memory` or a copy of it lives, after deregistration too.
+struct AllocatedRegion {
+  uint64_t id = 0;
+  void* data = nullptr;
+  size_t bytes = 0;
+  std::shared_ptr<void> memory;
 };
 
 }  // namespace smartcoll

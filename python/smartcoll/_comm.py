@@ -341,6 +341,13 @@ class Communicator:
         or by convention."""
         return _onesided().Region(self, buffer)
 
+    def allocate(self, shape: Any, dtype: str = "float32") -> Any:
+        """A Region over new, zeroed shared memory of `shape` and `dtype` (its `buffer`, a NumPy array; for torch,
+        torch.from_numpy(region.buffer) shares it). Peers on this host map it and read or write it with plain
+        copies, for pieces of any size, where a registered buffer costs them a system call; elsewhere it is served
+        as any region. The array stays valid after the region is closed."""
+        return _onesided().allocate(self, shape, dtype)
+
     def deregister(self, region: Any) -> None:
         region.close()
 

@@ -53,13 +53,13 @@ class Region:
     """A registered buffer of this rank. close() (or deregister, or leaving a `with` block) waits for a peer's
     copy in progress; later calls on it fail on the caller's side with "region N was deregistered"."""
 
-    def __init__(self, comm: Any, buffer: Any):
+    def __init__(self, comm: Any, buffer: Any, _allocated_id: Optional[int] = None):
         self._comm = comm
         self.buffer = _as_array(buffer, "buffer", writable=True)
         self.nbytes = _nbytes(self.buffer)
         self.dtype = _dtype(self.buffer)
         self.rank = comm.rank
-        self.id = int(comm._core.register_region(self.buffer))
+        self.id = int(comm._core.register_region(self.buffer) if _allocated_id is None else _allocated_id)
         self._open = True
 
     def remote(self) -> RemoteRegion:
@@ -93,6 +93,22 @@ class Region:
 
     def __repr__(self) -> str:
         return f"<smartcoll.Region {self.id} of rank {self.rank}: {self.nbytes} bytes of {self.dtype}>"
+
+
+def allocate(comm: Any, shape: Any, dtype: str) -> Region:
+    """A Region over new shared memory, zeroed (Communicator.allocate)."""
+    if dtype not in _DTYPES or dtype == "bfloat16":
+        raise TypeError(f"allocate: dtype {dtype!r} is not one of {', '.join(d for d in _DTYPES if d != 'bfloat16')} "
+                        "(NumPy has no bfloat16: allocate int16 and view the tensor, torch.from_numpy(region.buffer)"
+                        ".view(torch.bfloat16))")
+    dims = (int(shape),) if np.isscalar(shape) else tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"allocate: shape {dims} has a negative dimension")
+    nbytes = int(np.prod(dims, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if nbytes == 0:
+        raise ValueError(f"allocate: shape {dims} holds no element; a region holds at least one")
+    region_id, raw = comm._core.allocate_region(nbytes, dtype)
+    return Region(comm, raw.view(dtype).reshape(dims), _allocated_id=int(region_id))
 
 
 def exchange_regions(comm: Any, region: Optional[Region]) -> list[Optional[RemoteRegion]]:

@@ -125,6 +125,38 @@ void to_local(const char* in, std::span<const LocalPiece> local) {
   kernels::scatter(in, local.size(), local_at(local), total_bytes(local));
 }
 
+// Bytes of the pieces `from` into the pieces `to`, each taken one after the other (the same bytes in all):
+// piece(i) -> {address, bytes}.
+template <class From, class To>
+void copy_between(size_t nfrom, From from, size_t nto, To to) {
+  kernels::PrefetchAhead<From> ahead(from, nfrom, false);
+  for (size_t i = 0, j = 0, fi = 0, tj = 0; i < nfrom && j < nto;) {
+    const auto [src, slen] = from(i);
+    const auto [dst, dlen] = to(j);
+    const size_t n = std::min(slen - fi, dlen - tj);
+    ahead.advance(n);
+    if (n) std::memcpy(dst + tj, src + fi, n);
+    fi += n, tj += n;
+    if (fi == slen) ++i, fi = 0;
+    if (tj == dlen) ++j, tj = 0;
+  }
+}
+
+// A get (pieces of the region mapped at `base` into the local buffers) or a put (the reverse), copied by this
+// thread: the gather or scatter kernel where the local side is one buffer, piece by piece otherwise.
+void copy_mapped(char* base, std::span<const RemotePiece> pieces, std::span<const LocalPiece> local, uint64_t bytes,
+                 bool put) {
+  const auto remote_at = [base, pieces](size_t k) {
+    return std::pair<char*, size_t>{base + pieces[k].offset, pieces[k].bytes};
+  };
+  if (local.size() == 1)
+    put ? kernels::scatter(static_cast<const char*>(local[0].data), pieces.size(), remote_at, bytes)
+        : kernels::gather(static_cast<char*>(local[0].data), pieces.size(), remote_at, bytes);
+  else
+    put ? copy_between(local.size(), local_at(local), pieces.size(), remote_at)
+        : copy_between(pieces.size(), remote_at, local.size(), local_at(local));
+}
+
 // The pieces as they lie one after the other in the local buffers.
 std::vector<RemotePiece> packed(std::span<const RemotePiece> pieces) {
   std::vector<RemotePiece> out;
@@ -182,11 +214,20 @@ std::string hex_of(const uint8_t* bytes, size_t n) {
 }  // namespace
 
 struct Service::Region {
-  Region(uint64_t i, char* b, uint64_t n, DataType d) : id(i), base(b), bytes(n), dtype(d) {}
+  Region(uint64_t i, char* b, uint64_t n, DataType d, std::shared_ptr<cma::SharedMemory> m)
+      : id(i), base(b), bytes(n), dtype(d), memory(std::move(m)) {}
+  // Its slot's tag is cleared by now (remove, close_directory): a peer that opens the descriptor from here on
+  // finds the tag gone after mapping (see onesided.h).
+  ~Region() {
+    if (memory) memory->close_fd();
+  }
+  Region(const Region&) = delete;
+  Region& operator=(const Region&) = delete;
   const uint64_t id;
   char* const base;
   const uint64_t bytes;
   const DataType dtype;
+  const std::shared_ptr<cma::SharedMemory> memory;  // allocated: its memfd; else null
   std::mutex mu;  // held while copying from or into the buffer
   bool alive = true;
 };
@@ -196,10 +237,11 @@ struct Service::Region {
 // tag read the same, and right, before and after it read them (see onesided.h).
 struct Service::Slot {
   std::atomic<uint64_t> tag{0}, base{0}, bytes{0};
+  std::atomic<uint64_t> shared{0};  // an allocated region's memfd in the owner, plus 1; 0: any other buffer
 };
 namespace {
 constexpr size_t kSlots = 1024;
-constexpr uint64_t kDirectoryMagic = 0x534d43524d414431;  // "SMCRMAD1"
+constexpr uint64_t kDirectoryMagic = 0x534d43524d414432;  // "SMCRMAD2"
 // What a directory starts with: a peer that mapped the descriptor the store named checks that it is one, and
 // this target's (a descriptor closed and reused meanwhile would be something else).
 struct DirectoryHeader {
@@ -217,6 +259,8 @@ struct Service::Directory {
   cma::SharedMemory mem;  // unmapped: the peer has no directory, or it could not be mapped
   uint64_t secret = 0;    // of its tags
   std::mutex writing;     // this rank writes into the peer from one thread at a time: it has one word there
+  std::mutex maps_mu;
+  std::map<uint64_t, std::shared_ptr<cma::SharedMemory>> maps;  // by region id: mapped (null: cannot be)
   DirectoryHeader* header() const { return static_cast<DirectoryHeader*>(mem.base()); }
   Slot* slots() const { return reinterpret_cast<Slot*>(header() + 1); }
   std::atomic<uint64_t>* writers() const { return reinterpret_cast<std::atomic<uint64_t>*>(slots() + kSlots); }
@@ -379,19 +423,34 @@ void Service::abort(const std::string& why) {
   [[maybe_unused]] ssize_t n = ::write(wakefd_.get(), &one, sizeof one);
 }
 
-uint64_t Service::add(void* base, size_t bytes, DataType dtype) {
+uint64_t Service::add(void* base, size_t bytes, DataType dtype, std::shared_ptr<cma::SharedMemory> memory) {
   require(base || bytes == 0, "register: a null buffer of " + std::to_string(bytes) + " bytes");
   std::lock_guard lock(regions_mu_);
   const uint64_t id = next_region_++;
-  regions_[id] = std::make_shared<Region>(id, static_cast<char*>(base), bytes, dtype);
+  const uint64_t shared = memory ? static_cast<uint64_t>(memory->fd()) + 1 : 0;
+  regions_[id] = std::make_shared<Region>(id, static_cast<char*>(base), bytes, dtype, std::move(memory));
   if (own_) {  // a region registered 1024 ids before, if still registered, is served by the server from now on
     Slot& slot = own_->slots()[id % kSlots];
     slot.tag.store(0);
     slot.base.store(reinterpret_cast<uintptr_t>(base));
     slot.bytes.store(bytes);
+    slot.shared.store(shared);
     slot.tag.store(own_->secret ^ id);
   }
   return id;
+}
+
+AllocatedRegion Service::allocate(size_t bytes, DataType dtype) {
+  require(bytes > 0, "allocate: 0 bytes (a region of shared memory holds at least 1 byte)");
+  std::string why;
+  auto memory = std::make_shared<cma::SharedMemory>(cma::SharedMemory::create("smartcoll-region", bytes, why));
+  if (!memory->mapped()) throw CommError("allocate: " + why + " (" + std::to_string(bytes) + " bytes)");
+  AllocatedRegion r;
+  r.data = memory->base();
+  r.bytes = bytes;
+  r.memory = memory;
+  r.id = add(r.data, bytes, dtype, std::move(memory));
+  return r;
 }
 
 void Service::remove(uint64_t id) {
@@ -466,15 +525,10 @@ std::shared_ptr<Request> Service::post(Kind kind, const RemoteRegion& region, st
   require(local_bytes.has_value(), what + ": the local buffers add up to more than " + std::to_string(kMaxPayload) +
                                        " bytes; a call moves at most that much: split it");
   check_call(kind, region, pieces, *local_bytes, op, codec);
-  // process_vm_readv pins each remote piece's pages, about 1 us a piece here: measured on loopback (16 MiB in
-  // pieces), reading directly was 4-6x faster than the server for one piece or 64 KiB pieces, 1.8-2x for 4 KiB
-  // pieces, and from 1.2x faster to 1.7x slower for 1 KiB ones, run to run (BENCHMARKS.md, "One-sided getv on
-  // one host: reading the target directly").
-  constexpr uint64_t kDirectMinPiece = 4096;  // mean bytes per piece
   if ((kind == Kind::get || kind == Kind::put) && !codec && !s_.pids.empty() &&
-      *local_bytes >= kDirectMinPiece * pieces.size() && outstanding_[static_cast<size_t>(region.rank)].load() == 0) {
+      outstanding_[static_cast<size_t>(region.rank)].load() == 0) {
     connect(region.rank);  // waits for the target's server (and directory), and is there if the server must serve
-    if (auto req = copy_directly(kind, region, pieces, local)) return req;
+    if (auto req = copy_directly(kind, region, pieces, local, *local_bytes)) return req;
   }
   auto call = std::make_shared<Call>(outstanding_[static_cast<size_t>(region.rank)]);
   call->peer = region.rank;
@@ -545,8 +599,31 @@ Service::Directory* Service::directory(int peer) {
   return d->mem.mapped() ? d.get() : nullptr;
 }
 
+std::shared_ptr<cma::SharedMemory> Service::mapping(Directory& d, int peer, uint64_t id, int fd, uint64_t bytes) {
+  std::lock_guard lock(d.maps_mu);
+  for (auto it = d.maps.begin(); it != d.maps.end();)  // regions deregistered since: their tag changed
+    it = d.slots()[it->first % kSlots].tag.load() == (d.secret ^ it->first) ? std::next(it) : d.maps.erase(it);
+  if (const auto it = d.maps.find(id); it != d.maps.end()) return it->second;
+  std::string why;
+  const std::string what = "rank " + std::to_string(peer) + "'s region " + std::to_string(id);
+  auto m = std::make_shared<cma::SharedMemory>(
+      cma::SharedMemory::open(s_.pids[static_cast<size_t>(peer)], fd, bytes, what, why));
+  // Registered after the descriptor was opened: it was the region's (closed only once the tag is cleared).
+  if (m->mapped() && d.slots()[id % kSlots].tag.load() != (d.secret ^ id)) {
+    why = what + " was deregistered while it was being mapped";
+    m = nullptr;
+  }
+  if (!m || !m->mapped()) {
+    SC_LOG(LogLevel::debug, s_.rank, "") << "one-sided: " << why << "; copied by other means";
+    m = nullptr;
+  }
+  d.maps[id] = m;
+  return m;
+}
+
 std::shared_ptr<Request> Service::copy_directly(Kind kind, const RemoteRegion& region,
-                                                std::span<const RemotePiece> pieces, std::span<const LocalPiece> local) {
+                                                std::span<const RemotePiece> pieces, std::span<const LocalPiece> local,
+                                                uint64_t local_bytes) {
   Directory* d = directory(region.rank);
   if (!d) return nullptr;
   const bool put = kind == Kind::put;
@@ -565,19 +642,31 @@ std::shared_ptr<Request> Service::copy_directly(Kind kind, const RemoteRegion& r
   const Slot& slot = d->slots()[region.id % kSlots];
   const uint64_t want = d->secret ^ region.id;
   if (slot.tag.load() != want) return nullptr;
-  const uint64_t base = slot.base.load(), bytes = slot.bytes.load();
-  if (slot.tag.load() != want) return nullptr;  // base and bytes were this region's
-  std::vector<iovec> remote, mine;
-  for (const RemotePiece& p : pieces) {
+  const uint64_t base = slot.base.load(), bytes = slot.bytes.load(), shared = slot.shared.load();
+  if (slot.tag.load() != want) return nullptr;  // base, bytes and shared were this region's
+  for (const RemotePiece& p : pieces)
     if (p.offset > bytes || p.bytes > bytes - p.offset) return nullptr;  // the server says what is wrong
-    if (p.bytes) remote.push_back({reinterpret_cast<void*>(base + p.offset), p.bytes});
+  const std::shared_ptr<cma::SharedMemory> mapped =
+      shared ? mapping(*d, region.rank, region.id, static_cast<int>(shared - 1), bytes) : nullptr;
+  if (mapped) {
+    copy_mapped(static_cast<char*>(mapped->base()), pieces, local, local_bytes, put);
+  } else {
+    // process_vm_readv pins each remote piece's pages, about 1 us a piece here: measured on loopback (16 MiB in
+    // pieces), reading directly was 4-6x faster than the server for one piece or 64 KiB pieces, 1.8-2x for 4 KiB
+    // pieces, and from 1.2x faster to 1.7x slower for 1 KiB ones, run to run (BENCHMARKS.md, "One-sided getv on
+    // one host: reading the target directly").
+    constexpr uint64_t kDirectMinPiece = 4096;  // mean bytes per piece
+    if (local_bytes < kDirectMinPiece * pieces.size()) return nullptr;
+    std::vector<iovec> remote, mine;
+    for (const RemotePiece& p : pieces)
+      if (p.bytes) remote.push_back({reinterpret_cast<void*>(base + p.offset), p.bytes});
+    for (const LocalPiece& l : local)
+      if (l.bytes) mine.push_back({l.data, l.bytes});
+    const int pid = s_.pids[static_cast<size_t>(region.rank)];
+    // A failed copy may have moved part of the bytes: the server's answer, or its put, moves them all again.
+    if (!remote.empty() && (put ? cma::write_process(pid, mine, remote) : cma::read_process(pid, mine, remote)) != 0)
+      return nullptr;
   }
-  for (const LocalPiece& l : local)
-    if (l.bytes) mine.push_back({l.data, l.bytes});
-  const int pid = s_.pids[static_cast<size_t>(region.rank)];
-  // A failed copy may have moved part of the bytes: the server's answer, or its put, moves them all again.
-  if (!remote.empty() && (put ? cma::write_process(pid, mine, remote) : cma::read_process(pid, mine, remote)) != 0)
-    return nullptr;
   if (!put && slot.tag.load() != want) return nullptr;  // the region stayed registered throughout the read
   (put ? direct_puts_ : direct_gets_).fetch_add(1, std::memory_order_relaxed);
   auto req = std::make_shared<Request>();

@@ -29,6 +29,12 @@
 //     has exited). Both sides' stores come before their loads (sequentially consistent atomics in the shared
 //     memory), so either the put sees the tag gone or the deregistration sees the put's word: the buffer is never
 //     written after deregistering returns.
+// A region whose memory the communicator allocated (allocate) lives in a sealed memfd, whose descriptor its slot
+// names too: a peer on this host maps it on first use (checking the tag after mapping: a descriptor closed and
+// reused meanwhile is never taken for the region's) and copies with the gather and scatter kernels, for pieces of
+// any size, with the same tags and words as above; it keeps the mapping until the slot's tag changes. The owner
+// closes the descriptor only after clearing the tag, and the mapping keeps the memory alive for a peer that is
+// still copying: no copy ever touches memory that is not the region's.
 // Anything else (not registered, changed, a piece outside the region, a failed copy) sends the call to the
 // server, which serves it or refuses it as for any peer. accumulatev always goes through the server, which
 // applies concurrent accumulates one at a time under the region's lock. A call is copied directly only while
@@ -49,6 +55,7 @@
 #include "smartcoll/comm.h"
 #include "smartcoll/onesided.h"
 #include "smartcoll/store.h"
+#include "transport/shared_memory.h"
 #include "transport/socket.h"
 
 namespace smartcoll::rma {
@@ -93,7 +100,9 @@ class Service {
   uint64_t direct_gets() const { return direct_gets_.load(std::memory_order_relaxed); }
   uint64_t direct_puts() const { return direct_puts_.load(std::memory_order_relaxed); }
 
-  uint64_t add(void* base, size_t bytes, DataType dtype);
+  // memory: the region's memfd (allocate), which peers on this host may map; null: any buffer.
+  uint64_t add(void* base, size_t bytes, DataType dtype, std::shared_ptr<cma::SharedMemory> memory = nullptr);
+  AllocatedRegion allocate(size_t bytes, DataType dtype);
   // Waits until no request is copying from or into the region, and no peer on this host is writing into it
   // directly (CommError after the timeout knob if one still is: a stopped process; the buffer must then stay);
   // later requests are refused, naming it.
@@ -135,13 +144,16 @@ class Service {
   std::string local_name(int rank, int port) const;
   // A get or put with a process on this host, copied directly (see above); null where the server must serve it.
   std::shared_ptr<Request> copy_directly(Kind kind, const RemoteRegion& region, std::span<const RemotePiece> pieces,
-                                         std::span<const LocalPiece> local);
+                                         std::span<const LocalPiece> local, uint64_t local_bytes);
   // Waits until no peer's word in this rank's directory holds `id`; CommError naming the writer after the
   // timeout knob.
   void wait_for_writers(uint64_t id);
   struct Directory;
   // `peer`'s directory, mapped on first use; null where it cannot be (the server serves).
   Directory* directory(int peer);
+  // Region `id` of `peer` (its memfd `fd`, `bytes` long), mapped on first use; null where it cannot be (the
+  // region is gone, or the descriptor cannot be mapped: calls on it then take the other ways).
+  std::shared_ptr<cma::SharedMemory> mapping(Directory& d, int peer, uint64_t id, int fd, uint64_t bytes);
 
   Settings s_;
   // [peer]: this rank's calls to it that the server path holds (posted, not yet done): while any is, calls to

@@ -38,6 +38,11 @@ uint64_t Communicator::register_region(void* base, size_t bytes, DataType dtype)
   return one_sided(lock).add(base, bytes, dtype);
 }
 
+AllocatedRegion Communicator::allocate_region(size_t bytes, DataType dtype) {
+  std::shared_lock<std::shared_mutex> lock;
+  return one_sided(lock).allocate(bytes, dtype);
+}
+
 void Communicator::deregister_region(uint64_t id) {
   // Returns only once the server touches the region no more: the caller may free it next.
   std::shared_lock lock(rma_mu_);

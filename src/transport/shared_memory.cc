@@ -11,15 +11,19 @@
 #include <utility>
 
 namespace smartcoll::cma {
+namespace {
+constexpr int kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+}  // namespace
 
 SharedMemory SharedMemory::create(const char* name, size_t bytes, std::string& error) {
   SharedMemory s;
-  const int fd = static_cast<int>(syscall(SYS_memfd_create, name, MFD_CLOEXEC));
+  const int fd = static_cast<int>(syscall(SYS_memfd_create, name, MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (fd < 0) {
     error = std::string("memfd_create failed: ") + std::strerror(errno);
     return s;
   }
-  void* base = ftruncate(fd, static_cast<off_t>(bytes)) == 0
+  // Sealed at its size: a peer's mapping can never reach past the end of the file (SIGBUS), and open() checks it.
+  void* base = ftruncate(fd, static_cast<off_t>(bytes)) == 0 && fcntl(fd, F_ADD_SEALS, kSeals) == 0
                    ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
                    : MAP_FAILED;
   if (base == MAP_FAILED) {
@@ -42,12 +46,13 @@ SharedMemory SharedMemory::open(int pid, int fd, size_t bytes, const std::string
     return s;
   }
   struct stat st {};
-  void* base = fstat(mine, &st) == 0 && static_cast<size_t>(st.st_size) == bytes
+  void* base = fstat(mine, &st) == 0 && static_cast<size_t>(st.st_size) == bytes &&
+                       (fcntl(mine, F_GET_SEALS) & kSeals) == kSeals
                    ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, mine, 0)
                    : MAP_FAILED;
   ::close(mine);
   if (base == MAP_FAILED) {
-    error = what + " " + path + " has the wrong size or cannot be mapped";
+    error = what + " " + path + " has the wrong size, is not sealed at it, or cannot be mapped";
     return s;
   }
   s.base_ = base;

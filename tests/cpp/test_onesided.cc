@@ -181,6 +181,59 @@ TEST(OneSided, PutvWritesPiecesInOrderAndLeavesTheRestAlone) {
   });
 }
 
+// Regions in memory the communicator allocated: peers of this host map them and copy pieces themselves (the
+// gather and scatter kernels, or piece by piece into local buffers cut across the pieces), bit for bit as the
+// server would.
+TEST(OneSided, AllocatedRegionsAreCopiedThroughAMappingBitForBit) {
+  run_ranks(3, [](Communicator& comm) {
+    AllocatedRegion mine = comm.allocate_region(kRegion, DataType::u8);
+    ASSERT_EQ(mine.id, 1u);
+    ASSERT_EQ(mine.bytes, kRegion);
+    const auto start = pattern(comm.rank());
+    std::memcpy(mine.data, start.data(), kRegion);
+    comm.barrier()->wait();
+    const uint64_t before = comm.engine_stats().direct_gets;
+    std::mt19937 gen(300 + comm.rank());
+    for (int peer = 0; peer < comm.size(); ++peer) {
+      const auto pieces = random_pieces(gen, 300);
+      std::vector<uint8_t> one(total(pieces), 0xee), many(total(pieces), 0xee), want;
+      const auto theirs = pattern(peer);
+      for (const RemotePiece& p : pieces)
+        want.insert(want.end(), theirs.begin() + static_cast<ptrdiff_t>(p.offset),
+                    theirs.begin() + static_cast<ptrdiff_t>(p.offset + p.bytes));
+      comm.getv(region_of(peer, 1), pieces, std::vector<LocalPiece>{{one.data(), one.size()}})->wait();
+      comm.getv(region_of(peer, 1), pieces, split(many, gen))->wait();
+      ASSERT_EQ(one, want) << "rank " << comm.rank() << " reading rank " << peer << " into one buffer";
+      ASSERT_EQ(many, want) << "rank " << comm.rank() << " reading rank " << peer << " into many";
+    }
+    const uint64_t direct = comm.engine_stats().direct_gets - before;
+    EXPECT_EQ(direct, 6u) << "gets copied through the mapping";
+    comm.barrier()->wait();
+    // Rank 0 writes into rank 1 (from many local buffers) and rank 2 (from one); later pieces over earlier.
+    std::mt19937 shared_gen(9);
+    const auto pieces = random_pieces(shared_gen, 200);
+    std::vector<uint8_t> data(total(pieces));
+    for (auto& b : data) b = static_cast<uint8_t>(shared_gen());
+    if (comm.rank() == 0) {
+      comm.putv(split(data, gen), region_of(1, 1), pieces)->wait();
+      comm.putv(std::vector<LocalPiece>{{data.data(), data.size()}}, region_of(2, 1), pieces)->wait();
+    }
+    comm.barrier()->wait();
+    std::vector<uint8_t> want = start;
+    if (comm.rank() > 0) {
+      size_t at = 0;
+      for (const RemotePiece& p : pieces) {
+        std::memcpy(want.data() + p.offset, data.data() + at, p.bytes);
+        at += p.bytes;
+      }
+    }
+    ASSERT_EQ(0, std::memcmp(mine.data, want.data(), kRegion)) << "rank " << comm.rank();
+    comm.barrier()->wait();
+    comm.deregister_region(mine.id);
+    static_cast<uint8_t*>(mine.data)[0] ^= 1;  // the memory outlives the registration
+  });
+}
+
 TEST(OneSided, AccumulatevSumsIntegersExactlyFromEveryRank) {
   run_ranks(3, [](Communicator& comm) {
     std::vector<int64_t> mine(kRegion / 8, 5);

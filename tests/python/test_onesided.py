@@ -280,6 +280,105 @@ def test_gets_on_one_host_read_the_target_directly(direct):
     assert direct_counts(body, direct) == [4 if direct == "auto" else 0] * 2
 
 
+@pytest.mark.parametrize("direct", ["auto", "off"])
+def test_allocated_regions_on_one_host_are_copied_by_the_initiator_for_pieces_of_any_size(direct):
+    """A region in memory from comm.allocate is mapped by peers on one host: their getv and putv of pieces of any
+    size (1-300 B here, one local buffer or a list cut across the pieces) copy it themselves (direct_gets,
+    direct_puts), bit for bit as the server would; rma_direct=off asks the server. accumulatev still goes to the
+    server. A region allocated after a deregistered one is read at its new place, and a piece outside it is still
+    refused by the target."""
+    nbytes = 64 * KIB
+
+    def body(comm):
+        region = comm.allocate(nbytes, "uint8")
+        region.buffer[:] = region_bytes(comm.rank, nbytes)
+        remote = comm.exchange_regions(region)
+        peer = 1 - comm.rank
+        rng = np.random.default_rng(11 + comm.rank)
+        theirs = region_bytes(peer, nbytes)
+        before = comm.engine_stats()
+        offsets, sizes = random_pieces(rng, nbytes, 500, largest=300)
+        want = np.concatenate([theirs[o:o + s] for o, s in zip(offsets, sizes)])
+        flat = np.empty(want.size, np.uint8)
+        comm.getv(peer, remote[peer], offsets, sizes, flat)
+        np.testing.assert_array_equal(flat, want)
+        cuts = np.sort(rng.choice(np.arange(1, want.size), 40, replace=False))
+        parts = [np.empty(n, np.uint8) for n in np.diff(np.concatenate([[0], cuts, [want.size]]))]
+        comm.getv(peer, remote[peer], offsets, sizes, parts)
+        np.testing.assert_array_equal(np.concatenate(parts), want)
+        comm.barrier()
+        # Each rank writes disjoint 100 B pieces into the peer's first (rank 0) or second (rank 1) half.
+        put_offsets = comm.rank * nbytes // 2 + np.arange(50) * 300
+        data = np.arange(5000, dtype=np.uint32).astype(np.uint8)
+        comm.putv(peer, [data[:1234], data[1234:]], remote[peer], put_offsets, 100)
+        comm.accumulatev(peer, np.ones(8, np.uint8), remote[peer], [nbytes - 8])
+        comm.barrier()
+        mine = region_bytes(comm.rank, nbytes)
+        expect = mine.copy()
+        for i, o in enumerate(peer * nbytes // 2 + np.arange(50) * 300):
+            expect[o:o + 100] = data[100 * i:100 * i + 100]
+        expect[-8:] += 1
+        np.testing.assert_array_equal(region.buffer, expect)
+        counts = {k: comm.engine_stats()[k] - before[k] for k in ("direct_gets", "direct_puts")}
+        comm.barrier()
+        region.close()
+        again = comm.allocate((16, 4), "float32")  # a new id, a new memfd
+        again.buffer[:] = comm.rank + np.arange(64, dtype=np.float32).reshape(16, 4)
+        remote = comm.exchange_regions(again)
+        got = np.empty(4, np.float32)
+        comm.getv(peer, remote[peer], [4 * 4 * 3], 16, got)
+        np.testing.assert_array_equal(got, peer + np.arange(12, 16, dtype=np.float32))
+        forged = smartcoll.RemoteRegion(peer, remote[peer].id, 1 << 20, "float32")
+        with pytest.raises(smartcoll.CommError, match=r"refused it: piece 0 \(16 bytes at offset 256\) lies outside"):
+            comm.getv(peer, forged, [256], 16, got)
+        comm.barrier()
+        again.close()
+        return counts, comm.same_host_path
+
+    results = run_thread_ranks(2, body, rma_direct=direct)
+    assert [path for _, path in results] == ["usable"] * 2, results
+    expected = {"direct_gets": 2, "direct_puts": 1} if direct == "auto" else {"direct_gets": 0, "direct_puts": 0}
+    assert [counts for counts, _ in results] == [expected] * 2
+
+
+def test_an_allocated_region_s_array_outlives_its_registration():
+    """comm.allocate gives a zeroed array of the shape and dtype asked for, shared with torch.from_numpy; closing
+    the region refuses peers' later calls by name, while the array stays readable and writable here. Bad shapes
+    and dtypes are refused by name."""
+    torch = pytest.importorskip("torch")
+
+    def body(comm):
+        region = comm.allocate((3, 5), "int32")
+        assert region.buffer.shape == (3, 5) and region.buffer.dtype == np.int32 and not region.buffer.any()
+        assert region.nbytes == 60 and region.dtype == "int32"
+        t = torch.from_numpy(region.buffer)
+        t += 7 + comm.rank
+        remote = comm.exchange_regions(region)
+        peer = 1 - comm.rank
+        got = np.empty(5, np.int32)
+        comm.getv(peer, remote[peer], [20], 20, got)
+        assert got.tolist() == [7 + peer] * 5
+        comm.barrier()
+        array = region.buffer
+        region.close()
+        del region
+        gc.collect()
+        array[0, 0] = -1
+        assert array.sum() == 15 * (7 + comm.rank) - 8 - comm.rank
+        comm.barrier()
+        with pytest.raises(smartcoll.CommError, match=rf"rank {peer} refused it: region {remote[peer].id} was deregistered"):
+            comm.getv(peer, remote[peer], [0], 20, got)
+        with pytest.raises(TypeError, match=r"NumPy has no bfloat16"):
+            comm.allocate(8, "bfloat16")
+        with pytest.raises(ValueError, match=r"holds no element"):
+            comm.allocate((4, 0))
+        with pytest.raises(ValueError, match=r"negative dimension"):
+            comm.allocate((-1, 4))
+        comm.barrier()
+
+    run_thread_ranks(2, body)
+
+
 def abstract_socket_names() -> list[str]:
     """The names of this network namespace's abstract Unix sockets that smartcoll made, once per socket: a
     listener's name is listed again for each connection it accepted."""
@@ -323,12 +422,12 @@ def test_one_sided_channels_on_one_host_are_unix_sockets(unix):
     assert len(set(names)) == 2, names
 
 
-def race_deregistration(nbytes: int, rounds: int, before, after, call) -> tuple:
-    """Rank 1 registers a buffer of `nbytes` and deregisters it, `rounds` times (`before(buf, i)` ahead of each
-    registration, its results summed; `after(buf)` once each deregistration returned), while rank 0 runs
-    `call(comm, region)` on the newest region as fast as it can. Returns rank 0's (calls that succeeded, calls
-    refused as deregistered, engine_stats()) and rank 1's sum. Ranks are threads here, so the newest id is handed
-    over in memory."""
+def race_deregistration(nbytes: int, rounds: int, before, after, call, allocate: bool = False) -> tuple:
+    """Rank 1 registers a buffer of `nbytes` (allocate: a new region from comm.allocate each time) and deregisters
+    it, `rounds` times (`before(buf, i)` ahead of each registration or, allocated, of handing the region over, its
+    results summed; `after(buf)` once each deregistration returned), while rank 0 runs `call(comm, region)` on the
+    newest region as fast as it can. Returns rank 0's (calls that succeeded, calls refused as deregistered,
+    engine_stats()) and rank 1's sum. Ranks are threads here, so the newest id is handed over in memory."""
     import threading
 
     newest = {"id": 0}
@@ -341,8 +440,12 @@ def race_deregistration(nbytes: int, rounds: int, before, after, call) -> tuple:
             total = 0
             try:
                 for i in range(rounds):
+                    if allocate:
+                        region = comm.allocate(nbytes, "uint8")
+                        buf = region.buffer
                     total += before(buf, i)
-                    region = comm.register(buf)
+                    if not allocate:
+                        region = comm.register(buf)
                     newest["id"] = region.remote().id
                     time.sleep(0.0005)
                     region.close()
@@ -370,11 +473,13 @@ def race_deregistration(nbytes: int, rounds: int, before, after, call) -> tuple:
     return tuple(run_thread_ranks(2, body))
 
 
-def test_a_direct_get_never_returns_bytes_written_after_deregistration():
-    """Rank 1 registers a 64 KiB region filled with one value, deregisters it and overwrites it with a poison
-    value, over and over, while rank 0 reads the newest region directly as fast as it can. Every get that
-    succeeds holds one registered value throughout (the tag read before and after the pieces matched); the others
-    fail with the target's refusal."""
+@pytest.mark.parametrize("allocate", [False, True], ids=["registered", "allocated"])
+def test_a_direct_get_never_returns_bytes_written_after_deregistration(allocate):
+    """Rank 1 registers a 64 KiB region filled with one value (or allocates one and fills it), deregisters it and
+    overwrites it with a poison value, over and over, while rank 0 reads the newest region directly as fast as it
+    can (an allocated one through its mapping, which outlives the deregistration). Every get that succeeds holds
+    one registered value throughout (the tag read before and after the pieces matched); the others fail with the
+    target's refusal."""
     nbytes = 64 * KIB
     out = np.empty(nbytes, np.uint8)
 
@@ -386,7 +491,7 @@ def test_a_direct_get_never_returns_bytes_written_after_deregistration():
         comm.getv(1, region, [0], nbytes, out)
         assert out[0] != 0xEE and (out == out[0]).all(), f"region {region.id}: torn or poisoned bytes"
 
-    (good, refused, stats), _ = race_deregistration(nbytes, 300, fill, lambda buf: buf.fill(0xEE), get)
+    (good, refused, stats), _ = race_deregistration(nbytes, 300, fill, lambda buf: buf.fill(0xEE), get, allocate)
     assert good > 0 and stats["direct_gets"] > 0, (good, refused, stats)  # here about 1700-2000 direct, 150-220 refused
 
 
@@ -656,7 +761,7 @@ def test_a_writer_stopped_in_a_direct_put_holds_deregistration_for_the_timeout_t
         fd = os.open(f"/proc/self/fd/{fds.pop()}", os.O_RDWR)
         try:
             with mmap.mmap(fd, 0) as directory:
-                word = 32 + 1024 * 24  # rank 0's word: after the header and the 1024 slots of (tag, base, bytes)
+                word = 32 + 1024 * 32  # rank 0's word: after the header and the 1024 slots of (tag, base, bytes, shared)
                 assert len(directory) == word + 2 * 8
                 struct.pack_into("<Q", directory, word, region.id)
                 start = time.monotonic()

@@ -1,14 +1,17 @@
 """Embedding lookup: one-sided getv against the usual exchange (docs/vectored.md, "One-sided operations").
 
     smartcoll bench embedding [-n 2] [--rows 256K] [--dims 64,256] [--batches 1024,8192] [--iters 20]
-                              [--codec NAME] [--no-gloo] [--cluster NAME] [--json FILE]
+                              [--codec NAME] [--table allocated|registered] [--no-gloo] [--cluster NAME]
+                              [--json FILE]
 
 A table of --rows rows of D float32 columns is sharded by rows over the ranks (rank r holds a contiguous block).
 In each round every rank draws a batch of random row ids and fetches those rows, three ways, side by side:
 
-* getv: one getv per owning peer, straight from the owner's registered shard into this rank's buffer; the owner
-  makes no call (its one-sided server thread serves it; on one host, rows of 4 KiB or more are read from its
-  memory directly, docs/vectored.md). Rows of this rank's own shard are copied locally.
+* getv: one getv per owning peer, straight from the owner's shard into this rank's buffer; the owner makes no
+  call (its one-sided server thread serves it). Each shard is a region in shared memory (comm.allocate), which
+  peers on one host map and copy from themselves; with --table registered it is an ordinary array registered
+  (comm.register), which they read with a system call for rows of 4 KiB or more and through the owner's server
+  otherwise (docs/vectored.md). Rows of this rank's own shard are copied locally.
 * alltoallv: the usual exchange in smartcoll: the number of ids per owner (alltoall), the ids (alltoallv), each
   owner gathers its rows, the rows back (alltoallv).
 * gloo: the same exchange with torch.distributed's gloo backend (all_to_all_single with split sizes).
@@ -126,7 +129,8 @@ def round_trip(rows: np.ndarray, codec: str) -> np.ndarray:
     return np.stack([codecs.decode(codecs.encode(r, codec), codec, dim) for r in rows])
 
 
-def worker(outdir: str, rows: int, dims: list[int], batches: list[int], iters: int, gloo: bool, codec: str) -> int:
+def worker(outdir: str, rows: int, dims: list[int], batches: list[int], iters: int, gloo: bool, codec: str,
+           table: str) -> int:
     import smartcoll
 
     comm = smartcoll.init()
@@ -137,7 +141,13 @@ def worker(outdir: str, rows: int, dims: list[int], batches: list[int], iters: i
     for dim in dims:
         lo, hi = shards.starts[comm.rank], shards.starts[comm.rank + 1]
         shard = row_values(np.arange(lo, hi), dim)
-        with comm.register(shard) as region:
+        if table == "allocated":
+            region = comm.allocate(shard.shape, "float32")
+            region.buffer[:] = shard
+            shard = region.buffer
+        else:
+            region = comm.register(shard)
+        with region:
             remote = comm.exchange_regions(region)
             run = {
                 "getv": lambda ids, out: getv_lookup(comm, shards, shard, remote, ids, out),
@@ -187,20 +197,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--batches", default="1024,8192", help="row ids per rank and round (default 1024,8192)")
     ap.add_argument("--iters", type=int, default=20, help="timed rounds (default 20)")
     ap.add_argument("--codec", default="", help="also time getv with this codec on the wire (e.g. bfp16)")
+    ap.add_argument("--table", choices=("allocated", "registered"), default="allocated",
+                    help="each rank's shard: shared memory from comm.allocate (default), or an array it registers")
     ap.add_argument("--no-gloo", action="store_true", help="leave torch's gloo out")
     add_launch_options(ap)
     args = ap.parse_args(argv)
     rows = parse_size(args.rows)
     batches = [parse_size(b) for b in args.batches.split(",")]
     worker_args = [str(rows), args.dims, ",".join(map(str, batches)), str(args.iters), "0" if args.no_gloo else "1",
-                   args.codec]
+                   args.codec, args.table]
     # gloo's store listens on MASTER_PORT + 1 (gloo_ops)
     report, status = run_workers("embedding", "smartcoll.tools.bench.embedding", worker_args, args.n, args.cluster,
                                  args.timeout, ports=2)
     if report is None:
         return status
     print(f"{args.n} ranks{' on cluster ' + args.cluster if args.cluster else ' on loopback'}: a table of {rows} "
-          f"float32 rows sharded by rows; median of {args.iters} rounds (the slowest rank's time per round); "
+          f"float32 rows sharded by rows ({args.table}); median of {args.iters} rounds (the slowest rank's time per round); "
           "rows checked")
     print(f"{'D':>4} {'batch':>6} {'method':<16} {'median ms':>10} {'best ms':>9} {'Mrows/s/rank':>13} {'vs getv':>8}")
     table = []
@@ -215,7 +227,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"{row['Mrows_per_s']:>13.2f} {med / base:>7.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ranks": args.n, "cluster": args.cluster, "rows": rows, "iters": args.iters, "table": table,
+            json.dump({"ranks": args.n, "cluster": args.cluster, "table": args.table, "rows": rows, "iters": args.iters, "table": table,
                        "times_s": report["results"]}, f, indent=2)
     return 0
 
@@ -223,4 +235,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     raise SystemExit(worker(sys.argv[2], int(sys.argv[3]), [int(d) for d in sys.argv[4].split(",")],
                             [int(b) for b in sys.argv[5].split(",")], int(sys.argv[6]), sys.argv[7] == "1",
-                            sys.argv[8] if len(sys.argv) > 8 else ""))
+                            sys.argv[8], sys.argv[9]))
