@@ -1,4 +1,5 @@
 #include <array>
+#include <cstddef>
 #include <cstring>
 #include <cstdlib>
 #include <pthread.h>
@@ -496,12 +497,28 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
   }
   if (nicd_) {
     nicd::check_supported(call.coll, call.codec, views != nullptr);
+    nicd::Post post{0, static_cast<uint8_t>(call.coll), static_cast<uint8_t>(call.dt), static_cast<uint8_t>(call.op),
+                    call.root, call.count, reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out),
+                    call.codec.name()};
+    if (views) {  // the daemon maps the views' addresses through their tables of pieces, which `views` keeps
+      static_assert(sizeof(coll::Piece) == 16 && offsetof(coll::Piece, bytes) == 8, "the tables' layout");
+      auto table = [&](const void* at, uint64_t& addr, uint32_t& pieces) {
+        const coll::Segmented* v = views->find(static_cast<const char*>(at));
+        require(v != nullptr, "a list call's buffer is not one of its views");  // never: submit_list makes them
+        require(v->pieces().size() <= nicd::kMaxListPieces,
+                std::string(collective_name(call.coll)) + ": engine=nicd takes lists of at most " +
+                    std::to_string(nicd::kMaxListPieces) + " non-empty buffers per side");
+        addr = reinterpret_cast<uintptr_t>(v->pieces().data());
+        pieces = static_cast<uint32_t>(v->pieces().size());
+      };
+      table(in, post.in_table, post.in_pieces);
+      table(out, post.out_table, post.out_pieces);
+      post.layout = call.layout;
+    }
     std::lock_guard lock(submit_mu_);
     check_one_poster();
-    last_posted_ = req = nicd_->post({seq_++, static_cast<uint8_t>(call.coll), static_cast<uint8_t>(call.dt),
-                                      static_cast<uint8_t>(call.op), call.root, call.count,
-                                      reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out),
-                                      call.codec.name()});
+    post.seq = seq_++;
+    last_posted_ = req = nicd_->post(post, views);
     req->algo_ = call.algo;
     return req;
   }

@@ -34,11 +34,11 @@ std::string seconds(double s) {
 }  // namespace
 
 void check_supported(Collective coll, const Codec& codec, bool list) {
-  if (coll == Collective::alltoallv || list)
-    throw InvalidArgument("engine=nicd runs allreduce, reduce, reduce_scatter, broadcast, allgather, alltoall and "
-                          "barrier on single buffers; " +
-                          (list ? std::string("list calls are") : std::string(collective_name(coll)) + " is") +
-                          " not supported there: use engine=inprocess for it");
+  if (coll == Collective::alltoallv)
+    throw InvalidArgument(std::string("engine=nicd runs allreduce, reduce, reduce_scatter, broadcast, allgather, "
+                                      "alltoall and barrier (the list forms of allreduce, reduce_scatter, allgather "
+                                      "and broadcast too); alltoallv") +
+                          (list ? " of a list" : "") + " is not supported there: use engine=inprocess for it");
   if (codec.kind() != CodecKind::identity && coll != Collective::allreduce)
     throw InvalidArgument("engine=nicd compresses only allreduce between hosts; " +
                           std::string(collective_name(coll)) + " with codec '" + codec.name() +
@@ -132,7 +132,7 @@ Client::~Client() {
   std::vector<std::shared_ptr<Request>> running;
   {
     std::lock_guard lock(mu_);
-    for (auto& [seq, req] : pending_) running.push_back(req);
+    for (auto& [seq, call] : pending_) running.push_back(call.req);
   }
   for (auto& req : running) {
     try {
@@ -157,18 +157,21 @@ Client::~Client() {
 
 void Client::fail_all(const std::string& why) {
   if (broken_.empty()) broken_ = why;
-  for (auto& [seq, req] : pending_) req->finish(why);
+  for (auto& [seq, call] : pending_) {
+    call.req->finish(why);
+    if (call.keep) unanswered_.push_back(std::move(call.keep));
+  }
   pending_.clear();
 }
 
-std::shared_ptr<Request> Client::post(const Post& p) {
+std::shared_ptr<Request> Client::post(const Post& p, std::shared_ptr<const void> keep) {
   auto req = std::make_shared<Request>();
   std::lock_guard lock(mu_);
   if (!broken_.empty()) {
     req->finish(broken_);
     return req;
   }
-  pending_[p.seq] = req;
+  pending_[p.seq] = {req, std::move(keep)};
   try {
     send_message(fd_.get(), encode(p));
   } catch (const CommError& e) {
@@ -211,7 +214,7 @@ void Client::read_loop() {
           auto it = pending_.find(done.seq);
           if (it == pending_.end()) throw ProtocolError{"an answer to call #" + std::to_string(done.seq) +
                                                         ", which this rank has not posted"};
-          it->second->finish(done.error);
+          it->second.req->finish(done.error);
           pending_.erase(it);
         } else if (type_of(msg) != Type::heartbeat) {
           throw ProtocolError{"an unexpected message of type " + std::to_string(static_cast<int>(type_of(msg)))};

@@ -19,7 +19,7 @@
 
 namespace smartcoll::nicd {
 
-// Throws InvalidArgument naming what engine=nicd runs when it cannot run `coll` (with `codec`).
+// Throws InvalidArgument naming what engine=nicd runs when it cannot run `coll` (with `codec`; a list call).
 void check_supported(Collective coll, const Codec& codec, bool list);
 
 class Client {
@@ -32,8 +32,9 @@ class Client {
   Client& operator=(const Client&) = delete;
 
   // Posts call number `seq`; the request completes when the daemon says so, or fails when the daemon goes away
-  // or stays silent for the timeout.
-  std::shared_ptr<Request> post(const Post& p);
+  // or stays silent for the timeout. `keep` (a list call's views, which its tables are in) lives until the
+  // daemon has answered, or with the client where it never did.
+  std::shared_ptr<Request> post(const Post& p, std::shared_ptr<const void> keep = nullptr);
   // Tells the daemon, which fails the job on every rank and answers this rank's pending calls with the reason
   // (once it no longer touches their buffers); later calls fail at once.
   void abort(const std::string& reason);
@@ -49,7 +50,13 @@ class Client {
   int daemon_pid_ = 0;
   double timeout_ = 60;
   std::mutex mu_;
-  std::map<uint64_t, std::shared_ptr<Request>> pending_;
+  struct Pending {
+    std::shared_ptr<Request> req;
+    std::shared_ptr<const void> keep;
+  };
+  std::map<uint64_t, Pending> pending_;
+  // What calls that failed without the daemon's answer kept: a daemon that was only slow may still read them.
+  std::vector<std::shared_ptr<const void>> unanswered_;
   std::string broken_;  // why the daemon cannot be used any more; empty while it can
   std::chrono::steady_clock::time_point heard_;  // when the daemon last sent anything
   std::atomic<bool> stop_{false};

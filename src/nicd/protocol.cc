@@ -170,6 +170,11 @@ std::string encode(const Post& m) {
   w.u64(m.in);
   w.u64(m.out);
   w.str(m.codec);
+  w.u64(m.in_table);
+  w.u64(m.out_table);
+  w.u32(m.in_pieces);
+  w.u32(m.out_pieces);
+  w.u32(m.layout);
   return w.out;
 }
 
@@ -185,7 +190,15 @@ Post decode_post(std::string_view msg) {
   m.in = r.u64();
   m.out = r.u64();
   m.codec = r.str();
+  m.in_table = r.u64();
+  m.out_table = r.u64();
+  m.in_pieces = r.u32();
+  m.out_pieces = r.u32();
+  m.layout = r.u32();
   r.end();
+  if (m.in_pieces > kMaxListPieces || m.out_pieces > kMaxListPieces)
+    throw ProtocolError{"a list of " + std::to_string(std::max(m.in_pieces, m.out_pieces)) + " pieces (at most " +
+                        std::to_string(kMaxListPieces) + ")"};
   if (m.coll >= kCollectives) throw ProtocolError{"collective " + std::to_string(m.coll)};
   if (m.dtype >= std::size(kAllDataTypes)) throw ProtocolError{"dtype " + std::to_string(m.dtype)};
   if (m.op >= std::size(kAllReduceOps)) throw ProtocolError{"op " + std::to_string(m.op)};

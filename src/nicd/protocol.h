@@ -14,10 +14,11 @@
 namespace smartcoll::nicd {
 
 inline constexpr uint32_t kMagic = 0x4443494e;  // "NICD" as little-endian bytes
-inline constexpr uint16_t kVersion = 1;
+inline constexpr uint16_t kVersion = 2;
 inline constexpr size_t kMaxMessage = 512 * 1024;  // a hello of the largest world fits
 inline constexpr int kMaxWorld = 65536;
 inline constexpr size_t kMaxText = 4096;  // every string field
+inline constexpr uint32_t kMaxListPieces = 1u << 20;  // a list call's pieces per side
 
 // $XDG_RUNTIME_DIR/smartcoll-nicd.sock, or /tmp/smartcoll-nicd-UID.sock: where ranks and daemon meet by default.
 std::string default_socket();
@@ -41,6 +42,9 @@ struct Ready {
 };
 
 // rank -> daemon: one collective, numbered from 0 in call order; addresses are in the rank's own memory.
+// A list call's in and out are the starts of its views (coll/segmented.h): address ranges that stand for the
+// list's buffers one after the other, which the tables map, each an array of `pieces` (address u64, bytes u64)
+// in the rank's memory that the daemon reads when it runs the call. A table of 0 pieces: in or out is a buffer.
 struct Post {
   uint64_t seq = 0;
   uint8_t coll = 0, dtype = 0, op = 0;
@@ -48,6 +52,9 @@ struct Post {
   uint64_t count = 0;
   uint64_t in = 0, out = 0;
   std::string codec;  // name of the codec for the inter-host allreduce ("identity": raw elements)
+  uint64_t in_table = 0, out_table = 0;
+  uint32_t in_pieces = 0, out_pieces = 0;
+  uint32_t layout = 0;  // a list call's digest of its counts (0: one buffer), which the ranks of a host must share
 };
 
 // daemon -> rank: collective `seq` finished (error empty) or failed.

@@ -21,6 +21,7 @@
 #include <optional>
 #include <span>
 #include <sstream>
+#include <tuple>
 #include <utility>
 
 #include "nicd/protocol.h"
@@ -95,7 +96,7 @@ std::string describe(const Post& p) {
   return std::string(collective_name(static_cast<Collective>(p.coll))) + " #" + std::to_string(p.seq) +
          "(count=" + std::to_string(p.count) + ", " + std::string(dtype_name(static_cast<DataType>(p.dtype))) +
          ", op=" + std::string(op_name(static_cast<ReduceOp>(p.op))) + ", root=" + std::to_string(p.root) +
-         ", codec=" + p.codec + ")";
+         ", codec=" + p.codec + (p.layout ? ", a list of layout " + std::to_string(p.layout) : std::string()) + ")";
 }
 
 }  // namespace
@@ -112,12 +113,20 @@ struct Slot {
   }
 };
 
+// A list call's view in a rank: [base, base + bytes) stands for the pieces one after the other.
+struct List {
+  uint64_t base = 0, bytes = 0;
+  std::vector<iovec> pieces;
+  std::vector<uint64_t> starts;  // [i]: offset of piece i in the view
+};
+
 // A rank taking part in the call being run, and its post.
 struct Member {
   int rank;
   pid_t pid;
   int pidfd;
   Post post;
+  std::vector<List> lists;  // a list call's views of its input and output (one where they are the same)
 };
 
 struct Job {
@@ -127,7 +136,11 @@ struct Job {
   void run();
   void form();
   bool next_call(std::vector<Member>& members);
-  void execute(const std::vector<Member>& ms);
+  void execute(std::vector<Member>& ms);
+  // Reads a list call's tables of pieces from the rank's memory (Post::in_table, out_table) into m.lists.
+  void read_lists(Member& m);
+  // `remote` as it lies in the rank's memory: a range in one of a list call's views becomes the pieces it covers.
+  std::vector<iovec> real_ranges(const Member& m, std::span<const iovec> remote) const;
   void transfer(bool write, const Member& m, uint64_t remote, char* local, size_t len);
   // The same for many ranges at once (one system call per IOV_MAX of them): `remote` and `local` hold the same
   // bytes, cut alike or not.
@@ -213,8 +226,54 @@ void Job::transfer(bool write, const Member& m, uint64_t remote, char* local, si
   transferv(write, m, {&r, 1}, {&l, 1});
 }
 
-void Job::transferv(bool write, const Member& m, std::span<const iovec> remote, std::span<const iovec> local) {
+std::vector<iovec> Job::real_ranges(const Member& m, std::span<const iovec> remote) const {
+  std::vector<iovec> out;
+  for (const iovec& r : remote) {
+    const uint64_t at = reinterpret_cast<uintptr_t>(r.iov_base);
+    if (r.iov_len == 0) continue;
+    const auto l = std::find_if(m.lists.begin(), m.lists.end(),
+                                [&](const List& v) { return at >= v.base && at - v.base < v.bytes; });
+    if (l == m.lists.end() || r.iov_len > l->bytes - (at - l->base))
+      throw CommError("rank " + std::to_string(m.rank) + "'s " + describe(m.post) + " reaches " +
+                      std::to_string(r.iov_len) + " bytes at an address outside its lists of buffers (lists of " +
+                      "other counts than its peers'?)");
+    uint64_t off = at - l->base, left = r.iov_len;
+    auto i = static_cast<size_t>(std::upper_bound(l->starts.begin(), l->starts.end(), off) - l->starts.begin() - 1);
+    for (; left > 0; ++i) {
+      const uint64_t inside = off - l->starts[i], n = std::min<uint64_t>(left, l->pieces[i].iov_len - inside);
+      out.push_back({static_cast<char*>(l->pieces[i].iov_base) + inside, n});
+      off += n, left -= n;
+    }
+  }
+  return out;
+}
+
+void Job::read_lists(Member& m) {
+  const Post& p = m.post;
+  std::vector<List> lists;  // m's transfers map nothing until they are all read: the tables lie outside them
+  for (const auto& [view, table, count] : {std::tuple{p.in, p.in_table, p.in_pieces},
+                                           std::tuple{p.out, p.out_table, p.out_pieces}}) {
+    if (count == 0 || std::any_of(lists.begin(), lists.end(), [&](const List& l) { return l.base == view; }))
+      continue;
+    List l;
+    l.base = view;
+    l.pieces.resize(count);
+    static_assert(sizeof(iovec) == 16, "a table's entry: address u64, bytes u64");
+    transfer(false, m, table, reinterpret_cast<char*>(l.pieces.data()), count * sizeof(iovec));
+    for (const iovec& piece : l.pieces) {
+      l.starts.push_back(l.bytes);
+      if (__builtin_add_overflow(l.bytes, piece.iov_len, &l.bytes))
+        throw CommError("rank " + std::to_string(m.rank) + "'s list for " + describe(p) + " adds up past 2^64 bytes");
+    }
+    lists.push_back(std::move(l));
+  }
+  m.lists = std::move(lists);
+}
+
+void Job::transferv(bool write, const Member& m, std::span<const iovec> given, std::span<const iovec> local) {
   if (stopping) throw CommError("the job failed");  // the reason is the job's, already given
+  const std::vector<iovec> mapped = m.lists.empty() ? std::vector<iovec>{} : real_ranges(m, given);
+  const std::span<const iovec> remote = m.lists.empty() ? given : std::span<const iovec>(mapped);
   if (m.pidfd >= 0) {
     // A pid is only reused after its process is gone; a gone process is never read or written.
     pollfd p{m.pidfd, POLLIN, 0};
@@ -479,15 +538,16 @@ void Job::alltoall(const std::vector<Member>& ms, const Post& p) {
       });
 }
 
-void Job::execute(const std::vector<Member>& ms) {
+void Job::execute(std::vector<Member>& ms) {
   const Post& p = ms[0].post;
   for (const Member& m : ms) {
     const Post& q = m.post;
     if (q.seq != p.seq || q.coll != p.coll || q.dtype != p.dtype || q.op != p.op || q.root != p.root ||
-        q.count != p.count || q.codec != p.codec)
+        q.count != p.count || q.codec != p.codec || q.layout != p.layout)
       throw CommError("ranks disagree: rank " + std::to_string(ms[0].rank) + " called " + describe(p) + ", rank " +
                       std::to_string(m.rank) + " called " + describe(q));
   }
+  for (Member& m : ms) read_lists(m);
   const auto coll = static_cast<Collective>(p.coll);
   if ((coll == Collective::broadcast || coll == Collective::reduce) && (p.root < 0 || p.root >= hello.size))
     throw CommError("rank " + std::to_string(ms[0].rank) + " called " + describe(p) + ": root " +

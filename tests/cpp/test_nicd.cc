@@ -205,6 +205,108 @@ TEST(Nicd, TwoHostsMeetThroughTheJobsStore) {
   EXPECT_LE(std::max(a.buffer_peak, b.buffer_peak), kWindowBytes + (1 << 20));
 }
 
+// List calls of mixed sizes (empty entries, one entry over a chunk, pieces cut inside chunks and parts) against
+// values computed here: each entry gets what the same call on that buffer alone would give, bit for bit.
+int32_t list_value(int rank, size_t entry, size_t k) {
+  return static_cast<int32_t>((entry * 1000 + k * 13 + static_cast<size_t>(rank) * 7) % 100003);
+}
+
+void check_lists(Communicator& comm) {
+  const int n = comm.size(), r = comm.rank();
+  const std::vector<size_t> counts{3, 0, 1500001, 17, 0, 1, 250000};  // 1.5 M int32: over a 4 MiB chunk
+  const size_t lists = counts.size();
+  auto sum_of = [&](size_t e, size_t k) {
+    int32_t s = 0;
+    for (int q = 0; q < n; ++q) s += list_value(q, e, k);
+    return s;
+  };
+  std::vector<std::vector<int32_t>> bufs(lists), outs(lists);
+  std::vector<void*> b(lists), o(lists);
+  std::vector<const void*> in(lists);
+  // allreduce, in place
+  for (size_t e = 0; e < lists; ++e) {
+    bufs[e].resize(counts[e]);
+    for (size_t k = 0; k < counts[e]; ++k) bufs[e][k] = list_value(r, e, k);
+    b[e] = bufs[e].data();
+  }
+  comm.allreduce(b, counts, DataType::i32, ReduceOp::sum)->wait();
+  for (size_t e = 0; e < lists; ++e)
+    for (size_t k = 0; k < counts[e]; ++k) ASSERT_EQ(bufs[e][k], sum_of(e, k)) << "allreduce entry " << e << ", " << k;
+  // reduce_scatter: entry e's input is n blocks of counts[e]; this rank gets block r of each, reduced
+  for (size_t e = 0; e < lists; ++e) {
+    bufs[e].resize(static_cast<size_t>(n) * counts[e]);
+    for (size_t k = 0; k < bufs[e].size(); ++k) bufs[e][k] = list_value(r, e, k);
+    outs[e].assign(counts[e], -1);
+    in[e] = bufs[e].data();
+    o[e] = outs[e].data();
+  }
+  comm.reduce_scatter(in, o, counts, DataType::i32, ReduceOp::sum)->wait();
+  for (size_t e = 0; e < lists; ++e)
+    for (size_t k = 0; k < counts[e]; ++k)
+      ASSERT_EQ(outs[e][k], sum_of(e, static_cast<size_t>(r) * counts[e] + k)) << "reduce_scatter " << e << ", " << k;
+  // allgather: entry e's output holds every rank's entry e, rank q's at q * counts[e]
+  for (size_t e = 0; e < lists; ++e) {
+    bufs[e].resize(counts[e]);
+    for (size_t k = 0; k < counts[e]; ++k) bufs[e][k] = list_value(r, e, k);
+    outs[e].assign(static_cast<size_t>(n) * counts[e], -1);
+    in[e] = bufs[e].data();
+    o[e] = outs[e].data();
+  }
+  comm.allgather(in, o, counts, DataType::i32)->wait();
+  for (size_t e = 0; e < lists; ++e)
+    for (size_t k = 0; k < outs[e].size(); ++k)
+      ASSERT_EQ(outs[e][k], list_value(static_cast<int>(k / counts[e]), e, k % counts[e])) << "allgather " << e;
+  // broadcast from the last rank
+  for (size_t e = 0; e < lists; ++e) {
+    bufs[e].assign(counts[e], -1);
+    if (r == n - 1)
+      for (size_t k = 0; k < counts[e]; ++k) bufs[e][k] = list_value(r, e, k);
+    b[e] = bufs[e].data();
+  }
+  comm.broadcast(b, counts, DataType::i32, n - 1)->wait();
+  for (size_t e = 0; e < lists; ++e)
+    for (size_t k = 0; k < counts[e]; ++k) ASSERT_EQ(bufs[e][k], list_value(n - 1, e, k)) << "broadcast " << e;
+}
+
+TEST(Nicd, ListCallsOnOneHostReadAndWriteTheBuffersInPlace) {
+  nicd::Server daemon({socket_path("lists"), {}, 60});
+  daemon.start();
+  run_threads(3, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 3, std::move(store), nicd_options(daemon.path()));
+    check_lists(comm);
+  });
+  EXPECT_EQ(daemon.stats().calls, 4u);
+  EXPECT_EQ(daemon.stats().jobs_failed, 0u);
+  daemon.stop();
+}
+
+TEST(Nicd, ListCallsAcrossUnevenHosts) {
+  on_two_hosts("lists2", 4, [](int r) { return r != 2; }, [](int, Communicator& comm) { check_lists(comm); });
+}
+
+// Lists of the same total but other counts on two ranks of a host: the call fails on both, naming both layouts.
+TEST(Nicd, ListsOfOtherCountsFailTheCallNamingThem) {
+  nicd::Server daemon({socket_path("layout"), {}, 20});
+  daemon.start();
+  std::vector<std::string> errors(2);
+  run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 2, std::move(store), nicd_options(daemon.path()));
+    std::vector<int32_t> a(8, 1);
+    std::vector<void*> bufs{a.data(), a.data() + (r == 0 ? 3 : 5)};
+    const std::vector<size_t> counts = r == 0 ? std::vector<size_t>{3, 5} : std::vector<size_t>{5, 3};
+    try {
+      comm.allreduce(bufs, counts, DataType::i32, ReduceOp::sum)->wait();
+    } catch (const CommError& e) {
+      errors[static_cast<size_t>(r)] = e.what();
+    }
+  });
+  for (const std::string& e : errors) {
+    EXPECT_NE(e.find("ranks disagree"), std::string::npos) << e;
+    EXPECT_NE(e.find("a list of layout"), std::string::npos) << e;
+  }
+  daemon.stop();
+}
+
 // 3 ranks on host 0 and 1 on host 1: the daemons' segments are padded to 3 x 3 blocks.
 TEST(Nicd, AlltoallAcrossUnevenHosts) {
   on_two_hosts("uneven", 4, [](int r) { return r != 2; }, [](int, Communicator& comm) {

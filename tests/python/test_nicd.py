@@ -179,13 +179,19 @@ def test_a_daemon_that_dies_or_hangs_fails_its_ranks_within_the_timeout(tmp_path
             assert outcome["seconds"] < 2 + 3, f"rank {r} failed only after {outcome['seconds']:.1f} s"
 
 
-def test_unsupported_collective_is_refused_by_name(tmp_path):
+def test_list_calls_run_and_alltoallv_is_refused_by_name(tmp_path):
+    """Through the daemon a list allreduce of mixed sizes (an empty entry too) gives each entry its own sum, and
+    the torch-style list of one dtype reads and writes the arrays in place; alltoallv, single or list, is refused
+    naming what engine=nicd runs, and leaves the job usable."""
     code = (
         "import numpy as np, smartcoll\nc = smartcoll.init()\n"
         "print('alltoall', c.alltoall(np.full(2, c.rank), np.empty(2, np.int64)).tolist())\n"
-        "try:\n    c.allreduce([np.ones(3), np.ones(5)])\nexcept ValueError as e:\n    print(e)\n"
+        "xs = [np.full(3, c.rank + 1.0), np.zeros(0), np.arange(5.0) * (c.rank + 1)]\n"
+        "c.allreduce(xs)\nprint('list', [x.tolist() for x in xs])\n"
         "try:\n    c.alltoallv(np.arange(2), np.empty(2, np.int64), [1, 1], [1, 1])\nexcept ValueError as e:\n"
         "    print(e)\n"
+        "try:\n    c.alltoallv([np.arange(1), np.arange(1)], [np.empty(1, np.int64), np.empty(1, np.int64)])\n"
+        "except ValueError as e:\n    print(e)\n"
         "print('after', c.allreduce(np.arange(3)).tolist())\n"
         "c.close()\n"
     )
@@ -197,13 +203,14 @@ def test_unsupported_collective_is_refused_by_name(tmp_path):
         assert res.returncode == 0, res.stderr
         lines = res.stdout.splitlines()
         head = (
-            "engine=nicd runs allreduce, reduce, reduce_scatter, broadcast, allgather, alltoall and barrier "
-            "on single buffers; "
+            "engine=nicd runs allreduce, reduce, reduce_scatter, broadcast, allgather, alltoall and barrier (the "
+            "list forms of allreduce, reduce_scatter, allgather and broadcast too); alltoallv"
         )
         assert lines[0] == "alltoall [0, 1]", res.stdout  # run by the daemon now
-        assert lines[1].startswith(head + "list calls are not supported"), res.stdout
-        assert lines[2].startswith(head + "alltoallv is not supported"), res.stdout
-        assert lines[3] == "after [0, 2, 4]", res.stdout  # a refused call leaves the job usable
+        assert lines[1] == "list [[3.0, 3.0, 3.0], [], [0.0, 3.0, 6.0, 9.0, 12.0]]", res.stdout
+        assert lines[2].startswith(head + " is not supported there: use engine=inprocess"), res.stdout
+        assert lines[3].startswith(head + " of a list is not supported there"), res.stdout
+        assert lines[4] == "after [0, 2, 4]", res.stdout  # a refused call leaves the job usable
 
 
 def test_a_second_daemon_on_a_socket_in_use_is_refused():
