@@ -496,7 +496,7 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
     return req;
   }
   if (nicd_) {
-    nicd::check_supported(call.coll, call.codec, views != nullptr);
+    nicd::check_supported(call.coll, call.codec);
     nicd::Post post{0, static_cast<uint8_t>(call.coll), static_cast<uint8_t>(call.dt), static_cast<uint8_t>(call.op),
                     call.root, call.count, reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out),
                     call.codec.name()};
@@ -515,10 +515,24 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
       table(out, post.out_table, post.out_pieces);
       post.layout = call.layout;
     }
+    // What the daemon reads from this rank's memory while it runs the call: the views' tables, alltoallv's blocks.
+    struct Kept {
+      std::shared_ptr<const coll::Views> views;
+      std::vector<uint64_t> blocks;
+    };
+    auto kept = std::make_shared<Kept>(Kept{views, {}});
+    if (call.displs) {
+      const coll::Displacements& d = *call.displs;
+      const uint64_t esize = dtype_size(call.dt);
+      for (size_t j = 0; j < static_cast<size_t>(size_); ++j)
+        kept->blocks.insert(kept->blocks.end(), {d.sdispls[j] * esize, d.sendcounts[j] * esize,
+                                                 d.rdispls[j] * esize, d.recvcounts[j] * esize});
+      post.blocks = reinterpret_cast<uintptr_t>(kept->blocks.data());
+    }
     std::lock_guard lock(submit_mu_);
     check_one_poster();
     post.seq = seq_++;
-    last_posted_ = req = nicd_->post(post, views);
+    last_posted_ = req = nicd_->post(post, std::move(kept));
     req->algo_ = call.algo;
     return req;
   }

@@ -33,12 +33,7 @@ std::string seconds(double s) {
 
 }  // namespace
 
-void check_supported(Collective coll, const Codec& codec, bool list) {
-  if (coll == Collective::alltoallv)
-    throw InvalidArgument(std::string("engine=nicd runs allreduce, reduce, reduce_scatter, broadcast, allgather, "
-                                      "alltoall and barrier (the list forms of allreduce, reduce_scatter, allgather "
-                                      "and broadcast too); alltoallv") +
-                          (list ? " of a list" : "") + " is not supported there: use engine=inprocess for it");
+void check_supported(Collective coll, const Codec& codec) {
   if (codec.kind() != CodecKind::identity && coll != Collective::allreduce)
     throw InvalidArgument("engine=nicd compresses only allreduce between hosts; " +
                           std::string(collective_name(coll)) + " with codec '" + codec.name() +

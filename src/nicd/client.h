@@ -19,8 +19,8 @@
 
 namespace smartcoll::nicd {
 
-// Throws InvalidArgument naming what engine=nicd runs when it cannot run `coll` (with `codec`; a list call).
-void check_supported(Collective coll, const Codec& codec, bool list);
+// Throws InvalidArgument naming what engine=nicd runs when it cannot run `coll` with `codec`.
+void check_supported(Collective coll, const Codec& codec);
 
 class Client {
  public:

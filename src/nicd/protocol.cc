@@ -175,6 +175,7 @@ std::string encode(const Post& m) {
   w.u32(m.in_pieces);
   w.u32(m.out_pieces);
   w.u32(m.layout);
+  w.u64(m.blocks);
   return w.out;
 }
 
@@ -195,6 +196,7 @@ Post decode_post(std::string_view msg) {
   m.in_pieces = r.u32();
   m.out_pieces = r.u32();
   m.layout = r.u32();
+  m.blocks = r.u64();
   r.end();
   if (m.in_pieces > kMaxListPieces || m.out_pieces > kMaxListPieces)
     throw ProtocolError{"a list of " + std::to_string(std::max(m.in_pieces, m.out_pieces)) + " pieces (at most " +

@@ -55,6 +55,9 @@ struct Post {
   uint64_t in_table = 0, out_table = 0;
   uint32_t in_pieces = 0, out_pieces = 0;
   uint32_t layout = 0;  // a list call's digest of its counts (0: one buffer), which the ranks of a host must share
+  // alltoallv: the address of the rank's table of blocks, per rank d four u64: the offset from `in` and the bytes
+  // of its block for d, the offset from `out` and the bytes of its block from d.
+  uint64_t blocks = 0;
 };
 
 // daemon -> rank: collective `seq` finished (error empty) or failed.

@@ -127,6 +127,7 @@ struct Member {
   int pidfd;
   Post post;
   std::vector<List> lists;  // a list call's views of its input and output (one where they are the same)
+  std::vector<uint64_t> blocks;  // alltoallv: Post::blocks, read
 };
 
 struct Job {
@@ -137,8 +138,9 @@ struct Job {
   void form();
   bool next_call(std::vector<Member>& members);
   void execute(std::vector<Member>& ms);
-  // Reads a list call's tables of pieces from the rank's memory (Post::in_table, out_table) into m.lists.
-  void read_lists(Member& m);
+  // Reads the tables a call names in the rank's memory: a list call's pieces (Post::in_table, out_table) into
+  // m.lists, alltoallv's blocks (Post::blocks) into m.blocks.
+  void read_tables(Member& m);
   // `remote` as it lies in the rank's memory: a range in one of a list call's views becomes the pieces it covers.
   std::vector<iovec> real_ranges(const Member& m, std::span<const iovec> remote) const;
   void transfer(bool write, const Member& m, uint64_t remote, char* local, size_t len);
@@ -157,6 +159,7 @@ struct Job {
   void allreduce(const std::vector<Member>& ms, const Post& p, size_t count,
                  const std::function<void(size_t, size_t, char*)>& done);
   void alltoall(const std::vector<Member>& ms, const Post& p);
+  void alltoallv(const std::vector<Member>& ms, const Post& p);
   size_t widest_host() const;
   std::string name() const { return "job '" + hello.job_id + "'"; }
 
@@ -248,8 +251,12 @@ std::vector<iovec> Job::real_ranges(const Member& m, std::span<const iovec> remo
   return out;
 }
 
-void Job::read_lists(Member& m) {
+void Job::read_tables(Member& m) {
   const Post& p = m.post;
+  if (static_cast<Collective>(p.coll) == Collective::alltoallv) {
+    m.blocks.resize(bytes_of({4, static_cast<size_t>(hello.size)}));
+    transfer(false, m, p.blocks, reinterpret_cast<char*>(m.blocks.data()), m.blocks.size() * sizeof(uint64_t));
+  }
   std::vector<List> lists;  // m's transfers map nothing until they are all read: the tables lie outside them
   for (const auto& [view, table, count] : {std::tuple{p.in, p.in_table, p.in_pieces},
                                            std::tuple{p.out, p.out_table, p.out_pieces}}) {
@@ -388,7 +395,7 @@ bool Job::next_call(std::vector<Member>& ms) {
     cv.wait_for(lock, std::chrono::milliseconds(100));
   }
   ms.clear();
-  for (const auto& [rank, s] : slots) ms.push_back({rank, s.pid, s.pidfd, s.posts.front()});
+  for (const auto& [rank, s] : slots) ms.push_back({rank, s.pid, s.pidfd, s.posts.front(), {}, {}});
   running = true;
   return true;
 }
@@ -538,6 +545,109 @@ void Job::alltoall(const std::vector<Member>& ms, const Post& p) {
       });
 }
 
+// alltoallv, as alltoall in parts: bytes [lo, lo + len) of every pair's block at a time (a block no longer than lo
+// moves nothing in that part), through the window. A part's segment from host g to host h holds, for each rank j
+// of g and then each rank k of h, the part of j's block for k: the blocks' sizes tell both sides where each lies.
+// First the daemons exchange the sizes of the blocks between their hosts, so that each checks them against what
+// its ranks expect (a mismatch fails the call, naming the pair), and agree on the largest block, whose parts set
+// how many calls among the daemons the call takes.
+void Job::alltoallv(const std::vector<Member>& ms, const Post& p) {
+  const size_t n = static_cast<size_t>(hello.size), me = static_cast<size_t>(host);
+  const size_t hosts = static_cast<size_t>(host_count), widest = widest_host();
+  const size_t pairs = bytes_of({hosts, widest, widest});
+  const auto& here = members[me];  // ms[j] is rank here[j]
+  auto sent = [&](size_t j, size_t to) { return ms[j].blocks[4 * to + 1]; };
+  auto expected = [&](size_t k, size_t from) { return ms[k].blocks[4 * from + 3]; };
+  // [host g][its rank j][this host's rank k]: the size of j's block for k, as g's daemon has it
+  std::vector<uint64_t> out_sizes(pairs, 0), in_sizes(pairs, 0);
+  for (size_t h = 0; h < hosts; ++h)
+    for (size_t j = 0; h != me && j < ms.size(); ++j)
+      for (size_t k = 0; k < members[h].size(); ++k)
+        out_sizes[(h * widest + j) * widest + k] = sent(j, static_cast<size_t>(members[h][k]));
+  if (inter) wait_between_hosts(inter->alltoall(out_sizes.data(), in_sizes.data(), widest * widest, DataType::i64));
+  for (size_t h = 0; h < hosts; ++h)
+    for (size_t k = 0; k < ms.size(); ++k)
+      for (size_t j = 0; j < members[h].size(); ++j) {
+        const size_t from = static_cast<size_t>(members[h][j]);
+        if (h == me) in_sizes[(h * widest + j) * widest + k] = sent(j, static_cast<size_t>(here[k]));
+        if (const uint64_t got = in_sizes[(h * widest + j) * widest + k]; got != expected(k, from)) {
+          const size_t esize = dtype_size(static_cast<DataType>(p.dtype));
+          throw CommError("alltoallv: rank " + std::to_string(from) + " sends rank " + std::to_string(here[k]) + " " +
+                          std::to_string(got / esize) + " elements but rank " + std::to_string(here[k]) +
+                          " expects " + std::to_string(expected(k, from) / esize) + " (sendcounts[" +
+                          std::to_string(here[k]) + "] of rank " + std::to_string(from) + " must equal recvcounts[" +
+                          std::to_string(from) + "] of rank " + std::to_string(here[k]) + ")");
+        }
+      }
+  uint64_t largest = 0;
+  for (size_t j = 0; j < ms.size(); ++j)
+    for (size_t d = 0; d < n; ++d) largest = std::max({largest, sent(j, d), expected(j, d)});
+  if (inter) wait_between_hosts(inter->allreduce(&largest, &largest, 1, DataType::i64, ReduceOp::max));
+  if (largest == 0) return;
+  const size_t part = std::min<size_t>(largest, std::max(kMinPartBytes, kChunkBytes / (inter ? 2 * pairs : n)));
+  spread.resize(n * part);
+  auto cut = [](uint64_t bytes, size_t lo, size_t len) { return bytes > lo ? std::min<size_t>(len, bytes - lo) : 0; };
+  auto piece = [](uint64_t address, size_t bytes) {
+    return iovec{reinterpret_cast<void*>(static_cast<uintptr_t>(address)), bytes};
+  };
+  // Each host's segment of a part, where it starts in the slot's send or receive half and its bytes.
+  auto segments = [&](size_t lo, size_t len, bool receive, std::vector<size_t>& count, std::vector<size_t>& displ) {
+    count.assign(hosts, 0);
+    displ.assign(hosts, 0);
+    for (size_t h = 0, total = 0; h < hosts; total += count[h], ++h) {
+      displ[h] = total;
+      for (size_t x = 0; h != me && x < pairs / hosts; ++x)
+        count[h] += cut((receive ? in_sizes : out_sizes)[h * widest * widest + x], lo, len);
+    }
+  };
+  windowed(
+      largest, part, inter ? 2 * pairs * part : 0,
+      [&](size_t lo, size_t len, char* slot) -> std::shared_ptr<Request> {
+        std::vector<size_t> scount, sdispl, rcount, rdispl;
+        segments(lo, len, false, scount, sdispl);
+        segments(lo, len, true, rcount, rdispl);
+        std::vector<size_t> fill = sdispl;  // where the next part for each host goes
+        for (size_t j = 0; j < ms.size(); ++j) {
+          std::vector<iovec> remote, local;
+          for (size_t d = 0; d < n; ++d)
+            if (const size_t c = cut(sent(j, d), lo, len)) {
+              remote.push_back(piece(ms[j].post.in + ms[j].blocks[4 * d] + lo, c));
+              local.push_back({spread.data() + d * len, c});
+            }
+          transferv(false, ms[j], remote, local);
+          for (const Member& to : ms)
+            if (const size_t c = cut(sent(j, static_cast<size_t>(to.rank)), lo, len))
+              transfer(true, to, to.post.out + to.blocks[4 * static_cast<size_t>(ms[j].rank) + 2] + lo,
+                       spread.data() + static_cast<size_t>(to.rank) * len, c);
+          for (size_t h = 0; inter && h < hosts; ++h)
+            for (size_t k = 0; h != me && k < members[h].size(); ++k) {
+              const size_t d = static_cast<size_t>(members[h][k]), c = cut(sent(j, d), lo, len);
+              std::memcpy(slot + fill[h], spread.data() + d * len, c);
+              fill[h] += c;
+            }
+        }
+        if (!inter) return nullptr;
+        return inter->alltoallv(slot, scount, sdispl, slot + pairs * len, rcount, rdispl, DataType::u8);
+      },
+      [&](size_t lo, size_t len, char* slot) {
+        std::vector<size_t> rcount, rdispl;
+        segments(lo, len, true, rcount, rdispl);
+        std::vector<std::vector<iovec>> remote(ms.size()), local(ms.size());
+        for (size_t g = 0; inter && g < hosts; ++g) {
+          size_t from = pairs * len + rdispl[g];
+          for (size_t j = 0; g != me && j < members[g].size(); ++j)
+            for (size_t k = 0; k < ms.size(); ++k)
+              if (const size_t c = cut(in_sizes[(g * widest + j) * widest + k], lo, len)) {
+                remote[k].push_back(piece(ms[k].post.out + ms[k].blocks[4 * static_cast<size_t>(members[g][j]) + 2] + lo, c));
+                local[k].push_back({slot + from, c});
+                from += c;
+              }
+        }
+        for (size_t k = 0; k < ms.size(); ++k)
+          if (!remote[k].empty()) transferv(true, ms[k], remote[k], local[k]);
+      });
+}
+
 void Job::execute(std::vector<Member>& ms) {
   const Post& p = ms[0].post;
   for (const Member& m : ms) {
@@ -547,7 +657,7 @@ void Job::execute(std::vector<Member>& ms) {
       throw CommError("ranks disagree: rank " + std::to_string(ms[0].rank) + " called " + describe(p) + ", rank " +
                       std::to_string(m.rank) + " called " + describe(q));
   }
-  for (Member& m : ms) read_lists(m);
+  for (Member& m : ms) read_tables(m);
   const auto coll = static_cast<Collective>(p.coll);
   if ((coll == Collective::broadcast || coll == Collective::reduce) && (p.root < 0 || p.root >= hello.size))
     throw CommError("rank " + std::to_string(ms[0].rank) + " called " + describe(p) + ": root " +
@@ -635,8 +745,9 @@ void Job::execute(std::vector<Member>& ms) {
     case Collective::alltoall:
       alltoall(ms, p);
       break;
-    case Collective::alltoallv:  // the ranks' side refuses it: a post of it is a client out of step
-      throw InvalidArgument("engine=nicd does not run " + std::string(collective_name(coll)));
+    case Collective::alltoallv:
+      alltoallv(ms, p);
+      break;
   }
 }
 

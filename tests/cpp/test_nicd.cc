@@ -307,6 +307,107 @@ TEST(Nicd, ListsOfOtherCountsFailTheCallNamingThem) {
   daemon.stop();
 }
 
+// alltoallv with uneven blocks (some empty, the largest over several parts), from one buffer with gaps between
+// the blocks and from lists: every block lands at its place, bit for bit; the bytes between blocks stay.
+size_t v_count(int from, int to, size_t scale) { return static_cast<size_t>((from * 7 + to * 3) % 5) * scale; }
+
+void check_alltoallv(Communicator& comm, size_t scale) {
+  const int n = comm.size(), r = comm.rank();
+  std::vector<size_t> sc(n), sd(n), rc(n), rd(n);
+  size_t sent = 0, got = 0;
+  for (int d = 0; d < n; ++d) {  // blocks in reverse order of rank, a gap of 3 elements after each
+    sc[d] = v_count(r, d, scale), rc[d] = v_count(d, r, scale);
+  }
+  for (int d = n - 1; d >= 0; --d) {
+    sd[d] = sent, rd[d] = got;
+    sent += sc[d] + 3, got += rc[d] + 3;
+  }
+  std::vector<int32_t> in(sent, -7), out(got, -9);
+  for (int d = 0; d < n; ++d)
+    for (size_t i = 0; i < sc[d]; ++i) in[sd[d] + i] = a2a_value<int32_t>(r, d, i);
+  comm.alltoallv(in.data(), sc, sd, out.data(), rc, rd, DataType::i32)->wait();
+  std::vector<int32_t> want(got, -9);
+  for (int s = 0; s < n; ++s)
+    for (size_t i = 0; i < rc[s]; ++i) want[rd[s] + i] = a2a_value<int32_t>(s, r, i);
+  ASSERT_EQ(out, want) << "rank " << r << ", one buffer";
+  std::vector<std::vector<int32_t>> ins(n), outs(n);
+  std::vector<const void*> ip(n);
+  std::vector<void*> op(n);
+  for (int d = 0; d < n; ++d) {
+    ins[d].resize(sc[d]);
+    for (size_t i = 0; i < sc[d]; ++i) ins[d][i] = a2a_value<int32_t>(r, d, i) ^ 1;
+    outs[d].assign(rc[d], -1);
+    ip[d] = ins[d].data(), op[d] = outs[d].data();
+  }
+  comm.alltoallv(ip, sc, op, rc, DataType::i32)->wait();
+  for (int s = 0; s < n; ++s)
+    for (size_t i = 0; i < rc[s]; ++i) ASSERT_EQ(outs[s][i], a2a_value<int32_t>(s, r, i) ^ 1) << "list, from " << s;
+}
+
+// A rank that expects another size than its peer sends fails the call on every rank, naming the pair.
+void check_alltoallv_mismatch(Communicator& comm, std::vector<std::string>& errors) {
+  const int n = comm.size(), r = comm.rank();
+  std::vector<size_t> sc(n, 2), rc(n, 2), disp(n);
+  for (int d = 0; d < n; ++d) disp[d] = 2 * static_cast<size_t>(d);
+  if (r == n - 1) rc[0] = 1;  // rank 0 sends it 2
+  std::vector<int32_t> in(2 * n, 1), out(2 * n);
+  try {
+    comm.alltoallv(in.data(), sc, disp, out.data(), rc, disp, DataType::i32)->wait();
+  } catch (const CommError& e) {
+    errors[static_cast<size_t>(r)] = e.what();
+  }
+}
+
+TEST(Nicd, AlltoallvOnOneHostAndAcrossUnevenHosts) {
+  nicd::Server daemon({socket_path("a2av"), {}, 60});
+  daemon.start();
+  run_threads(3, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 3, std::move(store), nicd_options(daemon.path()));
+    check_alltoallv(comm, 1);
+    check_alltoallv(comm, 150001);  // blocks of up to 2.4 MB: parts of 1.3 MB
+  });
+  daemon.stop();
+  on_two_hosts("a2av2", 4, [](int r) { return r != 2; }, [](int, Communicator& comm) {
+    check_alltoallv(comm, 1);
+    check_alltoallv(comm, 70001);  // up to 1.1 MB per block: parts of 116 KiB between the hosts
+  });
+}
+
+TEST(Nicd, AlltoallvCountsThatDisagreeFailTheCallNamingThePair) {
+  for (bool two_hosts : {false, true}) {
+    std::vector<std::string> errors(4);
+    if (two_hosts) {
+      nicd::Server a({socket_path("a2avxa"), {}, 20}), b({socket_path("a2avxb"), {}, 20});
+      a.start();
+      b.start();
+      const auto dir = std::filesystem::temp_directory_path() / ("smartcoll-nicd-gtest-a2avx-" + std::to_string(::getpid()));
+      std::filesystem::remove_all(dir);
+      auto store = std::make_shared<FileStore>(dir.string());
+      run_threads(4, [&](int r, std::shared_ptr<Store>) {  // rank 3 (expecting 1 from rank 0) on the other host
+        Communicator comm(r, 4, store, nicd_options(r < 2 ? a.path() : b.path(), r < 2 ? "a" : "b"));
+        check_alltoallv_mismatch(comm, errors);
+      });
+      a.stop();
+      b.stop();
+      std::filesystem::remove_all(dir);
+    } else {
+      nicd::Server daemon({socket_path("a2avx"), {}, 20});
+      daemon.start();
+      errors.resize(3);
+      run_threads(3, [&](int r, std::shared_ptr<Store> store) {
+        Communicator comm(r, 3, std::move(store), nicd_options(daemon.path()));
+        check_alltoallv_mismatch(comm, errors);
+      });
+      daemon.stop();
+    }
+    const std::string last = std::to_string(errors.size() - 1);
+    for (const std::string& e : errors)
+      EXPECT_NE(e.find("alltoallv: rank 0 sends rank " + last + " 2 elements but rank " + last + " expects 1"),
+                std::string::npos)
+          << (two_hosts ? "two hosts: " : "one host: ") << e;
+  }
+}
+
 // 3 ranks on host 0 and 1 on host 1: the daemons' segments are padded to 3 x 3 blocks.
 TEST(Nicd, AlltoallAcrossUnevenHosts) {
   on_two_hosts("uneven", 4, [](int r) { return r != 2; }, [](int, Communicator& comm) {

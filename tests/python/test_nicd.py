@@ -179,18 +179,22 @@ def test_a_daemon_that_dies_or_hangs_fails_its_ranks_within_the_timeout(tmp_path
             assert outcome["seconds"] < 2 + 3, f"rank {r} failed only after {outcome['seconds']:.1f} s"
 
 
-def test_list_calls_run_and_alltoallv_is_refused_by_name(tmp_path):
-    """Through the daemon a list allreduce of mixed sizes (an empty entry too) gives each entry its own sum, and
-    the torch-style list of one dtype reads and writes the arrays in place; alltoallv, single or list, is refused
-    naming what engine=nicd runs, and leaves the job usable."""
+def test_list_calls_and_alltoallv_run_in_the_daemon(tmp_path):
+    """Through the daemon a list allreduce of mixed sizes (an empty entry too) gives each entry its own sum, in
+    place; alltoallv, from one buffer and from lists, puts every block at its place; a codec on another collective
+    than allreduce is refused naming what engine=nicd compresses, and leaves the job usable."""
     code = (
         "import numpy as np, smartcoll\nc = smartcoll.init()\n"
         "print('alltoall', c.alltoall(np.full(2, c.rank), np.empty(2, np.int64)).tolist())\n"
         "xs = [np.full(3, c.rank + 1.0), np.zeros(0), np.arange(5.0) * (c.rank + 1)]\n"
         "c.allreduce(xs)\nprint('list', [x.tolist() for x in xs])\n"
-        "try:\n    c.alltoallv(np.arange(2), np.empty(2, np.int64), [1, 1], [1, 1])\nexcept ValueError as e:\n"
-        "    print(e)\n"
-        "try:\n    c.alltoallv([np.arange(1), np.arange(1)], [np.empty(1, np.int64), np.empty(1, np.int64)])\n"
+        "send = [c.rank + 1, 2 - c.rank]\nrecv = [1, 2] if c.rank == 0 else [2, 1]\n"
+        "x = np.arange(3) + 10 * c.rank\nout = np.full(3, -1)\n"
+        "print('alltoallv', c.alltoallv(x, out, send, recv).tolist())\n"
+        "outs = [np.full(k, -1) for k in recv]\n"
+        "c.alltoallv([np.full(k, 100 * c.rank + d) for d, k in enumerate(send)], outs)\n"
+        "print('lists', [o.tolist() for o in outs])\n"
+        "try:\n    c.allgather(np.ones(4, np.float32), np.empty(8, np.float32), codec='bfp16')\n"
         "except ValueError as e:\n    print(e)\n"
         "print('after', c.allreduce(np.arange(3)).tolist())\n"
         "c.close()\n"
@@ -199,18 +203,17 @@ def test_list_calls_run_and_alltoallv_is_refused_by_name(tmp_path):
         run = launcher.run_ranks(
             [sys.executable, "-c", code], 2, 60, base_env=clean_env(), env_extra=d.rank_env(0)
         )
-    for res in run.results:
+    want = {0: ("alltoallv [0, 10, 11]", "lists [[0], [100, 100]]"),
+            1: ("alltoallv [1, 2, 12]", "lists [[1, 1], [101]]")}
+    for rank, res in enumerate(run.results):
         assert res.returncode == 0, res.stderr
         lines = res.stdout.splitlines()
-        head = (
-            "engine=nicd runs allreduce, reduce, reduce_scatter, broadcast, allgather, alltoall and barrier (the "
-            "list forms of allreduce, reduce_scatter, allgather and broadcast too); alltoallv"
-        )
-        assert lines[0] == "alltoall [0, 1]", res.stdout  # run by the daemon now
+        assert lines[0] == "alltoall [0, 1]", res.stdout  # run by the daemon
         assert lines[1] == "list [[3.0, 3.0, 3.0], [], [0.0, 3.0, 6.0, 9.0, 12.0]]", res.stdout
-        assert lines[2].startswith(head + " is not supported there: use engine=inprocess"), res.stdout
-        assert lines[3].startswith(head + " of a list is not supported there"), res.stdout
-        assert lines[4] == "after [0, 2, 4]", res.stdout  # a refused call leaves the job usable
+        assert tuple(lines[2:4]) == want[rank], res.stdout
+        assert lines[4].startswith("engine=nicd compresses only allreduce between hosts; allgather with codec "
+                                   "'bfp16' is not supported there"), res.stdout
+        assert lines[5] == "after [0, 2, 4]", res.stdout  # a refused call leaves the job usable
 
 
 def test_a_second_daemon_on_a_socket_in_use_is_refused():
