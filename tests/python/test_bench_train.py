@@ -66,7 +66,7 @@ def test_every_variant_is_reported_and_losses_agree_with_gloo(tmp_path):
     assert png.stat().st_size > 10_000 or importlib.util.find_spec("matplotlib") is None
 
     missing = _smartcoll_torch_missing()
-    for name in ("smartcoll", "smartcoll+bfp16"):
+    for name in ("smartcoll", "smartcoll+bfp16", "smartcoll+nicd"):
         r = records[name]
         if missing:
             # Listed, never measured, with the reason in the table's notes.
@@ -77,6 +77,7 @@ def test_every_variant_is_reported_and_losses_agree_with_gloo(tmp_path):
         assert set(r["phases_ms"]) == PHASES and r["speedup_vs_gloo"] > 0
     if not missing:
         assert records["smartcoll"]["loss"] == pytest.approx(gloo["loss"], rel=UNCOMPRESSED_RTOL)
+        assert records["smartcoll+nicd"]["loss"] == pytest.approx(gloo["loss"], rel=UNCOMPRESSED_RTOL)
         assert records["smartcoll+bfp16"]["loss"] == pytest.approx(gloo["loss"], rel=BFP16_RTOL)
 
 

@@ -24,8 +24,9 @@ DEFAULT_PNG = Path("smartcoll-demo.png")
 
 INTRO = """\
 smartcoll demo: {n} ranks train an {layers}-layer MLP ({width}x{width} layers, batch {batch} per rank) with
-torch DDP, once per variant: gloo's all-reduce, smartcoll's ring, and smartcoll's ring with BFP16 on the wire
-(error feedback per bucket).
+torch DDP, once per variant: gloo's all-reduce, smartcoll's ring, smartcoll's ring with BFP16 on the wire
+(error feedback per bucket), and smartcoll's ring run by an offload daemon per host (engine=nicd), the
+software form of a smart NIC: the ranks only post their all-reduces.
 {where}
 Each iteration is split into forward, backward, exposed all-reduce (the part backward did not hide) and
 weight update, as in the paper's Fig. 4a.
@@ -37,7 +38,9 @@ WHERE_LOCAL = ("The ranks run as local processes ({why}): all-reduces move throu
 
 OUTRO = """\
 vs gloo above 1 means faster than torch's gloo backend. final loss is the training loss after the last step:
-the variants start from the same weights and data, so they should agree (BFP16 to within its rounding).
+the variants start from the same weights and data, so they should agree (BFP16 to within its rounding). cpu is
+the rank process's own CPU time: with the offload daemon the all-reduce's work leaves it (on a machine without
+cores to set aside, the daemon then shares the ranks' cores).
 The picture: {png}
 Larger runs: smartcoll bench train --help; the measurements: BENCHMARKS.md."""
 

@@ -33,6 +33,7 @@ shaped links, and the link limit is measured first with iperf3. docs/train-exper
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -55,7 +56,8 @@ BASELINE = "gloo"
 @dataclass(frozen=True)
 class Variant:
     """One way of all-reducing DDP's gradients: the process group's backend, and a smartcoll comm hook or
-    DDP's built-in all-reduce. `env` is added to the ranks' environment (smartcoll knobs)."""
+    DDP's built-in all-reduce. `env` is added to the ranks' environment (smartcoll knobs); `nicd`: one offload
+    daemon per host runs the ranks' collectives (engine=nicd), started for the variant and stopped after it."""
 
     name: str
     description: str
@@ -64,6 +66,7 @@ class Variant:
     codec: Optional[str] = None
     error_feedback: bool = True
     env: dict = field(default_factory=dict)
+    nicd: bool = False
 
 
 VARIANTS = {
@@ -78,6 +81,11 @@ VARIANTS = {
             "smartcoll+bfp16",
             "smartcoll backend, ring, comm hook sending BFP16 on the wire with error feedback per bucket",
             "smartcoll", hook=True, codec="bfp16", error_feedback=True, env={"SMARTCOLL_ALGO": "ring"},
+        ),
+        Variant(
+            "smartcoll+nicd",
+            "smartcoll backend, every all-reduce run by an offload daemon per host (engine=nicd), ring between them",
+            "smartcoll", env={"SMARTCOLL_ALGO": "ring"}, nicd=True,
         ),
     )
 }
@@ -234,19 +242,27 @@ def run_variant(v: Variant, cfg: dict, workdir: Path, hooks: dict, time_limit: f
     watcher = threading.Thread(target=_watch_progress, args=(progress, bar, done), daemon=True)
     watcher.start()
     try:
-        rc = launcher.launch(
-            [sys.executable, "-m", "smartcoll.tools.bench.train_worker", str(workdir), v.name],
-            nprocs,
-            env_extra={
-                "OMP_NUM_THREADS": str(cfg["threads"]),
-                # c10d warns at every connection that an emulated host's name does not resolve; errors still show.
-                "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
-                **v.env,
-            },
-            timeout=time_limit,
-            master_port=launcher.free_port(count=2),
-            **hooks,
-        )
+        with contextlib.ExitStack() as stack:
+            if v.nicd:  # one daemon per host: per emulated host with a cluster (a rank each), else one for all
+                from .. import nicd
+
+                try:
+                    hooks = nicd.with_daemons(stack, hooks, nprocs, 1 if hooks else nprocs, "")
+                except RuntimeError as e:
+                    return {**_describe(v), "status": "failed", "reason": str(e)}
+            rc = launcher.launch(
+                [sys.executable, "-m", "smartcoll.tools.bench.train_worker", str(workdir), v.name],
+                nprocs,
+                env_extra={
+                    "OMP_NUM_THREADS": str(cfg["threads"]),
+                    # c10d warns at every connection that an emulated host's name does not resolve; errors show.
+                    "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+                    **v.env,
+                },
+                timeout=time_limit,
+                master_port=launcher.free_port(count=2),
+                **hooks,
+            )
     finally:
         done.set()
         watcher.join()
