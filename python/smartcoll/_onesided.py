@@ -10,6 +10,7 @@ and the target decodes, getv the reverse; accumulatev with a codec adds (op "sum
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -104,11 +105,15 @@ def allocate(comm: Any, shape: Any, dtype: str) -> Region:
     dims = (int(shape),) if np.isscalar(shape) else tuple(int(d) for d in shape)
     if any(d < 0 for d in dims):
         raise ValueError(f"allocate: shape {dims} has a negative dimension")
-    nbytes = int(np.prod(dims, dtype=np.int64)) * np.dtype(dtype).itemsize
+    nbytes = math.prod(dims) * np.dtype(dtype).itemsize  # Python integers: no overflow
     if nbytes == 0:
         raise ValueError(f"allocate: shape {dims} holds no element; a region holds at least one")
     region_id, raw = comm._core.allocate_region(nbytes, dtype)
-    return Region(comm, raw.view(dtype).reshape(dims), _allocated_id=int(region_id))
+    try:
+        return Region(comm, raw.view(dtype).reshape(dims), _allocated_id=int(region_id))
+    except BaseException:
+        comm._core.deregister_region(int(region_id))
+        raise
 
 
 def exchange_regions(comm: Any, region: Optional[Region]) -> list[Optional[RemoteRegion]]:

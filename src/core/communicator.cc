@@ -1,5 +1,7 @@
+#include <algorithm>
 #include <array>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
 #include <cstdlib>
 #include <pthread.h>
@@ -168,10 +170,17 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
   const char* local = std::getenv("LOCAL_WORLD_SIZE");
   const int host_count = host_shape_.first;
   const bool spans_hosts = host_count > 1 || (local && std::atoi(local) > 0 && std::atoi(local) < size);
-  if (size > 1 && config_->nicd)
+  if (size > 1 && config_->nicd) {
+    // A daemon tells its jobs apart by id, and one job may hold several communicators at once (torch's subgroups
+    // share the launcher's job id): each is named after the claims its ranks made at start-up, which are its own.
+    std::string claims;
+    for (const std::string& c : transport.claims()) claims += c + " ";
+    char digest[17];
+    std::snprintf(digest, sizeof digest, "%016llx", static_cast<unsigned long long>(job_fingerprint(claims)));
     nicd_ = std::make_unique<nicd::Client>(config_->nicd_socket, nicd::Hello{rank, size, config_->timeout,
-        config_->connect_timeout, config_->job_id, store_locator, route_hint, Config::must_match(options_),
-        std::vector<int32_t>(hosts_.begin(), hosts_.end())});
+        config_->connect_timeout, config_->job_id + "." + digest, store_locator, route_hint,
+        Config::must_match(options_), std::vector<int32_t>(hosts_.begin(), hosts_.end())});
+  }
   if (size > 1 && config_->cma && !spans_hosts && !nicd_)
     cma_ = std::make_unique<cma::Local>(*transport_, config_->cma_shm, config_->spin_us, config_->shm_bytes);
   cma_usable_ = cma_ && cma_->usable();
@@ -503,8 +512,11 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
     if (views) {  // the daemon maps the views' addresses through their tables of pieces, which `views` keeps
       static_assert(sizeof(coll::Piece) == 16 && offsetof(coll::Piece, bytes) == 8, "the tables' layout");
       auto table = [&](const void* at, uint64_t& addr, uint32_t& pieces) {
-        const coll::Segmented* v = views->find(static_cast<const char*>(at));
-        require(v != nullptr, "a list call's buffer is not one of its views");  // never: submit_list makes them
+        // By its start: a view of no bytes (an alltoallv side with nothing to move) contains no address.
+        const auto it = std::find_if(views->all.begin(), views->all.end(),
+                                     [&](const auto& v) { return v->base() == static_cast<const char*>(at); });
+        require(it != views->all.end(), "a list call's buffer is not one of its views");  // submit_list makes them
+        const coll::Segmented* v = it->get();
         require(v->pieces().size() <= nicd::kMaxListPieces,
                 std::string(collective_name(call.coll)) + ": engine=nicd takes lists of at most " +
                     std::to_string(nicd::kMaxListPieces) + " non-empty buffers per side");

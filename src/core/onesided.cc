@@ -667,6 +667,8 @@ std::shared_ptr<Request> Service::copy_directly(Kind kind, const RemoteRegion& r
     if (!remote.empty() && (put ? cma::write_process(pid, mine, remote) : cma::read_process(pid, mine, remote)) != 0)
       return nullptr;
   }
+  // The copy's loads (plain ones, from a mapping) complete before the tag is read again.
+  std::atomic_thread_fence(std::memory_order_acquire);
   if (!put && slot.tag.load() != want) return nullptr;  // the region stayed registered throughout the read
   (put ? direct_puts_ : direct_gets_).fetch_add(1, std::memory_order_relaxed);
   auto req = std::make_shared<Request>();

@@ -256,6 +256,13 @@ void Job::read_tables(Member& m) {
   if (static_cast<Collective>(p.coll) == Collective::alltoallv) {
     m.blocks.resize(bytes_of({4, static_cast<size_t>(hello.size)}));
     transfer(false, m, p.blocks, reinterpret_cast<char*>(m.blocks.data()), m.blocks.size() * sizeof(uint64_t));
+    // Offsets and sizes beyond any memory would overflow the parts' arithmetic; a rank's table is not trusted.
+    constexpr uint64_t kMaxBlockBytes = uint64_t{1} << 48;
+    for (size_t i = 0; i < m.blocks.size(); ++i)
+      if (m.blocks[i] > kMaxBlockBytes)
+        throw CommError("rank " + std::to_string(m.rank) + "'s table of blocks for " + describe(p) + " gives " +
+                        std::string(i % 2 ? "a block of " : "an offset of ") + std::to_string(m.blocks[i]) +
+                        " bytes for rank " + std::to_string(i / 4) + " (at most 2^48)");
   }
   std::vector<List> lists;  // m's transfers map nothing until they are all read: the tables lie outside them
   for (const auto& [view, table, count] : {std::tuple{p.in, p.in_table, p.in_pieces},

@@ -46,8 +46,9 @@ SharedMemory SharedMemory::open(int pid, int fd, size_t bytes, const std::string
     return s;
   }
   struct stat st {};
-  void* base = fstat(mine, &st) == 0 && static_cast<size_t>(st.st_size) == bytes &&
-                       (fcntl(mine, F_GET_SEALS) & kSeals) == kSeals
+  const int seals = fcntl(mine, F_GET_SEALS);  // -1 where it is no memfd
+  void* base = fstat(mine, &st) == 0 && static_cast<size_t>(st.st_size) == bytes && seals >= 0 &&
+                       (seals & kSeals) == kSeals
                    ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, mine, 0)
                    : MAP_FAILED;
   ::close(mine);

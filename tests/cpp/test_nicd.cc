@@ -342,6 +342,15 @@ void check_alltoallv(Communicator& comm, size_t scale) {
   comm.alltoallv(ip, sc, op, rc, DataType::i32)->wait();
   for (int s = 0; s < n; ++s)
     for (size_t i = 0; i < rc[s]; ++i) ASSERT_EQ(outs[s][i], a2a_value<int32_t>(s, r, i) ^ 1) << "list, from " << s;
+  // Rank 0 sends and receives nothing (its views hold no bytes); the others exchange one element each.
+  for (int d = 0; d < n; ++d) {
+    sc[d] = rc[d] = (r == 0 || d == 0) ? 0 : 1;
+    ins[d].assign(sc[d], r * 10 + d);
+    outs[d].assign(rc[d], -1);
+    ip[d] = ins[d].data(), op[d] = outs[d].data();
+  }
+  comm.alltoallv(ip, sc, op, rc, DataType::i32)->wait();
+  for (int s = 1; s < n && r > 0; ++s) ASSERT_EQ(outs[s], std::vector<int32_t>{s * 10 + r}) << "from " << s;
 }
 
 // A rank that expects another size than its peer sends fails the call on every rank, naming the pair.
@@ -371,6 +380,41 @@ TEST(Nicd, AlltoallvOnOneHostAndAcrossUnevenHosts) {
     check_alltoallv(comm, 1);
     check_alltoallv(comm, 70001);  // up to 1.1 MB per block: parts of 116 KiB between the hosts
   });
+  // Two ranks on each side of every segment between the hosts: the order of the parts in it shows.
+  on_two_hosts("a2av22", 4, [](int r) { return r < 2; }, [](int, Communicator& comm) {
+    check_alltoallv(comm, 1);
+    check_alltoallv(comm, 50001);
+  });
+}
+
+// A table of blocks no memory could hold (here both ranks agree on it) fails the job naming the rank; the daemon
+// serves the next job.
+TEST(Nicd, AlltoallvBlocksBeyondAnyMemoryAreRefused) {
+  nicd::Server daemon({socket_path("a2avhuge"), {}, 20});
+  daemon.start();
+  std::vector<std::string> errors(2);
+  run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 2, std::move(store), nicd_options(daemon.path()));
+    const size_t huge = size_t{1} << 47;  // int32 elements: 2^49 bytes
+    std::vector<size_t> sc{0, r == 0 ? huge : 0}, rc{0, 0}, disp{0, 0};
+    if (r == 1) rc[0] = huge;
+    std::vector<int32_t> in(4), out(4);
+    try {
+      comm.alltoallv(in.data(), sc, disp, out.data(), rc, disp, DataType::i32)->wait();
+    } catch (const CommError& e) {
+      errors[static_cast<size_t>(r)] = e.what();
+    }
+  });
+  for (const std::string& e : errors)
+    EXPECT_NE(e.find("table of blocks for alltoallv"), std::string::npos) << e;
+  run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 2, std::move(store), nicd_options(daemon.path()));
+    int32_t x = r + 1, y = 0;
+    comm.allreduce(&x, &y, 1, DataType::i32, ReduceOp::sum)->wait();
+    EXPECT_EQ(y, 3);
+  });
+  EXPECT_EQ(daemon.stats().jobs_failed, 1u);
+  daemon.stop();
 }
 
 TEST(Nicd, AlltoallvCountsThatDisagreeFailTheCallNamingThePair) {

@@ -148,6 +148,17 @@ def test_collectives_against_gloo(ranks, tmp_path):
     assert_collectives(tmp_path, 3)
 
 
+def test_collectives_against_gloo_through_the_offload_daemon(ranks, tmp_path):
+    """The same checks with engine=nicd: every collective of the backend (all_to_all_single with splits, the
+    coalesced forms, subgroups: jobs of their own on the daemon) run by one offload daemon for the 3 ranks."""
+    from smartcoll.tools.nicd import Daemons
+
+    with Daemons(1) as daemons:
+        assert_all_ok(smartcoll_run(ranks, 3, ["collectives", tmp_path], tmp_path, env=daemons.rank_env(0),
+                                    timeout=150))
+    assert_collectives(tmp_path, 3)
+
+
 def test_collectives_under_torchrun(tmp_path):
     torchrun(2, WORKER, ["collectives", tmp_path], tmp_path, timeout=150)
     assert_collectives(tmp_path, 2)
