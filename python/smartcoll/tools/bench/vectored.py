@@ -96,7 +96,9 @@ def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool 
     times: dict[str, list[float]] = {m: [] for m in METHODS}
     same_host: dict[str, int] = {}  # calls of one round that took the same-host path
     for it in range(iters + 1):  # the first round warms up connections and buffers
-        for m in METHODS:
+        # Each round starts with another method, so that no method always follows the same one (whose buffers
+        # it finds in the caches and TLBs, or evicted).
+        for m in METHODS[it % len(METHODS):] + METHODS[:it % len(METHODS)]:
             comm.barrier()
             before = comm.engine_stats()["same_host_calls"]
             t0 = time.perf_counter()
