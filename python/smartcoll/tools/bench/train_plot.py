@@ -25,7 +25,7 @@ def draw(report: dict, path: Path) -> Optional[str]:
     meta = report["metadata"]
     fig, (bars, curves) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 1.2]})
 
-    names = [r["name"] for r in measured]
+    names = [r["name"].replace("+", "\n+") for r in measured]  # two lines: four names fit side by side
     bottom = [0.0] * len(measured)
     for key, label, color in PHASES:
         heights = [r["phases_ms"][key] for r in measured]
@@ -39,7 +39,7 @@ def draw(report: dict, path: Path) -> Optional[str]:
     bars.set_ylabel("time per iteration (ms)")
     bars.set_title("time per iteration by phase (mean over ranks)", fontsize=10)
     # Below the axes: the tallest bar (usually the baseline) would hide under a legend inside them.
-    bars.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=len(PHASES))
+    bars.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=len(PHASES))
     bars.grid(True, axis="y", alpha=0.3)
 
     for r in measured:
