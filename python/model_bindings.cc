@@ -24,16 +24,23 @@ coll::Query query(int n, size_t bytes, const std::string& codec, int hosts,
 
 nb::dict predict(const std::string& collective, const std::string& algo, int n, size_t bytes,
                  const std::string& profile, const std::string& codec, int hosts, int per_host, int switches, bool cma,
-                 bool switch_set) {
+                 bool switch_set, const std::string& engine) {
   const Collective c = coll::parse_collective(collective);
-  const Algorithm a = parse_algorithm(algo, c);
+  const bool offloaded = engine == "nicd";
+  if (!offloaded && engine != "inprocess")
+    throw nb::value_error(("engine '" + engine + "': inprocess or nicd").c_str());
+  // Through the daemons the algorithm is that of their own call among the hosts (an allreduce for reductions).
+  const Collective among = offloaded && (c == Collective::reduce || c == Collective::reduce_scatter)
+                               ? Collective::allreduce : c;
+  const Algorithm a = parse_algorithm(algo, among);
   const coll::Query q = query(n, bytes, codec, hosts, per_host, switches, cma, switch_set);
-  const coll::Cost k = coll::predict(c, a, q, Profile::parse(profile, "(given)"), codec);
+  const Profile p = Profile::parse(profile, "(given)");
+  const coll::Cost k = offloaded ? coll::predict_offloaded(c, q, p, codec, a) : coll::predict(c, a, q, p, codec);
   nb::dict d;
   d["total"] = k.total, d["latency"] = k.latency, d["link"] = k.link, d["reduce"] = k.reduce;
   d["codec"] = k.codec, d["mem"] = k.mem, d["copy"] = k.copy, d["steps"] = k.steps;
   d["wire_bytes"] = k.wire_bytes, d["cpu"] = k.cpu, d["bound"] = k.bound;
-  d["unsupported"] = coll::find(c, a).unsupported(q);
+  d["unsupported"] = offloaded || a == Algorithm::automatic ? "" : coll::find(c, a).unsupported(q);
   return d;
 }
 
@@ -57,8 +64,10 @@ void bind_model(nb::module_& m) {
   }, "collective"_a, "The collective's algorithms, in the table's order.");
   m.def("model_predict", &predict, "collective"_a, "algo"_a, "n"_a, "bytes"_a, "profile"_a, "codec"_a = "",
         "hosts"_a = 1, "per_host"_a = 0, "switches"_a = 1, "cma"_a = false, "switch"_a = false,
+        "engine"_a = "inprocess",
         "Predicted seconds of one call and its terms (latency, link, reduce, codec, mem, copy), the bound, and why "
-        "the algorithm cannot run the call ('' if it can).");
+        "the algorithm cannot run the call ('' if it can). engine='nicd': through the offload daemons, one per "
+        "host (algo: the daemons' own call among the hosts, auto: the cheapest).");
   m.def("model_choose", [](const std::string& collective, int n, size_t bytes, const std::string& profile,
                            const std::string& codec, int hosts, int per_host, int switches, bool cma, bool switch_set,
                            size_t small_bytes) {
@@ -74,7 +83,7 @@ void bind_model(nb::module_& m) {
   m.def("model_iteration", [](const std::vector<double>& elems, double batch, int n, const std::string& algo,
                               const std::string& codec, const std::string& profile, double compute_scale,
                               bool error_feedback, std::optional<std::vector<double>> measured, double cores,
-                              double engine_cores) {
+                              double engine_cores, bool offloaded) {
     std::optional<coll::MeasuredCompute> phases;
     if (measured) {
       if (measured->size() != 3) throw nb::value_error("measured: (forward, backward, update) seconds");
@@ -83,7 +92,7 @@ void bind_model(nb::module_& m) {
     const coll::IterationCost it =
         coll::iteration(elems, batch, n, parse_algorithm(algo, Collective::allreduce), codec,
                         Profile::parse(profile, "(given)"), compute_scale, error_feedback, phases ? &*phases : nullptr,
-                        coll::CoreSharing{cores, engine_cores});
+                        coll::CoreSharing{cores, engine_cores}, offloaded);
     nb::dict d;
     d["fwd"] = it.fwd, d["bwd"] = it.bwd, d["update"] = it.update, d["allreduce"] = it.allreduce;
     d["feedback"] = it.feedback;
@@ -92,11 +101,13 @@ void bind_model(nb::module_& m) {
     return d;
   }, "elems"_a, "batch"_a, "n"_a, "algo"_a, "codec"_a, "profile"_a, "compute_scale"_a = 1.0,
      "error_feedback"_a = false, "measured"_a = nb::none(), "cores"_a = 0.0, "engine_cores"_a = 0.0,
+     "offloaded"_a = false,
      "The FPGA smart-NIC paper's training-iteration model (seconds per phase) for layers of `elems` parameters; "
      "error_feedback: the DDP hook's error feedback on the backward pass (with a compressing codec); measured: "
      "(forward, backward, update) seconds per iteration as measured, in place of the GEMM and update model; "
      "cores, engine_cores: a rank's cores and those set aside for its engine (coll::CoreSharing; 0: the paper's "
-     "model, the all-reduce takes nothing from the compute).");
+     "model, the all-reduce takes nothing from the compute); offloaded: each all-reduce through an offload daemon "
+     "per host (engine=nicd).");
 }
 
 }  // namespace smartcoll

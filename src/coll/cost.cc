@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -344,6 +345,46 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
   return k;
 }
 
+Cost predict_offloaded(Collective c, const Query& q, const Profile& p, std::string_view codec, Algorithm inter) {
+  const double hosts = std::max(1, q.hosts);
+  const double L = q.per_host > 0 ? q.per_host : std::ceil(q.n / hosts), n = q.n, B = static_cast<double>(q.bytes);
+  // What the busiest daemon reads from and writes into its ranks, and combines; and the daemons' own call (the
+  // reductions are one allreduce of the whole vector, as the daemon runs them; allgather and alltoall carry a
+  // host's parts for every pair of ranks).
+  double read = L * B, written = L * B, combined = 0, inter_bytes = B;
+  Collective among = c;
+  switch (c) {
+    case Collective::allreduce: combined = (L - 1) * B; break;
+    case Collective::reduce: written = B, combined = (L - 1) * B, among = Collective::allreduce; break;
+    case Collective::reduce_scatter:
+      read = L * n * B, combined = (L - 1) * n * B, inter_bytes = n * B, among = Collective::allreduce;
+      break;
+    case Collective::broadcast: read = B; break;
+    case Collective::allgather: written = L * n * B, inter_bytes = L * B; break;
+    case Collective::alltoall:
+    case Collective::alltoallv: read = written = L * n * B, inter_bytes = L * L * B; break;
+    case Collective::barrier: read = written = inter_bytes = 0; break;
+  }
+  Cost k;
+  if (hosts > 1) {
+    Query among_hosts = q;
+    among_hosts.n = static_cast<int>(hosts), among_hosts.per_host = 1, among_hosts.bytes = static_cast<size_t>(inter_bytes);
+    among_hosts.cma_usable = false, among_hosts.switch_set = false;
+    const Algorithm a = inter == Algorithm::automatic ? cheapest(among, among_hosts, p) : inter;
+    k = predict(among, a, among_hosts, p, codec);
+  }
+  const double local = (read + written) / p.copy_Bps + combined / p.reduce_Bps;
+  const double pipeline = k.total - k.latency;  // what the chunks' copies overlap
+  // With one host nothing overlaps the copies; across hosts the first chunk is read and the last written alone.
+  const double fill = hosts > 1 && read > 0 ? local * std::min(1.0, kOffloadChunkBytes / (read / L)) : 0;
+  k.latency += 2 * p.alpha_s;
+  k.total = k.latency + std::max(pipeline, local) + fill;
+  if (local > pipeline) k.bound = "daemon";
+  k.copy = local;
+  k.cpu = (k.cpu + local) / L;
+  return k;
+}
+
 Algorithm cheapest(Collective c, const Query& q, const Profile& p, size_t small_bytes) {
   Algorithm best = algorithms(c).front().algo;
   double best_time = -1;
@@ -363,7 +404,7 @@ Algorithm cheapest(Collective c, const Query& q, const Profile& p, size_t small_
 
 IterationCost iteration(const std::vector<double>& elems, double batch, int n, Algorithm algo, std::string_view codec,
                         const Profile& p, double compute_scale, bool error_feedback, const MeasuredCompute* measured,
-                        const CoreSharing& sharing) {
+                        const CoreSharing& sharing, bool offloaded) {
   IterationCost it;
   const size_t L = elems.size();
   if (L == 0) return it;
@@ -387,8 +428,9 @@ IterationCost iteration(const std::vector<double>& elems, double batch, int n, A
       U[l] = aside * p.update_s_per_byte * 4 * e;
     }
     const bool compressed = codec != "" && codec != "identity";
-    const Query q{n, static_cast<size_t>(4 * e), compressed, false, false};
-    const Cost k = predict(Collective::allreduce, algo, q, p, codec);
+    const Query q{n, static_cast<size_t>(4 * e), compressed, false, false, offloaded ? n : 1, offloaded ? 1 : 0};
+    const Cost k = offloaded ? predict_offloaded(Collective::allreduce, q, p, codec, algo)
+                             : predict(Collective::allreduce, algo, q, p, codec);
     // On cores set aside the all-reduce takes at least its CPU time over them; on shared ones it stretches the
     // compute instead.
     AR[l] = sharing.engine_cores > 0 ? std::max(k.total, k.cpu / sharing.engine_cores) : k.total;

@@ -86,6 +86,17 @@ struct Cost {
 // profile lacks the codec's rates.
 Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::string_view codec = "");
 
+// A call run by the offload daemons (engine=nicd, docs/nicd.md), q.hosts of them with q.per_host ranks each
+// (per_host 0: q.n / q.hosts): each daemon reads its ranks' inputs and writes their outputs at the same-host copy
+// rate, combines the inputs in one thread at one core's reduction rate, and runs the daemons' collective (with
+// `inter`; automatic: the cheapest) among the hosts, in chunks of kOffloadChunkBytes that overlap the copies but
+// for one chunk's. A rank's own part is posting and waiting: two alpha. Cost::cpu is the daemon's CPU over its
+// ranks (what each rank's host gives up where the daemon shares its cores); Cost::copy the daemon's copies and
+// combining, and `bound` "daemon" where they outlast the daemons' collective.
+Cost predict_offloaded(Collective c, const Query& q, const Profile& p, std::string_view codec = "",
+                       Algorithm inter = Algorithm::automatic);
+inline constexpr double kOffloadChunkBytes = 4 << 20;  // the daemon's chunk (nicd/server.cc, kChunkBytes)
+
 // The algorithm with the least predicted time among those that support the call (the switch only when the
 // profile has its rate).
 // Algorithms that auto may pick for small calls only are candidates up to `small_bytes` in all (table.h).
@@ -127,9 +138,12 @@ struct MeasuredCompute {
 struct CoreSharing {
   double cores = 0, engine_cores = 0;
 };
+// `offloaded`: each all-reduce runs through an offload daemon per worker's host (predict_offloaded, one rank a
+// host), its CPU counted as the host's.
 IterationCost iteration(const std::vector<double>& elems, double batch, int n, Algorithm algo, std::string_view codec,
                         const Profile& p, double compute_scale = 1, bool error_feedback = false,
-                        const MeasuredCompute* measured = nullptr, const CoreSharing& sharing = {});
+                        const MeasuredCompute* measured = nullptr, const CoreSharing& sharing = {},
+                        bool offloaded = false);
 inline constexpr double kFeedbackPasses = 7.5;  // float32 passes: 3 (x += r), 3 (r = x - q), 1.5 (isfinite, any)
 
 }  // namespace smartcoll::coll

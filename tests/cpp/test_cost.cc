@@ -379,6 +379,47 @@ TEST(CostModel, CpuCountsOneRanksShareOfAHostsLink) {
   EXPECT_NEAR(flat.cpu, flat.wire_bytes * 1e-9, 1e-12);
 }
 
+// Through the offload daemons: 4 hosts of 2 ranks, 64 MiB allreduce, the ring among the daemons. Worked by hand:
+// the daemons' ring is the 4-rank ring's (1.5 x 64 MiB over a 1e8 B/s link: 1.0066 s, 6 steps of 1 ms); each
+// daemon reads and writes 2 x 64 MiB (268 MB at 1e9 B/s: 0.268 s) and combines 64 MiB (67 MB at 1e9: 0.067 s),
+// 0.336 s under the ring; the first chunk's read and the last one's write, 4 MiB of a rank's 64: 1/16 of that;
+// posting and waiting: 2 alpha.
+TEST(CostModel, OffloadedCallsAddTheDaemonsCopiesAroundTheDaemonsCall) {
+  Profile p = link_only(1e-3, 1e8);
+  p.copy_Bps = 1e9, p.reduce_Bps = 1e9;
+  Query q = call(8, 64 * kMiB);
+  q.hosts = 4, q.per_host = 2;
+  const Cost ring = predict(Collective::allreduce, Algorithm::ring, call(4, 64 * kMiB), p);
+  const double local = 4 * 64 * kMiB / 1e9 + 64 * kMiB / 1e9;
+  const Cost k = predict_offloaded(Collective::allreduce, q, p, "", Algorithm::ring);
+  EXPECT_NEAR(ring.total, 6e-3 + 1.5 * 64 * kMiB / 1e8, 1e-9);
+  EXPECT_NEAR(k.copy, local, 1e-12);
+  EXPECT_NEAR(k.total, ring.total + 2e-3 + local / 16, 1e-9);
+  EXPECT_EQ(k.bound, "link");
+  EXPECT_NEAR(k.cpu, (ring.cpu + local) / 2, 1e-12);  // the daemon's work, over its 2 ranks
+  // One host: nothing to overlap; the daemon's copies and combining are the call.
+  Query one = call(2, 64 * kMiB);
+  one.hosts = 1, one.per_host = 2;
+  const Cost alone = predict_offloaded(Collective::allreduce, one, p);
+  EXPECT_NEAR(alone.total, 2e-3 + local, 1e-9);
+  EXPECT_EQ(alone.bound, "daemon");
+  // A slow copy makes the daemon the bound across hosts too.
+  p.copy_Bps = 1e8;
+  const Cost slow = predict_offloaded(Collective::allreduce, q, p, "", Algorithm::ring);
+  const double slow_local = 4 * 64 * kMiB / 1e8 + 64 * kMiB / 1e9;
+  EXPECT_EQ(slow.bound, "daemon");
+  EXPECT_NEAR(slow.total, 6e-3 + 2e-3 + slow_local + slow_local / 16, 1e-9);
+  // The training iteration through the daemons is the paper's with each all-reduce offloaded.
+  const std::vector<double> layers(4, 1024.0 * 1024);
+  const IterationCost in_process = iteration(layers, 64, 4, Algorithm::ring, "", p);
+  const IterationCost offloaded = iteration(layers, 64, 4, Algorithm::ring, "", p, 1, false, nullptr, {}, true);
+  Query layer = call(4, 4 * 1024.0 * 1024);
+  layer.hosts = 4, layer.per_host = 1;
+  EXPECT_NEAR(offloaded.allreduce, 4 * predict_offloaded(Collective::allreduce, layer, p, "", Algorithm::ring).total,
+              1e-9);
+  EXPECT_GT(offloaded.allreduce, in_process.allreduce);
+}
+
 TEST(CostModel, WireCpuIsAnOptionalProfileField) {
   Profile p = Profile::builtin();
   EXPECT_EQ(p.wire_cpu_s_per_byte, 0);  // not measured: no contention term

@@ -103,6 +103,30 @@ def test_predict_collective_table():
     assert sum("auto: ring" in l for l in lines) == 2, r.stdout  # with a codec only the ring can run it
 
 
+def test_predict_through_the_offload_daemons(tmp_path):
+    """--engine nicd: the daemons' call among the hosts (their ring: 2(H-1)/H of the vector on each host's link,
+    whatever the ranks per host) plus the daemon's copies; and the training variant that runs through them."""
+    from smartcoll import _core
+
+    p = json.dumps(profile(alpha_s=1e-3, link_Bps=1e8, link_efficiency=1.0, copy_Bps=1e9, reduce_Bps=1e9))
+    size = 64 * MiB
+    k = _core.model_predict("allreduce", "ring", 8, size, p, hosts=4, per_host=2, engine="nicd")
+    ring = _core.model_predict("allreduce", "ring", 4, size, p)
+    local = 4 * size / 1e9 + size / 1e9  # a daemon reads and writes its 2 ranks' vectors, and combines one
+    assert k["total"] == pytest.approx(ring["total"] + 2e-3 + local / 16)
+    assert k["copy"] == pytest.approx(local) and k["bound"] == "link" and k["unsupported"] == ""
+    r = run_cli("model", "predict", "reduce", "-n", "8", "--hosts", "4", "--sizes", "16M", "--engine", "nicd")
+    assert r.returncode == 0, r.stderr
+    assert "nicd, auto" in r.stdout, r.stdout
+    out = tmp_path / "train.json"
+    r = run_cli("model", "predict", "train", "--nodes", "1,4", "--variants", "smartcoll,smartcoll+nicd",
+                "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    variants = json.loads(out.read_text())["variants"]
+    at4 = {name: v["points"][1]["total"] for name, v in variants.items()}
+    assert at4["smartcoll"] < at4["smartcoll+nicd"] < 1.2 * at4["smartcoll"], at4  # the daemon's copies, mostly hidden
+
+
 def test_predict_train_scaling_and_measured_points(tmp_path):
     measured = {
         "metadata": {"world_size": 4, "layers": 4, "width": 256, "batch": 32},

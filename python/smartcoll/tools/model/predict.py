@@ -1,6 +1,7 @@
 """Predict from a profile (the built-in one without --profile): a collective's time, or a training iteration's.
 
     smartcoll model predict COLLECTIVE [-n 2,4,8] [--sizes 1M:64M] [--algo ring,rhd,auto] [--codec bfp16]
+                                       [--engine inprocess|nicd]
     smartcoll model predict train [--layers L --width M --batch B] [--nodes 1,2,4,...] [--measured train.json]
                                   [--compute gemm|measured] [--png scaling.png]
 
@@ -55,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hosts", type=int, default=0, help="hosts the ranks are spread over, for hier (default: one rank per host)")
     parser.add_argument("--same-host", action="store_true", help="all ranks on one host (the cma path is usable)")
     parser.add_argument("--switches", type=int, default=0, help="aggregation switches (algo switch; default: none)")
+    parser.add_argument("--engine", choices=("inprocess", "nicd"), default="inprocess",
+                        help="who runs the call: the ranks' own engines (default), or the offload daemons, one per "
+                             "host (engine=nicd: --algo is then the daemons' call among the hosts, an allreduce "
+                             "for reduce and reduce_scatter)")
     parser.add_argument("--layers", type=int, help="train: MLP layers (default: 8, or --measured's)")
     parser.add_argument("--width", type=int, help="train: layer width M (default: 1024, or --measured's)")
     parser.add_argument("--batch", type=int, help="train: batch per worker (default: 64, or --measured's)")
@@ -85,8 +90,9 @@ def collective_rows(args: argparse.Namespace, profile: str) -> list[dict]:
     # What auto runs: with a profile, the model's pick; without one the library uses its size rules, not the
     # built-in profile.
     chooser = profile if args.profile else ""
-    names = _core.model_algorithms(args.what)
-    algos = args.algo.split(",") if args.algo else [*names, "auto"]
+    among = "allreduce" if args.engine == "nicd" and args.what in ("reduce", "reduce_scatter") else args.what
+    names = _core.model_algorithms(among)
+    algos = args.algo.split(",") if args.algo else ([*names, "auto"] if args.engine == "inprocess" else ["auto"])
     rows = []
     for n in args.nranks:
         hosts = args.hosts or (1 if args.same_host else n)
@@ -95,10 +101,12 @@ def collective_rows(args: argparse.Namespace, profile: str) -> list[dict]:
         for size in parse_sizes(args.sizes):
             for algo in algos:
                 row = {"n": n, "bytes": size, "algo": algo}
-                if algo == "auto":
+                if algo == "auto" and args.engine == "inprocess":
                     row["algo"] = f"auto: {_core.model_choose(args.what, n, size, chooser, args.codec, **layout)}"
                     algo = row["algo"].split(": ")[1]
-                k = _core.model_predict(args.what, algo, n, size, profile, args.codec, **layout)
+                elif args.engine == "nicd":
+                    row["algo"] = f"nicd, {algo}"
+                k = _core.model_predict(args.what, algo, n, size, profile, args.codec, engine=args.engine, **layout)
                 rows.append({**row, **k})
     return rows
 
@@ -165,10 +173,11 @@ def train_predictions(args: argparse.Namespace, profile: str, measured: Optional
                                  f"choose --variants among {', '.join(runs)}")
             phases = [runs[name]["phases_ms"][k] / 1e3 for k in ("fwd", "bwd", "update")]
         per_n = {n: _core.model_iteration(elems, batch, n, algo, codec, profile, args.compute_scale, feedback,
-                                          phases, **sharing)
+                                          phases, offloaded=v.nicd, **sharing)
                  for n in nodes}
         t1 = per_n[1]["total"] if 1 in per_n else _core.model_iteration(
-            elems, batch, 1, algo, codec, profile, args.compute_scale, False, phases, **sharing)["total"]
+            elems, batch, 1, algo, codec, profile, args.compute_scale, False, phases, offloaded=v.nicd,
+            **sharing)["total"]
         entry = {"algo": algo, "codec": codec or "identity", "t1_s": t1,
                  "points": [{"n": n, **per_n[n], "throughput_x1": n * t1 / per_n[n]["total"]} for n in nodes]}
         for r in (measured or {}).get("variants", []):
