@@ -499,8 +499,8 @@ size_t Job::widest_host() const {
 // in parts: bytes [lo, lo + len) of every block at a time, through the window of chunks. A part between two ranks
 // of this host goes straight from the source's input (read once) into the destination's output. Between hosts
 // the daemons exchange, per part, one alltoall whose segment from host g to host h holds the part of the block
-// of every pair (a rank of g, a rank of h), padded to widest x widest parts as allgather pads to the widest host;
-// the next parts are read and sent while earlier ones are between hosts.
+// of every pair (a rank of g, a rank of h), widest x widest parts (hosts of different sizes take alltoallv, which
+// sends no padding); the next parts are read and sent while earlier ones are between hosts.
 void Job::alltoall(const std::vector<Member>& ms, const Post& p) {
   const size_t n = static_cast<size_t>(hello.size), block = p.count * dtype_size(static_cast<DataType>(p.dtype));
   if (block == 0) return;
@@ -750,7 +750,15 @@ void Job::execute(std::vector<Member>& ms) {
       if (inter) wait_between_hosts(inter->barrier());
       break;
     case Collective::alltoall:
-      alltoall(ms, p);
+      if (std::any_of(members.begin(), members.end(), [&](const auto& h) { return h.size() != widest_host(); })) {
+        // Hosts of different sizes: as alltoallv of equal blocks, whose segments between hosts carry only the
+        // blocks of their pairs of ranks (alltoall's pad every host to the widest).
+        for (Member& m : ms)
+          for (size_t d = 0; d < n; ++d) m.blocks.insert(m.blocks.end(), {d * block, block, d * block, block});
+        alltoallv(ms, p);
+      } else {
+        alltoall(ms, p);
+      }
       break;
     case Collective::alltoallv:
       alltoallv(ms, p);
