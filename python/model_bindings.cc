@@ -32,15 +32,29 @@ nb::dict predict(const std::string& collective, const std::string& algo, int n, 
   // Through the daemons the algorithm is that of their own call among the hosts (an allreduce for reductions).
   const Collective among = offloaded && (c == Collective::reduce || c == Collective::reduce_scatter)
                                ? Collective::allreduce : c;
-  const Algorithm a = parse_algorithm(algo, among);
+  Algorithm a;
+  try {
+    a = parse_algorithm(algo, among);
+  } catch (const InvalidArgument& e) {
+    if (among == c) throw;
+    throw InvalidArgument(std::string("engine=nicd runs ") + std::string(collective_name(c)) + " as an allreduce "
+                          "among the hosts' daemons: " + e.what());
+  }
   const coll::Query q = query(n, bytes, codec, hosts, per_host, switches, cma, switch_set);
   const Profile p = Profile::parse(profile, "(given)");
-  const coll::Cost k = offloaded ? coll::predict_offloaded(c, q, p, codec, a) : coll::predict(c, a, q, p, codec);
+  std::string unsupported = offloaded ? coll::offloaded_unsupported(c, q, codec, a) : "";
+  if (!offloaded && a == Algorithm::automatic) a = coll::cheapest(c, q, p);  // the model's own pick
+  if (!offloaded && unsupported.empty()) unsupported = coll::find(c, a).unsupported(q);
+  // In process the terms come even for a call the algorithm cannot run (the table's arithmetic); through the
+  // daemons such a call has none.
+  const coll::Cost k = !offloaded                ? coll::predict(c, a, q, p, codec)
+                       : unsupported.empty()     ? coll::predict_offloaded(c, q, p, codec, a)
+                                                 : coll::Cost{};
   nb::dict d;
+  d["unsupported"] = unsupported;
   d["total"] = k.total, d["latency"] = k.latency, d["link"] = k.link, d["reduce"] = k.reduce;
   d["codec"] = k.codec, d["mem"] = k.mem, d["copy"] = k.copy, d["steps"] = k.steps;
   d["wire_bytes"] = k.wire_bytes, d["cpu"] = k.cpu, d["bound"] = k.bound;
-  d["unsupported"] = offloaded || a == Algorithm::automatic ? "" : coll::find(c, a).unsupported(q);
   return d;
 }
 

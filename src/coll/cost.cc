@@ -345,43 +345,87 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
   return k;
 }
 
-Cost predict_offloaded(Collective c, const Query& q, const Profile& p, std::string_view codec, Algorithm inter) {
-  const double hosts = std::max(1, q.hosts);
-  const double L = q.per_host > 0 ? q.per_host : std::ceil(q.n / hosts), n = q.n, B = static_cast<double>(q.bytes);
-  // What the busiest daemon reads from and writes into its ranks, and combines; and the daemons' own call (the
-  // reductions are one allreduce of the whole vector, as the daemon runs them; allgather and alltoall carry a
-  // host's parts for every pair of ranks).
-  double read = L * B, written = L * B, combined = 0, inter_bytes = B;
-  Collective among = c;
+namespace {
+
+// What the busiest daemon of an offloaded call does (nicd/server.cc, Job::execute).
+struct DaemonWork {
+  double L = 1, hosts = 1;
+  double read = 0, written = 0, combined = 0;  // bytes of its ranks' memory, and bytes it adds up
+  double chunk_share = 1;                      // of a rank's vector, what one chunk or part of the window holds
+  Collective among = Collective::allreduce;    // the daemons' own call among the hosts
+  Query among_hosts{};
+};
+
+DaemonWork daemon_work(Collective c, const Query& q) {
+  DaemonWork w;
+  const double n = q.n, B = std::max(1.0, static_cast<double>(q.bytes)), chunk = kOffloadChunkBytes;
+  w.hosts = std::clamp(q.hosts, 1, std::max(1, q.n));
+  w.L = q.per_host > 0 ? q.per_host : std::ceil(n / w.hosts);
+  const double L = w.L, H = w.hosts, part = 64 * 1024;  // a part is 64 KiB at least (kMinPartBytes)
+  // The reductions are one allreduce of the whole vector among the daemons; allgather and alltoall carry a host's
+  // parts for every pair of ranks.
+  double inter_bytes = B;
+  w.read = w.written = L * B;
+  w.chunk_share = std::min(1.0, chunk / B);
+  w.among = c;
   switch (c) {
-    case Collective::allreduce: combined = (L - 1) * B; break;
-    case Collective::reduce: written = B, combined = (L - 1) * B, among = Collective::allreduce; break;
+    case Collective::allreduce: w.combined = (L - 1) * B; break;
+    case Collective::reduce: w.written = B, w.combined = (L - 1) * B, w.among = Collective::allreduce; break;
     case Collective::reduce_scatter:
-      read = L * n * B, combined = (L - 1) * n * B, inter_bytes = n * B, among = Collective::allreduce;
+      w.read = L * n * B, w.combined = (L - 1) * n * B, inter_bytes = n * B, w.among = Collective::allreduce;
+      w.chunk_share = std::min(1.0, chunk / (n * B));
       break;
-    case Collective::broadcast: read = B; break;
-    case Collective::allgather: written = L * n * B, inter_bytes = L * B; break;
+    case Collective::broadcast: w.read = B; break;
+    case Collective::allgather:
+      w.written = L * n * B, inter_bytes = L * B;
+      w.chunk_share = std::min(1.0, std::max(part, chunk / ((H + 1) * L)) / B);
+      break;
     case Collective::alltoall:
-    case Collective::alltoallv: read = written = L * n * B, inter_bytes = L * L * B; break;
-    case Collective::barrier: read = written = inter_bytes = 0; break;
+    case Collective::alltoallv:
+      w.read = w.written = L * n * B, inter_bytes = L * L * B;
+      w.chunk_share = std::min(1.0, std::max(part, chunk / (2 * H * L * L)) / B);
+      break;
+    case Collective::barrier: w.read = w.written = inter_bytes = 0; break;
   }
+  w.among_hosts = q;
+  w.among_hosts.n = static_cast<int>(H), w.among_hosts.hosts = static_cast<int>(H), w.among_hosts.per_host = 1;
+  w.among_hosts.bytes = static_cast<size_t>(inter_bytes), w.among_hosts.cma_usable = false;
+  w.among_hosts.switch_set = false;
+  return w;
+}
+
+}  // namespace
+
+std::string offloaded_unsupported(Collective c, const Query& q, std::string_view codec, Algorithm inter) {
+  if (!codec.empty() && codec != "identity" && c != Collective::allreduce)
+    return "engine=nicd compresses only allreduce between hosts";
+  DaemonWork w = daemon_work(c, q);
+  if (q.n <= 1 || w.hosts <= 1 || inter == Algorithm::automatic) return "";
+  w.among_hosts.compressed = q.compressed || (!codec.empty() && codec != "identity");
+  return find(w.among, inter).unsupported(w.among_hosts);
+}
+
+Cost predict_offloaded(Collective c, const Query& q, const Profile& p, std::string_view codec, Algorithm inter) {
+  if (q.n <= 1) return {};  // a rank alone has no daemon: its calls complete on it
+  const DaemonWork w = daemon_work(c, q);
   Cost k;
-  if (hosts > 1) {
-    Query among_hosts = q;
-    among_hosts.n = static_cast<int>(hosts), among_hosts.per_host = 1, among_hosts.bytes = static_cast<size_t>(inter_bytes);
-    among_hosts.cma_usable = false, among_hosts.switch_set = false;
-    const Algorithm a = inter == Algorithm::automatic ? cheapest(among, among_hosts, p) : inter;
-    k = predict(among, a, among_hosts, p, codec);
+  if (w.hosts > 1) {
+    // auto: what the daemons pick by the size rules (they get no model_profile), for one chunk or part.
+    Query chunk = w.among_hosts;
+    chunk.bytes = std::min<size_t>(chunk.bytes, static_cast<size_t>(kOffloadChunkBytes));
+    const Algorithm a = inter == Algorithm::automatic ? choose(w.among, chunk, Algorithm::automatic, 262144) : inter;
+    k = predict(w.among, a, w.among_hosts, p, codec);
   }
-  const double local = (read + written) / p.copy_Bps + combined / p.reduce_Bps;
+  const double local = (w.read + w.written) / p.copy_Bps + w.combined / p.reduce_Bps;
   const double pipeline = k.total - k.latency;  // what the chunks' copies overlap
-  // With one host nothing overlaps the copies; across hosts the first chunk is read and the last written alone.
-  const double fill = hosts > 1 && read > 0 ? local * std::min(1.0, kOffloadChunkBytes / (read / L)) : 0;
+  // With one host nothing overlaps the copies. Across hosts the first chunk's copies and the last one's trip
+  // between the hosts (or the reverse, whichever side is the shorter) overlap nothing.
+  const double fill = w.hosts > 1 ? w.chunk_share * std::min(pipeline, local) : 0;
   k.latency += 2 * p.alpha_s;
   k.total = k.latency + std::max(pipeline, local) + fill;
   if (local > pipeline) k.bound = "daemon";
   k.copy = local;
-  k.cpu = (k.cpu + local) / L;
+  k.cpu = (k.cpu + local) / w.L;
   return k;
 }
 

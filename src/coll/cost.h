@@ -89,12 +89,16 @@ Cost predict(Collective c, Algorithm a, const Query& q, const Profile& p, std::s
 // A call run by the offload daemons (engine=nicd, docs/nicd.md), q.hosts of them with q.per_host ranks each
 // (per_host 0: q.n / q.hosts): each daemon reads its ranks' inputs and writes their outputs at the same-host copy
 // rate, combines the inputs in one thread at one core's reduction rate, and runs the daemons' collective (with
-// `inter`; automatic: the cheapest) among the hosts, in chunks of kOffloadChunkBytes that overlap the copies but
-// for one chunk's. A rank's own part is posting and waiting: two alpha. Cost::cpu is the daemon's CPU over its
+// `inter`; automatic: what the daemons' size rules pick for one chunk, as they get no profile) among the hosts,
+// in chunks of kOffloadChunkBytes that overlap the copies but for one chunk's (the shorter side's). A rank's own
+// part is posting and waiting: two alpha; a world of one rank has no daemon and costs nothing. Cost::cpu is the daemon's CPU over its
 // ranks (what each rank's host gives up where the daemon shares its cores); Cost::copy the daemon's copies and
 // combining, and `bound` "daemon" where they outlast the daemons' collective.
 Cost predict_offloaded(Collective c, const Query& q, const Profile& p, std::string_view codec = "",
                        Algorithm inter = Algorithm::automatic);
+// Why the daemons cannot run the call so ("" if they can): a codec on another collective than allreduce, or an
+// algorithm their call among the hosts does not have or cannot run.
+std::string offloaded_unsupported(Collective c, const Query& q, std::string_view codec, Algorithm inter);
 inline constexpr double kOffloadChunkBytes = 4 << 20;  // the daemon's chunk (nicd/server.cc, kChunkBytes)
 
 // The algorithm with the least predicted time among those that support the call (the switch only when the

@@ -753,8 +753,10 @@ void Job::execute(std::vector<Member>& ms) {
       if (std::any_of(members.begin(), members.end(), [&](const auto& h) { return h.size() != widest_host(); })) {
         // Hosts of different sizes: as alltoallv of equal blocks, whose segments between hosts carry only the
         // blocks of their pairs of ranks (alltoall's pad every host to the widest).
-        for (Member& m : ms)
+        for (Member& m : ms) {
+          m.blocks.clear();
           for (size_t d = 0; d < n; ++d) m.blocks.insert(m.blocks.end(), {d * block, block, d * block, block});
+        }
         alltoallv(ms, p);
       } else {
         alltoall(ms, p);

@@ -452,13 +452,14 @@ TEST(Nicd, AlltoallvCountsThatDisagreeFailTheCallNamingThePair) {
   }
 }
 
-// 3 ranks on host 0 and 1 on host 1: the daemons' segments are padded to 3 x 3 blocks.
+// 3 ranks on host 0 and 1 on host 1: alltoall runs as alltoallv of equal blocks (no padding); allgather pads each
+// host's parts to 3.
 TEST(Nicd, AlltoallAcrossUnevenHosts) {
   on_two_hosts("uneven", 4, [](int r) { return r != 2; }, [](int, Communicator& comm) {
     ASSERT_EQ(comm.hosts(), (std::vector<int>{0, 0, 1, 0}));
     check_alltoalls(comm);
-    check_alltoall<int32_t>(comm, 300001, DataType::i32);  // 1.2 MB blocks in parts, padded to 3 x 3
-    check_allgather(comm, 300001);                         // the same, padded to 3 per host
+    check_alltoall<int32_t>(comm, 300001, DataType::i32);  // 1.2 MB blocks in parts, as alltoallv: no padding
+    check_allgather(comm, 300001);                         // in parts, padded to 3 per host
   });
 }
 
