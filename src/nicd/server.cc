@@ -159,7 +159,8 @@ struct Job {
   void allreduce(const std::vector<Member>& ms, const Post& p, size_t count,
                  const std::function<void(size_t, size_t, char*)>& done);
   void alltoall(const std::vector<Member>& ms, const Post& p);
-  void alltoallv(const std::vector<Member>& ms, const Post& p);
+  // agreed: every host knows the blocks' sizes already (alltoall's equal blocks): none are exchanged.
+  void alltoallv(const std::vector<Member>& ms, const Post& p, bool agreed = false);
   size_t widest_host() const;
   std::string name() const { return "job '" + hello.job_id + "'"; }
 
@@ -557,8 +558,8 @@ void Job::alltoall(const std::vector<Member>& ms, const Post& p) {
 // of g and then each rank k of h, the part of j's block for k: the blocks' sizes tell both sides where each lies.
 // First the daemons exchange the sizes of the blocks between their hosts, so that each checks them against what
 // its ranks expect (a mismatch fails the call, naming the pair), and agree on the largest block, whose parts set
-// how many calls among the daemons the call takes.
-void Job::alltoallv(const std::vector<Member>& ms, const Post& p) {
+// how many calls among the daemons the call takes (unless the sizes are agreed already).
+void Job::alltoallv(const std::vector<Member>& ms, const Post& p, bool agreed) {
   const size_t n = static_cast<size_t>(hello.size), me = static_cast<size_t>(host);
   const size_t hosts = static_cast<size_t>(host_count), widest = widest_host();
   const size_t pairs = bytes_of({hosts, widest, widest});
@@ -571,7 +572,12 @@ void Job::alltoallv(const std::vector<Member>& ms, const Post& p) {
     for (size_t j = 0; h != me && j < ms.size(); ++j)
       for (size_t k = 0; k < members[h].size(); ++k)
         out_sizes[(h * widest + j) * widest + k] = sent(j, static_cast<size_t>(members[h][k]));
-  if (inter) wait_between_hosts(inter->alltoall(out_sizes.data(), in_sizes.data(), widest * widest, DataType::i64));
+  if (inter && !agreed)
+    wait_between_hosts(inter->alltoall(out_sizes.data(), in_sizes.data(), widest * widest, DataType::i64));
+  for (size_t h = 0; agreed && h < hosts; ++h)  // what each rank here expects is what is sent
+    for (size_t j = 0; h != me && j < members[h].size(); ++j)
+      for (size_t k = 0; k < ms.size(); ++k)
+        in_sizes[(h * widest + j) * widest + k] = expected(k, static_cast<size_t>(members[h][j]));
   for (size_t h = 0; h < hosts; ++h)
     for (size_t k = 0; k < ms.size(); ++k)
       for (size_t j = 0; j < members[h].size(); ++j) {
@@ -589,7 +595,8 @@ void Job::alltoallv(const std::vector<Member>& ms, const Post& p) {
   uint64_t largest = 0;
   for (size_t j = 0; j < ms.size(); ++j)
     for (size_t d = 0; d < n; ++d) largest = std::max({largest, sent(j, d), expected(j, d)});
-  if (inter) wait_between_hosts(inter->allreduce(&largest, &largest, 1, DataType::i64, ReduceOp::max));
+  if (inter && !agreed)
+    wait_between_hosts(inter->allreduce(&largest, &largest, 1, DataType::i64, ReduceOp::max));
   if (largest == 0) return;
   const size_t part = std::min<size_t>(largest, std::max(kMinPartBytes, kChunkBytes / (inter ? 2 * pairs : n)));
   spread.resize(n * part);
@@ -757,7 +764,7 @@ void Job::execute(std::vector<Member>& ms) {
           m.blocks.clear();
           for (size_t d = 0; d < n; ++d) m.blocks.insert(m.blocks.end(), {d * block, block, d * block, block});
         }
-        alltoallv(ms, p);
+        alltoallv(ms, p, /*agreed=*/true);
       } else {
         alltoall(ms, p);
       }
