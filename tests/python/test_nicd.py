@@ -216,6 +216,19 @@ def test_list_calls_and_alltoallv_run_in_the_daemon(tmp_path):
         assert lines[5] == "after [0, 2, 4]", res.stdout  # a refused call leaves the job usable
 
 
+def test_bench_times_the_daemon_next_to_the_in_process_engine(tmp_path):
+    """`smartcoll bench --nicd` starts a daemon for the run and times each size through it too, checked, as a
+    column pair next to the in-process engine's."""
+    out = tmp_path / "bench.json"
+    r = run_cli("bench", "allreduce", "-n", "2", "--sizes", "1K,1M", "--nicd", "--json", str(out), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "smartcoll/smartcoll-nicd" in r.stdout, r.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert [row["bytes"] for row in rows] == [1024, 1 << 20]
+    for row in rows:
+        assert row["smartcoll-nicd"]["wrong"] == 0 and row["smartcoll-nicd"]["time_us"] > 0, row
+
+
 def test_a_second_daemon_on_a_socket_in_use_is_refused():
     with Daemons(1) as d:
         res = run_cli("nicd", "--socket", d.sockets[0], "--duration", "1", timeout=30)

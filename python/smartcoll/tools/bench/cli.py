@@ -168,8 +168,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nicd",
         action="store_true",
-        help="with --overlap: also time the offload daemon (smartcoll nicd, one per host, started for the "
-        "run) as one more engine, 'smartcoll-nicd' next to the in-process 'smartcoll', on the same buffers",
+        help="also time the offload daemon (smartcoll nicd, one per host, started for the run) as one more "
+        "engine, 'smartcoll-nicd' next to the in-process 'smartcoll', on the same buffers: a column pair like a "
+        "--vs peer's (its busbw, and its time over smartcoll's), and a row of its own with --overlap",
     )
     parser.add_argument(
         "--nicd-cpus",
@@ -317,8 +318,6 @@ def _validate(args: argparse.Namespace) -> Optional[str]:
         return "--rounds must be at least 1"
     if COLLECTIVES[args.collective].rooted and not 0 <= args.root < args.nprocs:
         return f"--root {args.root} is not a rank of {args.nprocs}"
-    if getattr(args, "nicd", False) and not getattr(args, "overlap", False):
-        return "--nicd applies to the overlap mode (smartcoll bench overlap COLLECTIVE --nicd)"
     algos = collective_algorithms().get(args.collective)
     if args.algo != "auto" and algos is not None and args.algo not in algos:
         return f"--algo {args.algo} is not an algorithm of {args.collective}: use auto or one of {', '.join(algos)}"
@@ -427,8 +426,9 @@ def main(args: argparse.Namespace) -> int:
         if rc != 0:
             print(f"smartcoll bench: the benchmark ranks failed (status {rc}); no results", file=sys.stderr)
             return rc
+        engines = ["smartcoll", "smartcoll-nicd"] if cfg["nicd"] else ["smartcoll"]
         measured = {impl: True if cfg["overlap"] else aggregate(workdir, impl, args.nprocs)
-                    for impl in ["smartcoll"] + cfg["peers"]}
+                    for impl in engines + cfg["peers"]}
         mpi_failure = None
         if "mpi" in vs:
             how = f"tcp over the veths of cluster {c.name}, mpirun in host 0's namespace" if c else transport
@@ -440,9 +440,8 @@ def main(args: argparse.Namespace) -> int:
                 mpi_failure = f"the MPI part failed (status {rc}); its columns are left out"
                 status(mpi_failure)
         if cfg["overlap"]:
-            engines = ["smartcoll", "smartcoll-nicd"] if cfg["nicd"] else ["smartcoll"]
             return _overlap_report(args, cfg, workdir, engines + [p for p in vs if p in measured])
-    shown = [p for p in vs if measured.get(p)]
+    shown = [p for p in engines[1:] + vs if measured.get(p)]
     measured = {impl: data for impl, data in measured.items() if data}
     rows = build_rows(cfg, measured, link["GBps"] if link else None)
     print(format_report(cfg, rows, shown, link))
