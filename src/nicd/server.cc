@@ -113,11 +113,10 @@ struct Slot {
   }
 };
 
-// A list call's view in a rank: [base, base + bytes) stands for the pieces one after the other.
+// A list call's view in a rank: [base, base + pieces.bytes()) stands for the pieces one after the other.
 struct List {
-  uint64_t base = 0, bytes = 0;
-  std::vector<iovec> pieces;
-  std::vector<uint64_t> starts;  // [i]: offset of piece i in the view
+  uint64_t base = 0;
+  cma::Vector pieces;
 };
 
 // A rank taking part in the call being run, and its post.
@@ -236,18 +235,13 @@ std::vector<iovec> Job::real_ranges(const Member& m, std::span<const iovec> remo
     const uint64_t at = reinterpret_cast<uintptr_t>(r.iov_base);
     if (r.iov_len == 0) continue;
     const auto l = std::find_if(m.lists.begin(), m.lists.end(),
-                                [&](const List& v) { return at >= v.base && at - v.base < v.bytes; });
-    if (l == m.lists.end() || r.iov_len > l->bytes - (at - l->base))
+                                [&](const List& v) { return at >= v.base && at - v.base < v.pieces.bytes(); });
+    if (l == m.lists.end() || r.iov_len > l->pieces.bytes() - (at - l->base))
       throw CommError("rank " + std::to_string(m.rank) + "'s " + describe(m.post) + " reaches " +
                       std::to_string(r.iov_len) + " bytes at an address outside its lists of buffers (lists of " +
                       "other counts than its peers'?)");
-    uint64_t off = at - l->base, left = r.iov_len;
-    auto i = static_cast<size_t>(std::upper_bound(l->starts.begin(), l->starts.end(), off) - l->starts.begin() - 1);
-    for (; left > 0; ++i) {
-      const uint64_t inside = off - l->starts[i], n = std::min<uint64_t>(left, l->pieces[i].iov_len - inside);
-      out.push_back({static_cast<char*>(l->pieces[i].iov_base) + inside, n});
-      off += n, left -= n;
-    }
+    const std::vector<iovec> pieces = l->pieces.iov(at - l->base, r.iov_len);
+    out.insert(out.end(), pieces.begin(), pieces.end());
   }
   return out;
 }
@@ -270,17 +264,13 @@ void Job::read_tables(Member& m) {
                                            std::tuple{p.out, p.out_table, p.out_pieces}}) {
     if (count == 0 || std::any_of(lists.begin(), lists.end(), [&](const List& l) { return l.base == view; }))
       continue;
-    List l;
-    l.base = view;
-    l.pieces.resize(count);
-    static_assert(sizeof(iovec) == 16, "a table's entry: address u64, bytes u64");
-    transfer(false, m, table, reinterpret_cast<char*>(l.pieces.data()), count * sizeof(iovec));
-    for (const iovec& piece : l.pieces) {
-      l.starts.push_back(l.bytes);
-      if (__builtin_add_overflow(l.bytes, piece.iov_len, &l.bytes))
+    std::vector<cma::Extent> pieces(count);  // a table's entry: address u64, bytes u64
+    transfer(false, m, table, reinterpret_cast<char*>(pieces.data()), count * sizeof(cma::Extent));
+    uint64_t bytes = 0;
+    for (const cma::Extent& piece : pieces)
+      if (__builtin_add_overflow(bytes, piece.bytes, &bytes))
         throw CommError("rank " + std::to_string(m.rank) + "'s list for " + describe(p) + " adds up past 2^64 bytes");
-    }
-    lists.push_back(std::move(l));
+    lists.push_back({view, cma::Vector(pieces)});
   }
   m.lists = std::move(lists);
 }

@@ -107,60 +107,6 @@ constexpr size_t kIovMax = IOV_MAX;
 constexpr size_t kIovMax = 1024;
 #endif
 
-// One side of a call (a rank's input or output) as the byte ranges that hold it, in order: one buffer, or a list
-// call's pieces. Offsets are into the vector they make up.
-class Vector {
- public:
-  Vector() = default;
-  Vector(uint64_t at, uint64_t bytes) { add(at, bytes); }
-  explicit Vector(std::span<const Extent> parts) {
-    for (const Extent& e : parts) add(e.at, e.bytes);
-  }
-  uint64_t bytes() const { return ends_.empty() ? 0 : ends_.back(); }
-
-  // fn(address, offset in the range, n) over the runs of [off, off + len), in order (within bytes()).
-  template <class F>
-  void runs(uint64_t off, uint64_t len, F&& fn) const {
-    auto i = static_cast<size_t>(std::upper_bound(ends_.begin(), ends_.end(), off) - ends_.begin());
-    for (uint64_t done = 0; done < len; ++i) {
-      const uint64_t in = off + done - (ends_[i] - parts_[i].bytes);
-      const uint64_t n = std::min(len - done, parts_[i].bytes - in);
-      fn(reinterpret_cast<char*>(static_cast<uintptr_t>(parts_[i].at + in)), done, n);
-      done += n;
-    }
-  }
-  // [off, off + len) as iovecs of at most 1 GiB each (the kernel caps one transfer near 2 GiB).
-  std::vector<iovec> iov(uint64_t off, uint64_t len) const {
-    std::vector<iovec> v;
-    runs(off, len, [&v](char* at, uint64_t, uint64_t n) {
-      for (uint64_t k = 0; k < n; k += kStep) v.push_back({at + k, std::min(n - k, kStep)});
-    });
-    return v;
-  }
-  // The address of byte `off` (< bytes()) and how many bytes of its part follow it.
-  std::pair<char*, uint64_t> locate(uint64_t off) const {
-    const auto i = static_cast<size_t>(std::upper_bound(ends_.begin(), ends_.end(), off) - ends_.begin());
-    const uint64_t in = off - (ends_[i] - parts_[i].bytes);
-    return {reinterpret_cast<char*>(static_cast<uintptr_t>(parts_[i].at + in)), parts_[i].bytes - in};
-  }
-
- private:
-  static constexpr uint64_t kStep = uint64_t{1} << 30;
-  // Parts that follow each other in memory (a list of views of one buffer) become one: fewer, longer iovecs.
-  void add(uint64_t at, uint64_t n) {
-    if (n == 0) return;
-    if (!parts_.empty() && parts_.back().at + parts_.back().bytes == at) {
-      parts_.back().bytes += n;
-      ends_.back() += n;
-      return;
-    }
-    ends_.push_back(bytes() + n);
-    parts_.push_back({at, n});
-  }
-  std::vector<Extent> parts_;
-  std::vector<uint64_t> ends_;  // [i]: where part i ends in the vector
-};
-
 uint64_t address(const void* p) { return reinterpret_cast<uintptr_t>(p); }
 
 // What a side publishes: a list of several pieces by its table, else the one buffer itself.
