@@ -59,6 +59,15 @@ size_t total(const std::vector<RemotePiece>& pieces) {
   return t;
 }
 
+// The pieces of a region holding `bytes`, one after the other: what a getv of them gives.
+std::vector<uint8_t> pieces_of(const std::vector<uint8_t>& bytes, const std::vector<RemotePiece>& pieces) {
+  std::vector<uint8_t> out;
+  for (const RemotePiece& p : pieces)
+    out.insert(out.end(), bytes.begin() + static_cast<ptrdiff_t>(p.offset),
+               bytes.begin() + static_cast<ptrdiff_t>(p.offset + p.bytes));
+  return out;
+}
+
 // `bytes` of `buf` as local buffers of uneven sizes (a piece may span two of them).
 std::vector<LocalPiece> split(std::vector<uint8_t>& buf, std::mt19937& gen) {
   std::vector<LocalPiece> local;
@@ -141,11 +150,8 @@ TEST(OneSided, GetvReadsOverlappingPiecesOfEveryPeer) {
     std::mt19937 gen(100 + comm.rank());
     for (int peer = 0; peer < comm.size(); ++peer) {  // itself included
       const auto pieces = random_pieces(gen, 300);
-      std::vector<uint8_t> got(total(pieces), 0xee), want;
-      const auto theirs = pattern(peer);
-      for (const RemotePiece& p : pieces)
-        want.insert(want.end(), theirs.begin() + static_cast<ptrdiff_t>(p.offset),
-                    theirs.begin() + static_cast<ptrdiff_t>(p.offset + p.bytes));
+      std::vector<uint8_t> got(total(pieces), 0xee);
+      const std::vector<uint8_t> want = pieces_of(pattern(peer), pieces);
       comm.getv(region_of(peer, 1), pieces, split(got, gen))->wait();
       ASSERT_EQ(got, want) << "rank " << comm.rank() << " reading rank " << peer;
     }
@@ -196,11 +202,8 @@ TEST(OneSided, AllocatedRegionsAreCopiedThroughAMappingBitForBit) {
     std::mt19937 gen(300 + comm.rank());
     for (int peer = 0; peer < comm.size(); ++peer) {
       const auto pieces = random_pieces(gen, 300);
-      std::vector<uint8_t> one(total(pieces), 0xee), many(total(pieces), 0xee), want;
-      const auto theirs = pattern(peer);
-      for (const RemotePiece& p : pieces)
-        want.insert(want.end(), theirs.begin() + static_cast<ptrdiff_t>(p.offset),
-                    theirs.begin() + static_cast<ptrdiff_t>(p.offset + p.bytes));
+      std::vector<uint8_t> one(total(pieces), 0xee), many(total(pieces), 0xee);
+      const std::vector<uint8_t> want = pieces_of(pattern(peer), pieces);
       comm.getv(region_of(peer, 1), pieces, std::vector<LocalPiece>{{one.data(), one.size()}})->wait();
       comm.getv(region_of(peer, 1), pieces, split(many, gen))->wait();
       ASSERT_EQ(one, want) << "rank " << comm.rank() << " reading rank " << peer << " into one buffer";
