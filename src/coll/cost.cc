@@ -446,6 +446,17 @@ Algorithm cheapest(Collective c, const Query& q, const Profile& p, size_t small_
   return best;
 }
 
+double shared_window(double compute, double allreduce, double cpu) {
+  if (cpu <= 0) return std::max(compute, allreduce);
+  // Alone, the all-reduce lasts `span` and needs `need` of the cores all along; beside the compute the scheduler
+  // gives it at most an equal share.
+  const double span = std::max(allreduce, cpu), need = cpu / span, got = std::min(need, 0.5);
+  // When each would end if the other ran all along; the first to end hands its share back.
+  const double compute_ends = compute / (1 - got), allreduce_ends = span * need / got;
+  if (compute_ends <= allreduce_ends) return compute_ends + span - compute_ends * got / need;
+  return allreduce_ends + compute - allreduce_ends * (1 - got);
+}
+
 IterationCost iteration(const std::vector<double>& elems, double batch, int n, Algorithm algo, std::string_view codec,
                         const Profile& p, double compute_scale, bool error_feedback, const MeasuredCompute* measured,
                         const CoreSharing& sharing, bool offloaded) {
@@ -488,12 +499,11 @@ IterationCost iteration(const std::vector<double>& elems, double batch, int n, A
     it.fwd += F[l], it.bwd += B[l], it.update += U[l], it.allreduce += AR[l];
     it.layer_allreduce.push_back(AR[l]);
   }
-  // A window where compute overlaps layer l's all-reduce: the longer of the two, the compute stretched by the
-  // all-reduce's CPU work where they share the cores (CPU[l] is 0 otherwise).
+  // A window where compute overlaps layer l's all-reduce (CPU[l] is 0 unless they share the cores).
   auto window = [&](double compute, size_t l) {
-    const double stretched = compute + CPU[l];
-    it.contention += std::max(stretched, AR[l]) - std::max(compute, AR[l]);
-    return std::max(stretched, AR[l]);
+    const double w = shared_window(compute, AR[l], CPU[l]);
+    it.contention += w - std::max(compute, AR[l]);
+    return w;
   };
   double t = it.fwd + B[L];
   if (L == 1) {

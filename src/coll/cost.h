@@ -136,12 +136,20 @@ struct MeasuredCompute {
 // (the engine_cpus knob, or the offload daemon's --cpus on the rank's host): the compute runs on the rest,
 // cores / (cores - engine_cores) times longer (measured phases are taken as measured so: the run must have set
 // the cores aside), the all-reduce takes nothing from it and at least Cost::cpu / engine_cores. With none set
-// aside, a compute that keeps the rank's cores busy gives way to the all-reduce's CPU work: a window where they
-// overlap lasts at least compute + Cost::cpu / cores. A measured backward pass already ran beside the
+// aside, a compute that keeps the rank's cores busy shares them with the all-reduce's CPU work (Cost::cpu / cores of
+// their time): each window where they overlap is shared_window's. A measured backward pass already ran beside the
 // all-reduces, so part of that may be in it twice; the GEMM model's compute is not scaled for cores under 1.
 struct CoreSharing {
   double cores = 0, engine_cores = 0;
 };
+// How long compute (seconds of the cores' full use) and an all-reduce (`allreduce` seconds alone, `cpu` seconds
+// of the same cores' time in it) take when they overlap on shared cores, as a fair scheduler shares them: while
+// both run, the all-reduce gets the share it needs but at most half, the compute the rest; whichever ends first
+// leaves the cores to the other. An all-reduce that needs at most half (or no CPU) ends as it would alone, and
+// the window is max(compute + cpu, allreduce), the bound of the paper's overlap plus the CPU work; one that needs
+// more is slowed while the compute runs (both demands near each other: the uncompressed ring on shared cores).
+double shared_window(double compute, double allreduce, double cpu);
+
 // `offloaded`: each all-reduce runs through an offload daemon per worker's host (predict_offloaded, one rank a
 // host), its CPU counted as the host's.
 IterationCost iteration(const std::vector<double>& elems, double batch, int n, Algorithm algo, std::string_view codec,

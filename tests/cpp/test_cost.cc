@@ -321,6 +321,23 @@ TEST(CostModel, ErrorFeedbackLengthensTheBackwardPass) {
   }
 }
 
+// Compute and an all-reduce on shared cores, as a fair scheduler runs them (hand-worked, milliseconds).
+TEST(CostModel, ASharedWindowGivesTheAllreduceAtMostHalfTheCoresWhileTheComputeRuns) {
+  // No CPU in the all-reduce, or under half the cores: the longer of compute + CPU time and the all-reduce.
+  EXPECT_NEAR(shared_window(10, 52, 0), 52, 1e-9);
+  EXPECT_NEAR(shared_window(10, 52, 20), 52, 1e-9);   // needs 20/52 < 1/2: never slowed
+  EXPECT_NEAR(shared_window(40, 52, 20), 60, 1e-9);   // compute 40 + CPU 20 outlasts the all-reduce
+  // Needs 32/52 of the cores, gets 1/2 while the compute (10 ms of work) runs at 1/2: the compute ends at 20 ms,
+  // the all-reduce has done 20 x (1/2) / (32/52) = 16.25 ms of its 52 and runs the other 35.75 alone.
+  EXPECT_NEAR(shared_window(10, 52, 32), 20 + 52 - 16.25, 1e-9);
+  // Needs 42/52: halved, it would end at 52 x (42/52) / (1/2) = 84 ms; the compute (60 ms of work) does 42 by
+  // then and its other 18 alone.
+  EXPECT_NEAR(shared_window(60, 52, 42), 84 + 18, 1e-9);
+  // CPU-bound (more CPU time than link time): every demand on the cores adds up.
+  EXPECT_NEAR(shared_window(10, 6, 24), 34, 1e-9);
+  EXPECT_NEAR(shared_window(0, 6, 24), 24, 1e-9);
+}
+
 // A rank's all-reduce costs it CPU time: its reductions at one core's rate and its bytes on the busiest link at
 // wire_cpu_s_per_byte. Where compute and all-reduce share the rank's cores, each overlapped window lasts at least
 // the compute plus that CPU time over the cores; with cores set aside for the engine the compute runs on the rest.
