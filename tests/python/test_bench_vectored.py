@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import clean_env
 
-from smartcoll.tools.bench.vectored import placements, tensor_sizes
+from smartcoll.tools.bench.vectored import PLACEMENTS, placements, tensor_sizes
 
 
 def test_tensor_sizes_add_up():
@@ -19,12 +19,16 @@ def test_tensor_sizes_add_up():
     assert max(sizes) > 100 * min(sizes)  # mixed sizes, as DDP buckets are
 
 
-@pytest.mark.parametrize("random", [False, True])
-def test_placements_are_disjoint_slots_inside_the_region(random):
-    offsets = placements(1 << 16, 64, random)
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_placements_are_disjoint_slots_inside_the_region(placement):
+    offsets = placements(1 << 16, 64, placement)
     assert offsets.size == 1024 and len(set(offsets.tolist())) == 1024
     assert int(offsets.max()) + 64 <= 2 << 16 and all(int(o) % 64 == 0 for o in offsets)
-    assert (np.diff(offsets.astype(np.int64)) > 0).all() != random  # in order, or not
+    steps = np.diff(offsets.astype(np.int64))
+    if placement == "random":
+        assert (steps < 0).any()
+    else:  # in order: side by side, or a slot's gap between pieces
+        assert (steps == (64 if placement == "sequential" else 128)).all()
 
 
 def run(args, tmp_path):
@@ -40,7 +44,7 @@ def test_gather_scatter_report_every_size_and_placement(mode, tmp_path):
     text, data = run([mode, "--total", "256K", "--sizes", "32,4096", "--repeat", "1"], tmp_path)
     assert f"{mode} GB/s" in text and "memcpy GB/s" in text
     assert [(r["piece_bytes"], r["placement"]) for r in data["rows"]] == [
-        (32, "sequential"), (32, "random"), (4096, "sequential"), (4096, "random")]
+        (size, placement) for size in (32, 4096) for placement in PLACEMENTS]
     assert all(r["GBps"] > 0 and r["memcpy_GBps"] > 0 for r in data["rows"])
 
 

@@ -20,11 +20,12 @@ cost what a tensor's attributes cost.
 
 The gather (pieces -> one contiguous buffer) or scatter (the reverse) kernel that the one-sided server runs
 (src/kernels/copy.h), in one process, as the COPA slides measure it: --total bytes in pieces of each size,
-placed in a region twice as large either in order
-(every other slot: "sequential") or in random slots in random order ("random"), in GB/s next to one memcpy
-of the same bytes between contiguous buffers, and next to reading the pieces alone (the placement's own cost to
-the memory system: the hardware prefetchers fetch the gaps between "sequential" pieces too, so a gather of them
-reads up to twice the bytes it copies). Buffers start on a page. The best of --repeat runs after a warm-up.
+placed in a region twice as large in one of three ways: side by side in order ("sequential", as the slides'
+sequential gather reads consecutive addresses), every other slot in order ("strided"), or in random slots in
+random order ("random"); in GB/s next to one memcpy of the same bytes between contiguous buffers, and next to
+reading the pieces alone (the placement's own cost to the memory system: the hardware prefetchers fetch the gaps
+between "strided" pieces too, so a gather of them reads up to twice the bytes it copies). Buffers start on a
+page. The best of --repeat runs after a warm-up.
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ def tensor_sizes(tensors: int, total_bytes: int, seed: int = 0) -> list[int]:
     counts = np.maximum(1, (raw / raw.sum() * (total_bytes // 4)).astype(np.int64))
     counts[np.argmax(counts)] += total_bytes // 4 - int(counts.sum())
     return [int(c) for c in counts]
+
+
+def round_order(round_: int) -> list[str]:
+    """The methods in round `round_`'s order: the rows of a balanced Latin square (Williams'), so that over every
+    len(METHODS) rounds each method follows each other method once. A method's time depends on what ran before it
+    (whose buffers it finds in the caches and TLBs, or whose dirty lines it writes back); rotating one order
+    would keep every method behind the same one."""
+    k = len(METHODS)
+    first = [0] + [(j + 1) // 2 if j % 2 else k - j // 2 for j in range(1, k)]  # 0, 1, k-1, 2, k-2, ...
+    return [METHODS[(i + round_) % k] for i in first]
 
 
 def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool = False,
@@ -94,18 +105,20 @@ def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool 
     run = {"list": lambda: comm.allreduce(xs), "fuse-copy": fuse_copy, "separate": separate,
            "contiguous": lambda: comm.allreduce(contiguous)}
     times: dict[str, list[float]] = {m: [] for m in METHODS}
+    after: dict[str, dict[str, list[float]]] = {m: {} for m in METHODS}  # times by the method run just before
     same_host: dict[str, int] = {}  # calls of one round that took the same-host path
+    previous = ""
     for it in range(iters + 1):  # the first round warms up connections and buffers
-        # Each round starts with another method, so that no method always follows the same one (whose buffers
-        # it finds in the caches and TLBs, or evicted).
-        for m in METHODS[it % len(METHODS):] + METHODS[:it % len(METHODS)]:
+        for m in round_order(it):
             comm.barrier()
             before = comm.engine_stats()["same_host_calls"]
             t0 = time.perf_counter()
             run[m]()
             if it:
                 times[m].append(time.perf_counter() - t0)
+                after[m].setdefault(previous, []).append(times[m][-1])
             same_host[m] = comm.engine_stats()["same_host_calls"] - before
+            previous = m
     # Values stay exact (powers of the world size): each of the three list methods multiplies every element by
     # the world size, as every call does the contiguous buffer's.
     rounds = iters + 1
@@ -114,7 +127,7 @@ def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool 
     if not ok:
         print(f"rank {comm.rank}: wrong results", file=sys.stderr)
     if comm.rank == 0:
-        Path(outdir, "rank0.json").write_text(json.dumps({"times": times, "same_host_calls": same_host,
+        Path(outdir, "rank0.json").write_text(json.dumps({"times": times, "after": after, "same_host_calls": same_host,
                                                           "results_ok": ok, "world": comm.size}))
     comm.close()
     return 0 if ok else 1
@@ -158,19 +171,28 @@ def list_main(argv: Optional[list[str]] = None) -> int:
                    "same_host_calls": cma}
         print(f"{m:<12} {med * 1e3:>10.1f} {best * 1e3:>9.1f} {total / med / 1e9:>11.3f} {med / list_median:>7.2f}x "
               f"{cma:>10}")
+    print("median ms by the method run just before (rows: the method timed)")
+    print(f"{'':<12}" + "".join(f"{p:>12}" for p in METHODS))
+    for m in METHODS:
+        print(f"{m:<12}" + "".join(f"{statistics.median(report['after'][m][p]) * 1e3:>12.1f}"
+                                   if report["after"][m].get(p) else f"{'-':>12}" for p in METHODS))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ranks": args.n, "cluster": args.cluster, "algo": args.algo, "tensors": args.tensors,
                        "bytes": total, "small_pages": args.small_pages, "torch": args.torch,
-                       "iters": args.iters, "methods": rows, "times_s": report["times"]}, f, indent=2)
+                       "iters": args.iters, "methods": rows, "times_s": report["times"],
+                       "times_after_s": report["after"]}, f, indent=2)
     return 0
 
 
-def placements(total: int, size: int, random: bool, seed: int = 0) -> np.ndarray:
+PLACEMENTS = ("sequential", "strided", "random")
+
+
+def placements(total: int, size: int, placement: str, seed: int = 0) -> np.ndarray:
     """Offsets of total // size pieces in a region of 2 * total bytes (see the module's docstring)."""
     pieces = total // size
-    if not random:
-        return np.arange(pieces, dtype=np.uint64) * np.uint64(2 * size)
+    if placement != "random":
+        return np.arange(pieces, dtype=np.uint64) * np.uint64(size * (2 if placement == "strided" else 1))
     rng = np.random.default_rng(seed)
     return rng.choice(2 * pieces, pieces, replace=False).astype(np.uint64) * np.uint64(size)
 
@@ -202,12 +224,12 @@ def copy_main(gather: bool, argv: Optional[list[str]] = None) -> int:
           f"{'pieces read GB/s':>17}")
     rows = []
     for size in (parse_size(s) for s in args.sizes.split(",")):
-        for random in (False, True):
-            offsets = placements(total, size, random)
+        for placement in PLACEMENTS:
+            offsets = placements(total, size, placement)
             sizes = np.full(offsets.size, size, np.uint64)
             moved = offsets.size * size
             t = _core.time_copy_view(region, offsets, sizes, packed, gather, args.repeat)
-            row = {"piece_bytes": size, "placement": "random" if random else "sequential", "pieces": int(offsets.size),
+            row = {"piece_bytes": size, "placement": placement, "pieces": int(offsets.size),
                    "GBps": moved / t["segmented"] / 1e9, "memcpy_GBps": moved / t["memcpy"] / 1e9,
                    "read_GBps": moved / t["read"] / 1e9}
             rows.append(row)
