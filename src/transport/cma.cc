@@ -400,11 +400,12 @@ void Local::reduce_from_all(Transport& t, Sides& s, const Call& c, size_t from, 
   char* s0 = staging_.data() + (64 - reinterpret_cast<uintptr_t>(staging_.data()) % 64) % 64;
   char* s1 = s0 + kPieceBytes;
   // x_0 op x_1 op ... accumulates in staging (s0); the last step writes dst, run by run where dst is a list (its
-  // pieces hold whole elements). This rank's own input is read in place where one of its buffers holds the piece:
-  // a piece that would straddle two ends at the first one's end where that leaves a large piece, while a piece
-  // over small buffers is copied into staging rather than cut into many small reads. Where dst is this rank's
-  // own input (in place), dst is written only by the last step of each piece, which reads that same piece (exact
-  // aliasing, allowed by reduce()) or a copy of it.
+  // pieces hold whole elements). Peers' pieces are read into staging. This rank's own input is read where it lies:
+  // in one place where one of its buffers holds the piece, else run by run across its buffers (an operand of
+  // nullptr below), never copied first. A piece that would straddle two buffers ends at the first one's end where
+  // that leaves a large piece; a piece over small buffers is not cut into many small reads. Where dst is this
+  // rank's own input (in place), dst is written only by the last step of each piece, which reads that same piece
+  // (exact aliasing, allowed by reduce()) or staging.
   for (size_t off = 0, k = 0; off < len; off += k) {
     const size_t at = (from + off) * esize;
     const auto [in, in_left] = s.in.locate(at);
@@ -412,25 +413,26 @@ void Local::reduce_from_all(Transport& t, Sides& s, const Call& c, size_t from, 
     if (in_left < k * esize && in_left >= kPieceBytes / 4) k = in_left / esize;
     const bool in_place = in_left >= k * esize;
     auto fetch = [&](int p, char* buf) -> const char* {
-      if (p == r && in_place) return in;
-      if (p == r) {
-        s.in.runs(at, k * esize, [buf](const char* part, uint64_t pos, uint64_t m) {
-          std::memcpy(buf + pos, part, m);
-        });
-      } else {
-        const iovec into{buf, k * esize};
-        read_peer(t, p, {&into, 1}, s.of(p, false).iov(at, k * esize));
-      }
+      if (p == r) return in_place ? in : nullptr;
+      const iovec into{buf, k * esize};
+      read_peer(t, p, {&into, 1}, s.of(p, false).iov(at, k * esize));
       return buf;
+    };
+    // dst[0, m) = a op b over bytes [pos, pos + m) of the piece.
+    auto combine = [&](char* dst, const char* a, const char* b, uint64_t pos, uint64_t m) {
+      if (a && b) return reduce(c.dt, c.op, dst, a + pos, b + pos, m / esize);
+      s.in.runs(at + pos, m, [&](const char* mine, uint64_t q, uint64_t bytes) {
+        reduce(c.dt, c.op, dst + q, a ? a + pos + q : mine, b ? b + pos + q : mine, bytes / esize);
+      });
     };
     const char* acc = fetch(0, s0);
     for (int p = 1; p < n - 1; ++p) {
-      reduce(c.dt, c.op, s0, acc, fetch(p, s1), k);
+      combine(s0, acc, fetch(p, s1), 0, k * esize);
       acc = s0;
     }
     const char* x = fetch(n - 1, s1);
     s.out.runs(dst_off + off * esize, k * esize, [&](char* dst, uint64_t pos, uint64_t m) {
-      reduce(c.dt, c.op, dst, acc + pos, x + pos, m / esize);
+      combine(dst, acc, x, pos, m);
       if (c.op == ReduceOp::avg) scale_divide(c.dt, dst, m / esize, n);
     });
   }
