@@ -50,12 +50,19 @@ def test_gather_scatter_report_every_size_and_placement(mode, tmp_path):
 
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 def test_list_bench_runs_the_four_methods(kind, tmp_path):
-    """Each method's results are checked by the workers (a wrong sum fails the run), with arrays or tensors."""
+    """Each method's results are checked by the workers (a wrong sum fails the run), with arrays or tensors; with
+    --fresh (torch here) after every call, on buffers written before it."""
     if kind == "torch":
         pytest.importorskip("torch")
-    text, data = run(["list", "-n", "2", "--tensors", "12", "--total", "1M", "--iters", "1", "--algo", "ring",
-                      *(["--torch"] if kind == "torch" else [])], tmp_path)
-    assert data["torch"] == (kind == "torch") and ("torch tensors" in text) == (kind == "torch"), text
+    iters = 4 if kind == "torch" else 1
+    text, data = run(["list", "-n", "2", "--tensors", "12", "--total", "1M", "--iters", str(iters), "--algo", "ring",
+                      *(["--torch", "--fresh"] if kind == "torch" else [])], tmp_path)
+    assert data["torch"] == data["fresh"] == (kind == "torch") and ("torch tensors" in text) == (kind == "torch"), text
     assert list(data["methods"]) == ["list", "fuse-copy", "separate", "contiguous"], text
     assert data["methods"]["list"]["time_vs_list"] == 1.0
     assert all(m["median_s"] > 0 for m in data["methods"].values())
+    # Every timed call is filed under the method before it; over 4 rounds each method follows each other once.
+    after = data["times_after_s"]
+    assert all(sum(map(len, after[m].values())) == iters for m in after), after
+    if iters == 4:
+        assert all(set(after[m]) == set(after) - {m} for m in after), after

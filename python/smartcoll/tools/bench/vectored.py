@@ -1,7 +1,7 @@
 """Vectored collectives and the engine's gather/scatter (docs/vectored.md).
 
     smartcoll bench list [-n 2] [--tensors 200] [--total 64M] [--iters 5] [--algo ring] [--small-pages]
-                         [--torch] [--cluster NAME] [--json F]
+                         [--torch] [--fresh] [--cluster NAME] [--json F]
 
 A DDP-like list of float32 tensors of mixed sizes (log-uniform, --total bytes in all), allreduced four ways in
 each iteration, side by side: one list call (comm.allreduce(list)); fuse-copy-allreduce-copy-back (concatenate
@@ -66,7 +66,7 @@ def round_order(round_: int) -> list[str]:
 
 
 def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool = False,
-           use_torch: bool = False) -> int:
+           use_torch: bool = False, fresh: bool = False) -> int:
     import smartcoll
 
     if small_pages:
@@ -108,8 +108,13 @@ def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool 
     after: dict[str, dict[str, list[float]]] = {m: {} for m in METHODS}  # times by the method run just before
     same_host: dict[str, int] = {}  # calls of one round that took the same-host path
     previous = ""
+    ok = True
     for it in range(iters + 1):  # the first round warms up connections and buffers
         for m in round_order(it):
+            mine = [contiguous] if m == "contiguous" else xs
+            if fresh:  # written just before the call, as a backward pass writes the gradients
+                for x in mine:
+                    x[:] = 1
             comm.barrier()
             before = comm.engine_stats()["same_host_calls"]
             t0 = time.perf_counter()
@@ -119,11 +124,14 @@ def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool 
                 after[m].setdefault(previous, []).append(times[m][-1])
             same_host[m] = comm.engine_stats()["same_host_calls"] - before
             previous = m
-    # Values stay exact (powers of the world size): each of the three list methods multiplies every element by
-    # the world size, as every call does the contiguous buffer's.
-    rounds = iters + 1
-    ok = all(bool(np.all(np.asarray(x) == float(comm.size) ** (3 * rounds))) for x in xs) and bool(
-        np.all(np.asarray(contiguous) == float(comm.size) ** rounds))
+            if fresh:  # every call's result, outside the timing
+                ok = ok and all(bool(np.all(np.asarray(x) == float(comm.size))) for x in mine)
+    if not fresh:
+        # Values stay exact (powers of the world size): each of the three list methods multiplies every element
+        # by the world size, as every call does the contiguous buffer's.
+        rounds = iters + 1
+        ok = all(bool(np.all(np.asarray(x) == float(comm.size) ** (3 * rounds))) for x in xs) and bool(
+            np.all(np.asarray(contiguous) == float(comm.size) ** rounds))
     if not ok:
         print(f"rank {comm.rank}: wrong results", file=sys.stderr)
     if comm.rank == 0:
@@ -148,10 +156,16 @@ def list_main(argv: Optional[list[str]] = None) -> int:
                     "the contiguous and fused buffers reach)")
     ap.add_argument("--torch", action="store_true",
                     help="torch tensors allocated by torch, as DDP's gradients and buckets are")
+    ap.add_argument("--fresh", action="store_true",
+                    help="write every buffer of a method just before its call and check each call's result (both "
+                    "outside the timing), as a backward pass writes the gradients before their all-reduce; without "
+                    "it a method finds its buffers as the methods before it left them (the list's tensors are also "
+                    "fuse-copy's and separate's, the contiguous buffer only its own)")
     add_launch_options(ap)
     args = ap.parse_args(argv)
     total = parse_size(args.total)
-    worker_args = [str(args.tensors), str(total), str(args.iters), str(int(args.small_pages)), str(int(args.torch))]
+    worker_args = [str(args.tensors), str(total), str(args.iters), str(int(args.small_pages)), str(int(args.torch)),
+                   str(int(args.fresh))]
     report, status = run_workers("list", "smartcoll.tools.bench.vectored", worker_args, args.n, args.cluster,
                                  args.timeout, {"SMARTCOLL_ALGO": args.algo})
     if report is None:
@@ -160,7 +174,7 @@ def list_main(argv: Optional[list[str]] = None) -> int:
     print(f"{args.n} ranks{' on cluster ' + args.cluster if args.cluster else ' on loopback'}, algo {args.algo}: "
           f"{args.tensors} float32 {'torch tensors' if args.torch else 'arrays'}, {total / 2**20:.0f} MiB in all "
           f"({min(sizes) * 4} B to {max(sizes) * 4 / 2**20:.1f} MiB each), {args.iters} rounds"
-          f"{', base pages only' if args.small_pages else ''}")
+          f"{', base pages only' if args.small_pages else ''}{', buffers written before each call' if args.fresh else ''}")
     print(f"{'method':<12} {'median ms':>10} {'best ms':>9} {'algbw GB/s':>11} {'vs list':>8} {'cma calls':>10}")
     rows = {}
     list_median = statistics.median(report["times"]["list"])
@@ -179,7 +193,7 @@ def list_main(argv: Optional[list[str]] = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ranks": args.n, "cluster": args.cluster, "algo": args.algo, "tensors": args.tensors,
-                       "bytes": total, "small_pages": args.small_pages, "torch": args.torch,
+                       "bytes": total, "small_pages": args.small_pages, "torch": args.torch, "fresh": args.fresh,
                        "iters": args.iters, "methods": rows, "times_s": report["times"],
                        "times_after_s": report["after"]}, f, indent=2)
     return 0
@@ -251,4 +265,4 @@ def scatter_main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     raise SystemExit(worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6:7] == ["1"],
-                            sys.argv[7:8] == ["1"]))
+                            sys.argv[7:8] == ["1"], sys.argv[8:9] == ["1"]))
