@@ -13,8 +13,8 @@ namespace smartcoll {
 struct Knob {
   std::string_view name;
   std::string_view default_value;
-  std::string_view type;  // "int", "float", "str" or "choice:a|b|c"
-  double lo, hi;          // accepted range of "int" and "float" knobs
+  std::string_view type;  // "int", "bytes" (an int, or one with a K, M or G suffix: 16M), "float", "str" or "choice:a|b|c"
+  double lo, hi;          // accepted range of "int", "bytes" and "float" knobs
   bool must_match;        // ranks that disagree would misframe messages: checked at start-up
   std::string_view description;
 };
@@ -41,22 +41,22 @@ inline constexpr Knob kKnobs[] = {
      "process_vm_writev; a read checks that the region stayed registered, a write announces itself so that "
      "deregistering waits for it) instead of asking the target's one-sided server; off always asks the server "
      "(whose copy also excludes accumulatev into the same region during it); accumulatev always goes to the server"},
-    {"shm_bytes", "1048576", "int", 0, 1 << 26, true,
+    {"shm_bytes", "1048576", "bytes", 0, 1 << 26, true,
      "same-host path: bytes per rank that a call may put through the shared control segment (algo=shm: one round "
      "of stores and loads, two for allreduce and reduce from 16 KiB, no system call while the ranks run); auto "
      "takes it for a call that fits, in any collective but alltoallv, while each rank copies at most 6 MiB through "
      "the segment (its part in, what it reads out) and all ranks together 24 MiB. The segment holds 2 x this per "
      "rank. 0: never"},
-    {"rhd_max_bytes", "262144", "int", 0, kNoLimit, true,
+    {"rhd_max_bytes", "262144", "bytes", 0, kNoLimit, true,
      "auto uses latency-optimized algorithms (recursive doubling/halving, trees, Bruck) up to this many bytes"},
     {"model_profile", "", "str", 0, 0, false,
      "a cost-model profile (JSON from smartcoll model calibrate): auto then picks, per call, the algorithm the model "
      "predicts to be fastest on the measured machine (docs/cost-model.md); empty: the built-in size rules. Ranks "
      "must load equal profiles (their digests are compared at start-up), the paths may differ"},
-    {"segment_size", "262144", "int", 64, 1 << 30, true,
+    {"segment_size", "262144", "bytes", 64, 1 << 30, true,
      "bytes per pipeline segment on the wire (compressed bytes under a codec): the unit the ring sends, reduces "
      "and forwards while the next one is on the wire"},
-    {"list_stage_bytes", "512", "int", 0, 1 << 20, false,
+    {"list_stage_bytes", "512", "bytes", 0, 1 << 20, false,
      "list calls: every run of two or more consecutive entries of fewer bytes than this each is copied into one "
      "staging piece before the call (and the results back after it), so that the wire, the reductions and the "
      "same-host reads see one piece instead of many tiny ones (a piece costs each of them a fixed amount of work "
@@ -94,7 +94,7 @@ inline constexpr Knob kKnobs[] = {
      "where the peer's socket cannot be reached (another network namespace: a container, an emulated host); no "
      "TCP/IP stack on the way, so 2-3x the bandwidth of TCP over loopback and a shorter round trip. off: TCP "
      "always"},
-    {"sockbuf", "0", "int", 0, 1 << 30, false, "SO_SNDBUF/SO_RCVBUF bytes for data connections (0: kernel autotuning)"},
+    {"sockbuf", "0", "bytes", 0, 1 << 30, false, "SO_SNDBUF/SO_RCVBUF bytes for data connections (0: kernel autotuning)"},
     {"codec", "identity", "str", 0, 0, false,
      "wire format for float32 sum/avg in allreduce, reduce_scatter and allgather: identity, fp16, bf16, bfp16, "
      "bfp:block=B,mant=M,exp=E, mxint8, mxfp8_e4m3, mxfp8_e5m2, mxfp6_e3m2, mxfp6_e2m3, mxfp4_e2m1"},
@@ -136,7 +136,7 @@ inline constexpr Knob kKnobs[] = {
      "gone (a live switch answers every retransmission, even while it waits for slower ranks)"},
     {"switch_slots", "128", "int", 1, 4096, true,
      "slots the job asks of each switch: chunks in flight per rank and switch (the window)"},
-    {"switch_packet", "1408", "int", 64, 32768, true,
+    {"switch_packet", "1408", "bytes", 64, 32768, true,
      "payload bytes per switch datagram, a multiple of 8: 1408 fits a 1500-byte MTU; larger values are sent as "
      "IP fragments (fine on loopback and jumbo-frame networks)"},
     {"switch_auth", "header", "choice:header|full", 0, 0, true,
@@ -161,7 +161,8 @@ inline constexpr Knob kKnobs[] = {
 class Options {
  public:
   // Throws InvalidArgument naming the knob for an unknown name, a value that does not parse or one outside the
-  // knob's range.
+  // knob's range. Values are kept canonical: a "bytes" knob's as its integer (16M -> 16777216), so that ranks that
+  // spell one size two ways agree.
   static Options resolve(const std::map<std::string, std::string>& explicit_options = {});
 
   const std::string& str(std::string_view name) const;

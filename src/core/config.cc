@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <iomanip>
@@ -23,31 +24,41 @@ std::string show(double x) {
   return s.str();
 }
 
-void validate(const Knob& knob, const std::string& value) {
+// Checks `value` against the knob's type and range; returns it canonical (a "bytes" knob's as its integer).
+std::string validate(const Knob& knob, const std::string& value) {
   const std::string_view type = knob.type;
   auto fail = [&](std::string_view expected) {
     throw InvalidArgument("option '" + std::string(knob.name) + "' (" + knob_env_name(knob.name) + ") = '" +
                           value + "': expected " + std::string(expected));
   };
-  if (type == "int" || type == "float") {
+  if (type == "int" || type == "bytes" || type == "float") {
     char* end = nullptr;
-    const double v = type == "int" ? static_cast<double>(std::strtoll(value.c_str(), &end, 10))
-                                   : std::strtod(value.c_str(), &end);
-    if (value.empty() || *end != '\0') fail(type == "int" ? "an integer" : "a number");
+    double v = type == "float" ? std::strtod(value.c_str(), &end)
+                               : static_cast<double>(std::strtoll(value.c_str(), &end, 10));
+    if (type == "bytes" && !value.empty() && end != value.c_str() && *end != '\0' && end[1] == '\0') {
+      const char unit = static_cast<char>(std::toupper(static_cast<unsigned char>(*end)));
+      const int shift = unit == 'K' ? 10 : unit == 'M' ? 20 : unit == 'G' ? 30 : -1;
+      if (shift > 0) v = std::ldexp(v, shift), ++end;
+    }
+    if (value.empty() || *end != '\0')
+      fail(type == "int" ? "an integer" : type == "bytes" ? "a byte count, e.g. 1048576 or 1M (K, M, G: 2^10, 2^20, 2^30)"
+                                                          : "a number");
     if (v < knob.lo || v > knob.hi)
       throw InvalidArgument("option '" + std::string(knob.name) + "' (" + knob_env_name(knob.name) + ") = " +
                             value + " is outside [" + show(knob.lo) + ", " + show(knob.hi) + "]");
+    if (type == "bytes") return std::to_string(static_cast<int64_t>(v));
   } else if (type.starts_with("choice:")) {
     std::string_view choices = type.substr(7);
     size_t pos = 0;
     while (pos <= choices.size()) {
       size_t bar = choices.find('|', pos);
       if (bar == std::string_view::npos) bar = choices.size();
-      if (choices.substr(pos, bar - pos) == value) return;
+      if (choices.substr(pos, bar - pos) == value) return value;
       pos = bar + 1;
     }
     fail("one of " + std::string(choices));
   }
+  return value;
 }
 
 std::vector<int> parse_cpus(const std::string& text) {
@@ -93,7 +104,10 @@ Options Options::resolve(const std::map<std::string, std::string>& explicit_opti
     o.values_[std::string(k.name)] = value;
   }
   for (const auto& [name, value] : explicit_options) o.values_[std::string(find_knob(name).name)] = value;
-  for (const Knob& k : kKnobs) validate(k, o.values_[std::string(k.name)]);
+  for (const Knob& k : kKnobs) {
+    std::string& value = o.values_[std::string(k.name)];
+    value = validate(k, value);
+  }
   return o;
 }
 

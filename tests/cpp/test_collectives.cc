@@ -207,6 +207,27 @@ TEST(Knobs, UnknownAndMalformedOptionsAreNamed) {
   EXPECT_EQ(Options::resolve({{"algo", "ring"}}).str("algo"), "ring");
 }
 
+// Byte counts take K, M and G (powers of two) and are kept as integers, so that ranks that write one size two
+// ways agree; anything else is refused naming the form.
+TEST(Knobs, ByteCountsTakeBinarySuffixes) {
+  EXPECT_EQ(Options::resolve({{"shm_bytes", "16M"}}).integer("shm_bytes"), 16 << 20);
+  EXPECT_EQ(Options::resolve({{"shm_bytes", "16M"}}).str("shm_bytes"), "16777216");
+  EXPECT_EQ(Options::resolve({{"segment_size", "64k"}}).integer("segment_size"), 65536);
+  EXPECT_EQ(Options::resolve({{"sockbuf", "1G"}}).integer("sockbuf"), 1 << 30);
+  EXPECT_EQ(Options::resolve({{"list_stage_bytes", "300"}}).integer("list_stage_bytes"), 300);
+  for (const char* bad : {"16MB", "M", "1.5M", "16T", "", "16 M"}) {
+    try {
+      Options::resolve({{"shm_bytes", bad}});
+      FAIL() << bad;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("a byte count, e.g. 1048576 or 1M"), std::string::npos) << e.what();
+    }
+  }
+  // The range applies to the count: 128M is over shm_bytes' 2^26.
+  EXPECT_THROW(Options::resolve({{"shm_bytes", "128M"}}), InvalidArgument);
+  EXPECT_THROW(Options::resolve({{"streams", "2K"}}), InvalidArgument);  // an int knob takes no suffix
+}
+
 }  // namespace
 }  // namespace smartcoll
 

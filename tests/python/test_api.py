@@ -365,8 +365,9 @@ def test_knobs_table():
         assert isinstance(k, smartcoll.Knob)
         assert k.env == "SMARTCOLL_" + k.name.upper(), k
         assert len(k.description) >= 20 and k.description.strip() == k.description, k
-        assert k.type in ("int", "float", "str") or k.type.startswith("choice:"), k
+        assert k.type in ("int", "bytes", "float", "str") or k.type.startswith("choice:"), k
     by_name = {k.name: k for k in table}
+    assert by_name["shm_bytes"].type == "bytes" and by_name["streams"].type == "int"
     assert by_name["algo"].default == "auto" and by_name["algo"].type == "choice:auto|ring|rhd|rd|cma|shm|hier|switch|switch_hier"
     assert by_name["segment_size"].default == "262144"
     assert by_name["streams"].default == "1"

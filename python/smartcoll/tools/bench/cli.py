@@ -38,7 +38,8 @@ def available_knobs() -> list:
 
 
 def _knob_option(knob) -> dict:
-    """argparse keywords for a knob whose type is 'int', 'float', 'str' or 'choice:a|b|c'."""
+    """argparse keywords for a knob whose type is 'int', 'bytes', 'float', 'str' or 'choice:a|b|c' (a 'bytes' value
+    such as 16M goes to the core as written, which checks it)."""
     kind = knob.type
     if kind.startswith("choice:"):
         return {"choices": kind.split(":", 1)[1].split("|")}
