@@ -448,13 +448,13 @@ Algorithm cheapest(Collective c, const Query& q, const Profile& p, size_t small_
 
 double shared_window(double compute, double allreduce, double cpu) {
   if (cpu <= 0) return std::max(compute, allreduce);
-  // Alone, the all-reduce lasts `span` and needs `need` of the cores all along; beside the compute the scheduler
-  // gives it at most an equal share.
-  const double span = std::max(allreduce, cpu), need = cpu / span, got = std::min(need, 0.5);
-  // When each would end if the other ran all along; the first to end hands its share back.
-  const double compute_ends = compute / (1 - got), allreduce_ends = span * need / got;
-  if (compute_ends <= allreduce_ends) return compute_ends + span - compute_ends * got / need;
-  return allreduce_ends + compute - allreduce_ends * (1 - got);
+  // Alone, the all-reduce lasts `span` and needs `need` of the cores all along. Needing at most half, it gets all
+  // it needs beside the compute (which gives way by `cpu` in all); otherwise the scheduler gives each half.
+  const double span = std::max(allreduce, cpu), need = cpu / span;
+  if (need <= 0.5 || !std::isfinite(span + compute)) return std::max(compute + cpu, allreduce);
+  // Each ends at twice its work if the other runs all along; the first to end hands its half back.
+  if (compute <= cpu) return 2 * compute + span - compute * span / cpu;
+  return compute + cpu;
 }
 
 IterationCost iteration(const std::vector<double>& elems, double batch, int n, Algorithm algo, std::string_view codec,

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <string>
 
 #include "smartcoll/codec.h"
@@ -336,6 +337,13 @@ TEST(CostModel, ASharedWindowGivesTheAllreduceAtMostHalfTheCoresWhileTheComputeR
   // CPU-bound (more CPU time than link time): every demand on the cores adds up.
   EXPECT_NEAR(shared_window(10, 6, 24), 34, 1e-9);
   EXPECT_NEAR(shared_window(0, 6, 24), 24, 1e-9);
+  // Exactly the bound where the all-reduce needs at most half (no rounding: contention stays 0), and no NaN from
+  // an endless all-reduce or a CPU time too small to divide by.
+  EXPECT_EQ(shared_window(10, 52, 26), 52);
+  EXPECT_EQ(shared_window(1, 10, 5e-324), 10);
+  const double inf = std::numeric_limits<double>::infinity();
+  EXPECT_EQ(shared_window(1, inf, 1), inf);
+  EXPECT_EQ(shared_window(1, 10, inf), inf);
 }
 
 // A rank's all-reduce costs it CPU time: its reductions at one core's rate and its bytes on the busiest link at
