@@ -599,10 +599,23 @@ Service::Directory* Service::directory(int peer) {
   return d->mem.mapped() ? d.get() : nullptr;
 }
 
+void Service::drop_stale(Directory& d) {
+  for (auto it = d.maps.begin(); it != d.maps.end();)
+    it = d.slots()[it->first % kSlots].tag.load() == (d.secret ^ it->first) ? std::next(it) : d.maps.erase(it);
+}
+
+void Service::drop_stale_mappings() {
+  std::lock_guard lock(directories_mu_);
+  for (const auto& d : directories_) {
+    if (!d || !d->mem.mapped()) continue;
+    std::lock_guard maps(d->maps_mu);
+    drop_stale(*d);
+  }
+}
+
 std::shared_ptr<cma::SharedMemory> Service::mapping(Directory& d, int peer, uint64_t id, int fd, uint64_t bytes) {
   std::lock_guard lock(d.maps_mu);
-  for (auto it = d.maps.begin(); it != d.maps.end();)  // regions deregistered since: their tag changed
-    it = d.slots()[it->first % kSlots].tag.load() == (d.secret ^ it->first) ? std::next(it) : d.maps.erase(it);
+  drop_stale(d);
   if (const auto it = d.maps.find(id); it != d.maps.end()) return it->second;
   std::string why;
   const std::string what = "rank " + std::to_string(peer) + "'s region " + std::to_string(id);
@@ -1164,6 +1177,10 @@ void Service::run() {
       }
     }
     std::erase_if(conns_, [](const std::unique_ptr<Conn>& c) { return c->closed; });
+    if (const auto now = Clock::now(); now - swept_ >= std::chrono::seconds(1)) {
+      drop_stale_mappings();
+      swept_ = now;
+    }
   }
   for (auto& c : conns_) close(*c, "the communicator was closed");
   take_inbox();  // calls posted meanwhile fail, naming the reason

@@ -32,7 +32,8 @@
 // A region whose memory the communicator allocated (allocate) lives in a sealed memfd, whose descriptor its slot
 // names too: a peer on this host maps it on first use (checking the tag after mapping: a descriptor closed and
 // reused meanwhile is never taken for the region's) and copies with the gather and scatter kernels, for pieces of
-// any size, with the same tags and words as above; it keeps the mapping until the slot's tag changes. The owner
+// any size, with the same tags and words as above; it keeps the mapping until it sees the slot's tag changed (at
+// its next direct call to that rank, or the server thread's look over every mapping, about once a second). The owner
 // closes the descriptor only after clearing the tag, and the mapping keeps the memory alive for a peer that is
 // still copying: no copy ever touches memory that is not the region's.
 // Anything else (not registered, changed, a piece outside the region, a failed copy) sends the call to the
@@ -154,6 +155,11 @@ class Service {
   // Region `id` of `peer` (its memfd `fd`, `bytes` long), mapped on first use; null where it cannot be (the
   // region is gone, or the descriptor cannot be mapped: calls on it then take the other ways).
   std::shared_ptr<cma::SharedMemory> mapping(Directory& d, int peer, uint64_t id, int fd, uint64_t bytes);
+  // Drops d's mappings of regions deregistered since (their slot's tag changed); d.maps_mu held.
+  static void drop_stale(Directory& d);
+  // drop_stale on every peer's directory: the server thread's look, so that a deregistered region's memory is
+  // not kept by a peer that makes no more direct calls to its owner.
+  void drop_stale_mappings();
 
   Settings s_;
   // [peer]: this rank's calls to it that the server path holds (posted, not yet done): while any is, calls to
@@ -176,6 +182,7 @@ class Service {
   std::mutex directories_mu_;
   std::vector<std::unique_ptr<Directory>> directories_;  // [peer]: looked up on the first direct call to it
   std::atomic<uint64_t> direct_gets_{0}, direct_puts_{0};
+  Clock::time_point swept_{};  // the server thread's last drop_stale_mappings
   bool directory_closed_ = false;
 
   std::mutex connect_mu_;  // one caller connects to a peer at a time

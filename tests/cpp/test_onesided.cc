@@ -237,6 +237,45 @@ TEST(OneSided, AllocatedRegionsAreCopiedThroughAMappingBitForBit) {
   });
 }
 
+// Mappings of this process's memory that belong to allocated regions (every rank's: the ranks are threads).
+int region_mappings() {
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);) n += line.find("memfd:smartcoll-region") != std::string::npos;
+  return n;
+}
+
+// A peer that mapped a region lets it go within about a second of its deregistration, with no further call to
+// its owner (the server thread looks over every mapping once a second), so the memory is freed.
+TEST(OneSided, APeerDropsADeregisteredRegionsMappingWithoutAnotherCall) {
+  ASSERT_EQ(region_mappings(), 0);
+  run_ranks(2, [](Communicator& comm) {
+    std::optional<AllocatedRegion> mine;
+    if (comm.rank() == 0) mine = comm.allocate_region(kRegion, DataType::u8);
+    comm.barrier()->wait();
+    if (comm.rank() == 1) {
+      std::vector<uint8_t> into(4096);
+      const RemotePiece piece{0, into.size()};
+      comm.getv(region_of(0, 1), {&piece, 1}, std::vector<LocalPiece>{{into.data(), into.size()}})->wait();
+      EXPECT_EQ(comm.engine_stats().direct_gets, 1u);
+      EXPECT_EQ(region_mappings(), 2) << "the owner's and the peer's";
+    }
+    comm.barrier()->wait();
+    if (comm.rank() == 0) {
+      comm.deregister_region(mine->id);
+      mine.reset();  // the owner's own mapping goes with its last reference
+    }
+    comm.barrier()->wait();
+    if (comm.rank() == 1) {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      while (region_mappings() > 0 && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      EXPECT_EQ(region_mappings(), 0) << "the peer kept the deregistered region mapped";
+    }
+    comm.barrier()->wait();
+  });
+}
+
 TEST(OneSided, AccumulatevSumsIntegersExactlyFromEveryRank) {
   run_ranks(3, [](Communicator& comm) {
     std::vector<int64_t> mine(kRegion / 8, 5);
