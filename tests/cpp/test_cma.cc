@@ -275,6 +275,59 @@ TEST(CmaThreads, ListsCutDifferentlyOnEveryRankReadAsOneVector) {
   for (int r = 0; r < n; ++r) EXPECT_EQ(problems[r], "") << "rank " << r;
 }
 
+// Lists whose buffers lie apart (a gap after each, so that no two merge into one part): reductions read this
+// rank's input run by run where a piece straddles its buffers, and every rank, first, middle or last in the fold,
+// gets the reference's bits; allreduce in place and out of place, reduce_scatter, at 2 to 4 ranks.
+TEST(CmaThreads, ListsOfBuffersApartReduceToTheReferenceBitwise) {
+  constexpr size_t kGap = 64;
+  // `data` cut into `cuts` buffers of whole elements, each followed by a gap, in `storage`.
+  auto spread = [](const std::vector<char>& data, size_t esize, size_t cuts, std::vector<char>& storage) {
+    std::vector<cma::Extent> list;
+    const size_t step = std::max<size_t>(1, data.size() / esize / cuts) * esize;
+    storage.assign(data.size() + (data.size() / step + 1) * kGap, static_cast<char>(0xAB));
+    for (size_t off = 0, at = 0; off < data.size(); off += step, at += step + kGap) {
+      const size_t len = std::min(step, data.size() - off);
+      std::memcpy(storage.data() + at, data.data() + off, len);
+      list.push_back({reinterpret_cast<uintptr_t>(storage.data() + at), len});
+    }
+    return list;
+  };
+  auto gather = [](const std::vector<cma::Extent>& list) {
+    std::vector<char> v;
+    for (const cma::Extent& e : list) {
+      const char* p = reinterpret_cast<const char*>(static_cast<uintptr_t>(e.at));
+      v.insert(v.end(), p, p + e.bytes);
+    }
+    return v;
+  };
+  for (const int n : {2, 3, 4}) {
+    const size_t block = 33337, count = static_cast<size_t>(n) * block;
+    std::vector<std::string> problems(n);
+    run_threads(n, [&](Transport& t, cma::Local& local) {
+      const int r = t.rank();
+      // Buffers of a few hundred bytes to a whole piece and more, cut differently on every rank.
+      const size_t in_cuts[] = {1500, 2, 300, 7}, out_cuts[] = {3, 1200, 9, 40};
+      for (const Case& c : kCases) {
+        const size_t esize = dtype_size(c.dt);
+        const std::vector<char> want = reference(c, n, count);
+        for (int shape = 0; shape < 3; ++shape) {  // allreduce in place, out of place; reduce_scatter
+          const bool scatter = shape == 2, in_place = shape == 0;
+          std::vector<char> in_store, out_store;
+          const auto ins = spread(input(c, r, count), esize, in_cuts[r], in_store);
+          const size_t out_count = scatter ? block : count;
+          const auto outs = in_place ? ins : spread(std::vector<char>(out_count * esize), esize, out_cuts[r], out_store);
+          local.run(t, {scatter ? Collective::reduce_scatter : Collective::allreduce, c.dt, c.op, -1, out_count,
+                        nullptr, nullptr, ins, outs});
+          const auto first = want.begin() + static_cast<ptrdiff_t>(scatter ? r * block * esize : 0);
+          if (gather(outs) != std::vector<char>(first, first + static_cast<ptrdiff_t>(out_count * esize)))
+            problems[r] += std::string(c.name) + (scatter ? " reduce_scatter; " : in_place ? " in place; " : " out of place; ");
+        }
+      }
+    });
+    for (int r = 0; r < n; ++r) EXPECT_EQ(problems[r], "") << n << " ranks, rank " << r;
+  }
+}
+
 // ---- calls with their data through the segment ----
 
 // Every collective, dtype and op with its data through the segment gives the bits of the same call by
