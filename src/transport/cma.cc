@@ -403,7 +403,8 @@ void Local::reduce_from_all(Transport& t, Sides& s, const Call& c, size_t from, 
   // pieces hold whole elements). Peers' pieces are read into staging. This rank's own input is read where it lies:
   // in one place where one of its buffers holds the piece, else run by run across its buffers (an operand of
   // nullptr below), never copied first. A piece that would straddle two buffers ends at the first one's end where
-  // that leaves a large piece; a piece over small buffers is not cut into many small reads. Where dst is this
+  // that leaves a large piece; a piece over small buffers stays whole, so that each peer's part of it is one read
+  // (this rank's small buffers are then reduced one run each). Where dst is this
   // rank's own input (in place), dst is written only by the last step of each piece, which reads that same piece
   // (exact aliasing, allowed by reduce()) or staging.
   for (size_t off = 0, k = 0; off < len; off += k) {
