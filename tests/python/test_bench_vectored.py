@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import clean_env
 
-from smartcoll.tools.bench.vectored import PLACEMENTS, placements, tensor_sizes
+from smartcoll.tools.bench.vectored import METHODS, PLACEMENTS, placements, round_order, tensor_sizes
 
 
 def test_tensor_sizes_add_up():
@@ -54,15 +55,50 @@ def test_list_bench_runs_the_four_methods(kind, tmp_path):
     --fresh (torch here) after every call, on buffers written before it."""
     if kind == "torch":
         pytest.importorskip("torch")
-    iters = 4 if kind == "torch" else 1
-    text, data = run(["list", "-n", "2", "--tensors", "12", "--total", "1M", "--iters", str(iters), "--algo", "ring",
+    text, data = run(["list", "-n", "3", "--tensors", "12", "--total", "1M", "--iters", "3", "--algo", "ring",
                       *(["--torch", "--fresh"] if kind == "torch" else [])], tmp_path)
     assert data["torch"] == data["fresh"] == (kind == "torch") and ("torch tensors" in text) == (kind == "torch"), text
     assert list(data["methods"]) == ["list", "fuse-copy", "separate", "contiguous"], text
     assert data["methods"]["list"]["time_vs_list"] == 1.0
     assert all(m["median_s"] > 0 for m in data["methods"].values())
-    # Every timed call is filed under the method before it; over 4 rounds each method follows each other once.
+    # Every timed call is filed under the method before it: over 3 rounds each method follows each other once.
     after = data["times_after_s"]
-    assert all(sum(map(len, after[m].values())) == iters for m in after), after
-    if iters == 4:
-        assert all(set(after[m]) == set(after) - {m} for m in after), after
+    assert all(sorted(after[m]) == sorted(set(after) - {m}) and all(len(t) == 1 for t in after[m].values())
+               for m in after), after
+
+
+def test_round_orders_cover_every_transition_once_per_cycle():
+    calls = [m for r in range(1, 7) for m in round_order(r)]
+    pairs = list(zip(round_order(0)[-1:] + calls[:-1], calls))  # the warm-up's last call comes before the first
+    assert all(sorted(round_order(r)) == sorted(METHODS) for r in range(6))
+    assert sorted(pairs[:12]) == sorted(pairs[12:]) == sorted((a, b) for a in METHODS for b in METHODS if a != b)
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_list_bench_fails_a_rank_whose_sums_are_misplaced(fresh, tmp_path, monkeypatch):
+    """The results check is not blind to sums written one element off: a list call whose results are shifted by
+    one place (every element gets its neighbour's sum, each one right) fails the run."""
+    plugin = tmp_path / "sitecustomize.py"
+    plugin.write_text(
+        "import numpy as np\n"
+        "import smartcoll._comm as c\n"
+        "_real = c.Communicator.allreduce\n"
+        "def _shifted(self, x, *a, **k):\n"
+        "    out = _real(self, x, *a, **k)\n"
+        "    for t in x if isinstance(x, list) else []:\n"
+        "        v = np.asarray(t)\n"
+        "        v[:] = np.roll(v.copy(), 1)\n"
+        "    return out\n"
+        "c.Communicator.allreduce = _shifted\n")
+    env = clean_env()
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    proc = subprocess.run([sys.executable, "-m", "smartcoll.tools.cli", "bench", "list", "-n", "2", "--tensors", "6",
+                           "--total", "64K", "--iters", "1", "--algo", "ring", *(["--fresh"] if fresh else [])],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "wrong results" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_list_bench_refuses_rounds_that_overflow_float32(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "smartcoll.tools.cli", "bench", "list", "-n", "16", "--iters", "12"],
+                          env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "use --fresh or fewer --iters" in proc.stderr, proc.stderr

@@ -1,6 +1,6 @@
 """Vectored collectives and the engine's gather/scatter (docs/vectored.md).
 
-    smartcoll bench list [-n 2] [--tensors 200] [--total 64M] [--iters 5] [--algo ring] [--small-pages]
+    smartcoll bench list [-n 2] [--tensors 200] [--total 64M] [--iters 6] [--algo ring] [--small-pages]
                          [--torch] [--fresh] [--cluster NAME] [--json F]
 
 A DDP-like list of float32 tensors of mixed sizes (log-uniform, --total bytes in all), allreduced four ways in
@@ -8,7 +8,11 @@ each iteration, side by side: one list call (comm.allreduce(list)); fuse-copy-al
 into one buffer, allreduce it, copy every part back); one call per tensor (all posted, then all waited for);
 and one allreduce of a contiguous buffer of the same bytes (the floor). Rank 0's times after a barrier; the
 table shows the median and best of --iters, the algbw (bytes / median time) and how many of each round's calls
-took the same-host path (cma). NumPy asks the kernel for transparent huge pages for arrays of 4 MiB and more,
+took the same-host path (cma). The methods' order changes from round to round, so that over every 3 rounds each
+method follows each other one once (the JSON files every time under the method before it). Every buffer starts as
+small integers that differ from element to element, plus the rank; a rank whose results differ from the sums
+(--fresh: after every call, on buffers rewritten just before it; else at the end, within float32's rounding)
+fails the run. NumPy asks the kernel for transparent huge pages for arrays of 4 MiB and more,
 which the contiguous and fused buffers get and the list's smaller tensors do not; on one host, where every byte is
 read through process_vm_readv page by page, that alone makes the contiguous buffer faster. --small-pages
 allocates every buffer with base pages, for a comparison of the calls on the same kind of memory. --torch
@@ -32,11 +36,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -55,14 +60,23 @@ def tensor_sizes(tensors: int, total_bytes: int, seed: int = 0) -> list[int]:
     return [int(c) for c in counts]
 
 
+# Three orders of the four methods whose 12 transitions, the one from each round into the next included, are every
+# ordered pair once: over every 3 rounds each method follows each other method once. A method's time depends on
+# what ran before it (whose buffers it finds in the caches and TLBs, or whose dirty lines it writes back); a
+# rotation of one order would keep every method behind the same one.
+ROUND_ORDERS = ((0, 1, 2, 3), (0, 2, 1, 3), (1, 0, 3, 2))
+
+
 def round_order(round_: int) -> list[str]:
-    """The methods in round `round_`'s order: the rows of a balanced Latin square (Williams'), so that over every
-    len(METHODS) rounds each method follows each other method once. A method's time depends on what ran before it
-    (whose buffers it finds in the caches and TLBs, or whose dirty lines it writes back); rotating one order
-    would keep every method behind the same one."""
-    k = len(METHODS)
-    first = [0] + [(j + 1) // 2 if j % 2 else k - j // 2 for j in range(1, k)]  # 0, 1, k-1, 2, k-2, ...
-    return [METHODS[(i + round_) % k] for i in first]
+    """The methods in round `round_`'s order; round 0 (the warm-up) takes the cycle's last order, so that the first
+    timed round follows it as any other does."""
+    return [METHODS[i] for i in ROUND_ORDERS[(round_ + len(ROUND_ORDERS) - 1) % len(ROUND_ORDERS)]]
+
+
+def pattern(count: int) -> np.ndarray:
+    """Small integers (1 to 251) that change from element to element with no short period: a sum read from the
+    wrong place gets another one's value."""
+    return ((np.arange(count, dtype=np.uint64) * np.uint64(2654435761)) >> np.uint64(13)) % np.uint64(251) + 1
 
 
 def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool = False,
@@ -104,6 +118,28 @@ def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool 
 
     run = {"list": lambda: comm.allreduce(xs), "fuse-copy": fuse_copy, "separate": separate,
            "contiguous": lambda: comm.allreduce(contiguous)}
+    # Every buffer starts as pattern + rank: each call's sum is then n * pattern + n (n - 1) / 2, exact in float32,
+    # and later calls on the same buffers multiply it by n (rounded, for n not a power of two).
+    bases = {id(x): pattern(int(np.asarray(x).size)).astype(np.float32) for x in [*xs, contiguous]}
+    n = comm.size
+    calls = dict.fromkeys(bases, 0)
+
+    def fill(x: Any) -> None:
+        a = np.asarray(x)  # a tensor's own memory
+        a[:] = bases[id(x)]
+        a += comm.rank
+
+    def correct(x: Any) -> bool:
+        """x after calls[id(x)] calls since its fill; exact after one, within float32's rounding after more."""
+        want = bases[id(x)] * np.float64(n) + n * (n - 1) / 2
+        got = np.asarray(x).astype(np.float64)
+        k = calls[id(x)]
+        if k == 1:
+            return bool(np.array_equal(got, want))
+        return bool(np.allclose(got, want * float(n) ** (k - 1), rtol=k * n * 2.0 ** -24, atol=0))
+
+    for x in [*xs, contiguous]:
+        fill(x)
     times: dict[str, list[float]] = {m: [] for m in METHODS}
     after: dict[str, dict[str, list[float]]] = {m: {} for m in METHODS}  # times by the method run just before
     same_host: dict[str, int] = {}  # calls of one round that took the same-host path
@@ -112,9 +148,11 @@ def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool 
     for it in range(iters + 1):  # the first round warms up connections and buffers
         for m in round_order(it):
             mine = [contiguous] if m == "contiguous" else xs
-            if fresh:  # written just before the call, as a backward pass writes the gradients
-                for x in mine:
-                    x[:] = 1
+            for x in mine:
+                if fresh:  # written just before the call, as a backward pass writes the gradients
+                    fill(x)
+                    calls[id(x)] = 0
+                calls[id(x)] += 1
             comm.barrier()
             before = comm.engine_stats()["same_host_calls"]
             t0 = time.perf_counter()
@@ -125,13 +163,9 @@ def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool 
             same_host[m] = comm.engine_stats()["same_host_calls"] - before
             previous = m
             if fresh:  # every call's result, outside the timing
-                ok = ok and all(bool(np.all(np.asarray(x) == float(comm.size))) for x in mine)
-    if not fresh:
-        # Values stay exact (powers of the world size): each of the three list methods multiplies every element
-        # by the world size, as every call does the contiguous buffer's.
-        rounds = iters + 1
-        ok = all(bool(np.all(np.asarray(x) == float(comm.size) ** (3 * rounds))) for x in xs) and bool(
-            np.all(np.asarray(contiguous) == float(comm.size) ** rounds))
+                ok = ok and all(correct(x) for x in mine)
+    if not fresh:  # as left: the results of all the calls, checked once at the end
+        ok = all(correct(x) for x in [*xs, contiguous])
     if not ok:
         print(f"rank {comm.rank}: wrong results", file=sys.stderr)
     if comm.rank == 0:
@@ -147,7 +181,8 @@ def list_main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("-n", type=int, default=2, help="ranks (default 2)")
     ap.add_argument("--tensors", type=int, default=200, help="tensors in the list (default 200)")
     ap.add_argument("--total", default="64M", help="bytes in all (default 64M)")
-    ap.add_argument("--iters", type=int, default=5, help="timed rounds (default 5)")
+    ap.add_argument("--iters", type=int, default=6,
+                    help="timed rounds (default 6); a multiple of 3 has each method follow each other one equally often")
     ap.add_argument("--algo", default="auto",
                     help="allreduce algorithm of every call (the algo knob; default auto: on one host the same-host "
                     "path, cma, for lists as for single buffers above rhd_max_bytes)")
@@ -163,6 +198,12 @@ def list_main(argv: Optional[list[str]] = None) -> int:
                     "fuse-copy's and separate's, the contiguous buffer only its own)")
     add_launch_options(ap)
     args = ap.parse_args(argv)
+    if args.iters < 1:
+        ap.error("--iters must be at least 1")
+    # Without --fresh the list's tensors are summed 3 times a round (list, fuse-copy, separate) and never rewritten.
+    if not args.fresh and 3 * (args.iters + 1) * math.log2(max(args.n, 2)) + 10 > 127:
+        ap.error(f"{args.iters} rounds of sums over {args.n} ranks overflow float32 in buffers never rewritten: "
+                 "use --fresh or fewer --iters")
     total = parse_size(args.total)
     worker_args = [str(args.tensors), str(total), str(args.iters), str(int(args.small_pages)), str(int(args.torch)),
                    str(int(args.fresh))]
