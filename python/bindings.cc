@@ -438,10 +438,12 @@ NB_MODULE(_core, m) {
                                              {"same_host_calls", static_cast<double>(s.same_host_calls)},
                                              {"staged_bytes", static_cast<double>(s.staged_bytes)},
                                              {"direct_gets", static_cast<double>(s.direct_gets)},
-                                             {"direct_puts", static_cast<double>(s.direct_puts)}};
+                                             {"direct_puts", static_cast<double>(s.direct_puts)},
+                                             {"driven_answers", static_cast<double>(s.driven_answers)}};
       }, "Engine worker count, their CPU seconds so far, the connections this rank holds (and of those the Unix "
          "sockets to peers on this host), same-host calls run, "
-         "list bytes staged, one-sided gets read and puts written directly.")
+         "list bytes staged, one-sided gets read and puts written directly, offload daemon answers read by the "
+         "waiting caller.")
       .def("allreduce", [](Communicator& c, InArray in, Array out, const std::string& op, const std::string& algo,
                            const std::string& codec) {
         Buffer i = buffer(in), o = buffer(out);

@@ -95,6 +95,7 @@ class Request {
   std::atomic<Algorithm> algo_{Algorithm::automatic};
   std::weak_ptr<Engine> engine_;
   int driver_ = -1;  // the engine worker a waiting caller may drive (-1: the call spans several workers)
+  std::weak_ptr<nicd::Client> nicd_;  // engine=nicd: the client whose answers a waiting caller may read itself
 };
 
 struct EngineStats {
@@ -106,6 +107,7 @@ struct EngineStats {
   uint64_t staged_bytes = 0;     // list entries' bytes copied into staging (list_stage_bytes) so far
   uint64_t direct_gets = 0;      // one-sided gets that read the target's memory directly (rma_direct) so far
   uint64_t direct_puts = 0;      // one-sided puts that wrote into the target's memory directly so far
+  uint64_t driven_answers = 0;   // engine=nicd: the daemon's answers a waiting caller read itself (spin) so far
 };
 
 class Communicator {
@@ -262,7 +264,7 @@ class Communicator {
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<cma::Local> cma_;
   std::unique_ptr<sw::Path> switch_;  // the aggregation switches (switch knob), joined at start-up
-  std::unique_ptr<nicd::Client> nicd_;  // engine=nicd: the host's offload daemon runs every call
+  std::shared_ptr<nicd::Client> nicd_;  // engine=nicd: the host's offload daemon runs every call
   mutable std::shared_mutex rma_mu_;
   std::unique_ptr<rma::Service> rma_;  // one-sided operations
   // Regions that a peer was still writing into directly when close() gave up waiting: why, by id.

@@ -80,7 +80,9 @@ inline constexpr Knob kKnobs[] = {
     {"spin", "auto", "choice:auto|on|off", 0, 0, false,
      "whether a waiting rank polls (for spin_us) before it sleeps: on; off (sleeps in epoll at once); auto polls "
      "only while this host has a CPU for every rank on it (start-up layout or LOCAL_WORLD_SIZE against the CPUs "
-     "this process may use) and stops for 100 ms whenever two yields in a row give the core to another thread"},
+     "this process may use; with engine=nicd one more, for the daemon) and stops for 100 ms whenever two yields in "
+     "a row give the core to another thread. With engine=nicd the waiting caller polls for the daemon's answer "
+     "itself"},
     {"timeout", "60", "float", 0.001, 1e6, false,
      "seconds a collective may make no progress before it fails naming the peer it waits for"},
     {"connect_timeout", "120", "float", 0.001, 1e6, false,

@@ -18,6 +18,7 @@
 #include "core/engine.h"
 #include "core/log.h"
 #include "core/onesided.h"
+#include "core/spin.h"
 #include "nicd/client.h"
 #include "store/cleanup.h"
 #include "smartcoll/comm.h"
@@ -177,9 +178,12 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
     for (const std::string& c : transport.claims()) claims += c + " ";
     char digest[17];
     std::snprintf(digest, sizeof digest, "%016llx", static_cast<unsigned long long>(job_fingerprint(claims)));
-    nicd_ = std::make_unique<nicd::Client>(config_->nicd_socket, nicd::Hello{rank, size, config_->timeout,
+    // A waiting caller reads the daemon's answers itself while it polls; the daemon's threads need a core
+    // beside this host's ranks for that to pay (spin=auto).
+    const Spinner spin(config_->spin, config_->spin_us, core_per_rank(hosts_, rank, 1));
+    nicd_ = std::make_shared<nicd::Client>(config_->nicd_socket, nicd::Hello{rank, size, config_->timeout,
         config_->connect_timeout, config_->job_id + "." + digest, store_locator, route_hint,
-        Config::must_match(options_), std::vector<int32_t>(hosts_.begin(), hosts_.end())});
+        Config::must_match(options_), std::vector<int32_t>(hosts_.begin(), hosts_.end())}, spin);
   }
   if (size > 1 && config_->cma && !spans_hosts && !nicd_)
     cma_ = std::make_unique<cma::Local>(*transport_, config_->cma_shm, config_->spin_us, config_->shm_bytes);
@@ -370,7 +374,7 @@ void Communicator::close() {
     new std::shared_ptr<Engine>(std::move(engine_));
     (void)cma_.release();
     (void)switch_.release();
-    (void)nicd_.release();
+    new std::shared_ptr<nicd::Client>(std::move(nicd_));
     (void)rma_.release();
     (void)transport_.release();
     (void)history_.release();
@@ -405,6 +409,7 @@ EngineStats Communicator::engine_stats() const {
   }
   if (cma_) s.same_host_calls = cma_->calls();
   s.staged_bytes = staged_bytes_.load(std::memory_order_relaxed);
+  if (nicd_) s.driven_answers = nicd_->driven_answers();
   std::shared_lock rma(rma_mu_);
   if (rma_) s.direct_gets = rma_->direct_gets(), s.direct_puts = rma_->direct_puts();
   return s;

@@ -15,6 +15,7 @@
 #include "core/agreement.h"
 #include "core/frame.h"
 #include "core/log.h"
+#include "nicd/client.h"
 
 namespace smartcoll {
 
@@ -65,6 +66,8 @@ bool Request::wait(std::optional<std::chrono::duration<double>> timeout) {
   if (!done_.load(std::memory_order_acquire)) {
     if (auto engine = engine_.lock())
       engine->wait(*this, deadline);
+    else if (auto client = nicd_.lock())
+      client->drive(*this, deadline);
   }
   std::unique_lock lock(mu_);
   if (deadline) {

@@ -32,14 +32,14 @@ SpinMode parse_spin(const std::string& value) {
   throw InvalidArgument("spin must be auto, on or off, got '" + value + "'");
 }
 
-bool core_per_rank(const std::vector<int>& hosts, int rank) {
+bool core_per_rank(const std::vector<int>& hosts, int rank, int others) {
   long here = 1;
   if (rank >= 0 && static_cast<size_t>(rank) < hosts.size())
     here = std::count(hosts.begin(), hosts.end(), hosts[static_cast<size_t>(rank)]);
   if (const char* local = std::getenv("LOCAL_WORLD_SIZE")) here = std::max(here, std::atol(local));
   cpu_set_t set;
   const int cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
-  return here <= cpus;
+  return here + others <= cpus;
 }
 
 Spinner::Spinner(SpinMode mode, double spin_us, bool core_per_rank)

@@ -16,9 +16,10 @@ enum class SpinMode : uint8_t { automatic, on, off };
 
 SpinMode parse_spin(const std::string& value);
 
-// True when this host has a CPU (of those this process may use) for every rank on it: the ranks of this
-// rank's host by the start-up layout (hosts[r]: rank r's host), or LOCAL_WORLD_SIZE where that says more.
-bool core_per_rank(const std::vector<int>& hosts, int rank);
+// True when this host has a CPU (of those this process may use) for every rank on it, and `others` more (an
+// offload daemon's): the ranks of this rank's host by the start-up layout (hosts[r]: rank r's host), or
+// LOCAL_WORLD_SIZE where that says more.
+bool core_per_rank(const std::vector<int>& hosts, int rank, int others = 0);
 
 // One engine worker's polling state; whoever holds the worker's drive lock uses it.
 class Spinner {

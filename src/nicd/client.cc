@@ -45,7 +45,8 @@ std::string Client::where() const {
          " at " + path_;
 }
 
-Client::Client(const std::string& path, const Hello& hello) : path_(path), timeout_(hello.timeout) {
+Client::Client(const std::string& path, const Hello& hello, const Spinner& spin)
+    : path_(path), timeout_(hello.timeout), spin_(spin) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof addr.sun_path)
@@ -167,6 +168,7 @@ std::shared_ptr<Request> Client::post(const Post& p, std::shared_ptr<const void>
     return req;
   }
   pending_[p.seq] = {req, std::move(keep)};
+  req->nicd_ = weak_from_this();
   try {
     send_message(fd_.get(), encode(p));
   } catch (const CommError& e) {
@@ -187,38 +189,63 @@ void Client::abort(const std::string& reason) {
   }
 }
 
+bool Client::take_messages(Clock::time_point now, uint64_t& answers) {
+  for (;;) {
+    const ssize_t n = ::recv(fd_.get(), inbox_.data(), inbox_.size(), MSG_DONTWAIT);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    if (n <= 0) {
+      if (!stop_) fail_all("engine=nicd: " + where() + " closed its connection: the daemon exited or crashed");
+      return false;
+    }
+    heard_ = now;
+    try {
+      const std::string_view msg(inbox_.data(), static_cast<size_t>(n));
+      if (type_of(msg) == Type::done) {
+        const Done done = decode_done(msg);
+        auto it = pending_.find(done.seq);
+        if (it == pending_.end()) throw ProtocolError{"an answer to call #" + std::to_string(done.seq) +
+                                                      ", which this rank has not posted"};
+        it->second.req->finish(done.error);
+        pending_.erase(it);
+        ++answers;
+      } else if (type_of(msg) != Type::heartbeat) {
+        throw ProtocolError{"an unexpected message of type " + std::to_string(static_cast<int>(type_of(msg)))};
+      }
+    } catch (const ProtocolError& e) {
+      fail_all("engine=nicd: " + where() + " sent a malformed message: " + e.what);
+      return false;
+    }
+  }
+}
+
+void Client::drive(Request& req, std::optional<Clock::time_point> deadline) {
+  std::unique_lock driving(drive_mu_, std::try_to_lock);
+  if (!driving.owns_lock()) return;
+  const auto since = Clock::now();
+  for (;;) {
+    {
+      std::lock_guard lock(mu_);
+      uint64_t answers = 0;
+      const bool open = broken_.empty() && take_messages(Clock::now(), answers);
+      driven_.fetch_add(answers, std::memory_order_relaxed);
+      if (!open) return;
+    }
+    const auto now = Clock::now();
+    if (req.done_.load(std::memory_order_acquire) || (deadline && now >= *deadline) || !spin_.again(now, since))
+      return;
+  }
+}
+
 void Client::read_loop() {
-  std::string buf(kMaxMessage, '\0');
   while (!stop_) {
     pollfd p{fd_.get(), POLLIN, 0};
     const int k = ::poll(&p, 1, 100);
     const auto now = Clock::now();
     std::lock_guard lock(mu_);
-    if (k > 0) {
-      const ssize_t n = ::recv(fd_.get(), buf.data(), buf.size(), MSG_DONTWAIT);
-      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-      if (n <= 0) {
-        if (!stop_) fail_all("engine=nicd: " + where() + " closed its connection: the daemon exited or crashed");
-        return;
-      }
-      heard_ = now;
-      try {
-        const std::string_view msg(buf.data(), static_cast<size_t>(n));
-        if (type_of(msg) == Type::done) {
-          const Done done = decode_done(msg);
-          auto it = pending_.find(done.seq);
-          if (it == pending_.end()) throw ProtocolError{"an answer to call #" + std::to_string(done.seq) +
-                                                        ", which this rank has not posted"};
-          it->second.req->finish(done.error);
-          pending_.erase(it);
-        } else if (type_of(msg) != Type::heartbeat) {
-          throw ProtocolError{"an unexpected message of type " + std::to_string(static_cast<int>(type_of(msg)))};
-        }
-      } catch (const ProtocolError& e) {
-        fail_all("engine=nicd: " + where() + " sent a malformed message: " + e.what);
-        return;
-      }
-    }
+    // A caller that drives may have taken what woke this thread: then there is nothing to read.
+    uint64_t answers = 0;
+    if (k > 0 && !take_messages(now, answers)) return;
     if (!pending_.empty() && now - heard_ > std::chrono::duration<double>(timeout_)) {
       fail_all("engine=nicd: " + where() + " sent nothing for " + seconds(timeout_) +
                " s while calls were pending: the daemon is stopped or hung (SMARTCOLL_TIMEOUT)");

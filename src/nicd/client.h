@@ -9,10 +9,12 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "core/spin.h"
 #include "nicd/protocol.h"
 #include "smartcoll/comm.h"
 #include "transport/socket.h"
@@ -22,11 +24,12 @@ namespace smartcoll::nicd {
 // Throws InvalidArgument naming what engine=nicd runs when it cannot run `coll` with `codec`.
 void check_supported(Collective coll, const Codec& codec);
 
-class Client {
+class Client : public std::enable_shared_from_this<Client> {
  public:
   // Connects to the daemon at `path`, introduces this rank and waits until the daemon has formed the job (all
   // local ranks connected, the other hosts' daemons joined). Throws CommError naming the socket and the cause.
-  Client(const std::string& path, const Hello& hello);
+  // `spin`: how a caller that waits on a call polls for the answer itself (drive).
+  Client(const std::string& path, const Hello& hello, const Spinner& spin);
   ~Client();  // says bye (a normal leave, not a failure) and closes
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
@@ -39,9 +42,17 @@ class Client {
   // (once it no longer touches their buffers); later calls fail at once.
   void abort(const std::string& reason);
   int daemon_pid() const { return daemon_pid_; }
+  // Request::wait's part: while the spinner polls, the waiting caller reads the daemon's answers itself, so that
+  // an answer that comes meanwhile completes `req` with no hand-off from the reader thread; then (or when another
+  // caller drives) it returns and the caller sleeps on the request. One caller drives at a time.
+  void drive(Request& req, std::optional<std::chrono::steady_clock::time_point> deadline);
+  uint64_t driven_answers() const { return driven_.load(std::memory_order_relaxed); }
 
  private:
   void read_loop();
+  // Reads and applies every message the socket holds; false once the connection is broken (mu_ held). Counts
+  // the answers in `answers`.
+  bool take_messages(std::chrono::steady_clock::time_point now, uint64_t& answers);
   void fail_all(const std::string& why);  // mu_ held
   std::string where() const;
 
@@ -61,6 +72,10 @@ class Client {
   std::chrono::steady_clock::time_point heard_;  // when the daemon last sent anything
   std::atomic<bool> stop_{false};
   std::thread reader_;
+  std::string inbox_ = std::string(kMaxMessage, '\0');  // take_messages' buffer (mu_)
+  std::mutex drive_mu_;  // the caller that drives
+  Spinner spin_;         // its polling state (drive_mu_)
+  std::atomic<uint64_t> driven_{0};  // answers a driving caller took
 };
 
 }  // namespace smartcoll::nicd

@@ -97,6 +97,42 @@ TEST(Nicd, OneHostEveryCollective) {
   daemon.stop();
 }
 
+// With spin=on a caller that waits reads the daemon's answers itself: small calls back to back, and calls posted
+// together and waited for by two threads at once (one drives, the other sleeps on its request or finds it done),
+// give the right sums, and some answers were taken by a waiting caller rather than the reader thread.
+TEST(Nicd, WaitingCallersReadTheAnswersWhilePolling) {
+  nicd::Server daemon({socket_path("drive"), {}, 20});
+  daemon.start();
+  const int n = 2;
+  std::vector<uint64_t> driven(n);
+  run_threads(n, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, n, std::move(store),
+                      test_options({{"engine", "nicd"}, {"nicd_socket", daemon.path()}, {"spin", "on"},
+                                    {"spin_us", "1000000"}}));
+    for (int32_t i = 0; i < 200; ++i) {
+      int32_t x = i + r, y = 0;
+      comm.allreduce(&x, &y, 1, DataType::i32, ReduceOp::sum)->wait();
+      ASSERT_EQ(y, 2 * i + 1) << "call " << i;
+    }
+    for (int32_t round = 0; round < 20; ++round) {
+      std::vector<int32_t> x(8), y(8, -1);
+      std::vector<std::shared_ptr<Request>> reqs;
+      for (int32_t k = 0; k < 8; ++k) {
+        x[k] = 100 * round + k + r;
+        reqs.push_back(comm.allreduce(&x[k], &y[k], 1, DataType::i32, ReduceOp::sum));
+      }
+      std::thread other([&] { reqs[7]->wait(); });
+      for (int k = 6; k >= 0; --k) reqs[k]->wait();
+      other.join();
+      for (int32_t k = 0; k < 8; ++k) ASSERT_EQ(y[k], 2 * (100 * round + k) + 1) << "round " << round << ", call " << k;
+    }
+    driven[r] = comm.engine_stats().driven_answers;
+  });
+  for (int r = 0; r < n; ++r) EXPECT_GT(driven[r], 0u) << "rank " << r << ": no answer read by a waiting caller";
+  EXPECT_EQ(daemon.stats().jobs_failed, 0u);
+  daemon.stop();
+}
+
 // What a daemon may hold for a reduction or a broadcast of any size: its window of chunks in flight (4 x 4 MiB)
 // and the piece of one rank's input it combines (1 MiB).
 constexpr uint64_t kWindowBytes = (16 << 20) + (1 << 20);
