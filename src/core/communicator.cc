@@ -385,7 +385,8 @@ void Communicator::close() {
     if (rma_) unsafe_regions_ = rma_->close_directory();
     rma_.reset();  // fails its outstanding calls and stops touching the regions
   }
-  nicd_.reset();  // waits for its calls, then says bye to the daemon
+  if (nicd_) nicd_->close();  // waits for its calls, then says bye to the daemon (a waiting caller may hold it)
+  nicd_.reset();
   if (engine_) engine_->stop();
   engine_.reset();
   switch_.reset();  // leaves the switches, which free the job's slots

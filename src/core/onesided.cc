@@ -605,7 +605,9 @@ void Service::drop_stale(Directory& d) {
 }
 
 void Service::drop_stale_mappings() {
-  std::lock_guard lock(directories_mu_);
+  // Never waits: directory() holds the lock across a store lookup, and this thread serves every peer.
+  std::unique_lock lock(directories_mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return;
   for (const auto& d : directories_) {
     if (!d || !d->mem.mapped()) continue;
     std::lock_guard maps(d->maps_mu);

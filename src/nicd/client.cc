@@ -4,6 +4,7 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
@@ -46,7 +47,7 @@ std::string Client::where() const {
 }
 
 Client::Client(const std::string& path, const Hello& hello, const Spinner& spin)
-    : path_(path), timeout_(hello.timeout), spin_(spin) {
+    : path_(path), timeout_(hello.timeout), spin_(spin), pid_(::getpid()) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof addr.sun_path)
@@ -121,7 +122,13 @@ Client::Client(const std::string& path, const Hello& hello, const Spinner& spin)
   reader_ = std::thread([this] { read_loop(); });
 }
 
-Client::~Client() {
+Client::~Client() { close(); }
+
+void Client::close() {
+  std::call_once(closed_, [this] { close_once(); });
+}
+
+void Client::close_once() {
   // Calls still running finish first, as the in-process engine's close lets them: the daemon may write into
   // their buffers until it answers. Each ends: the daemon's own timeouts bound its calls, and the reader fails
   // them when the daemon goes away or falls silent.
@@ -220,6 +227,8 @@ bool Client::take_messages(Clock::time_point now, uint64_t& answers) {
 }
 
 void Client::drive(Request& req, std::optional<Clock::time_point> deadline) {
+  // A forked child shares the parent's socket: it must not take the parent's answers.
+  if (::getpid() != pid_) return;
   std::unique_lock driving(drive_mu_, std::try_to_lock);
   if (!driving.owns_lock()) return;
   const auto since = Clock::now();

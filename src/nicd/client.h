@@ -1,8 +1,11 @@
 // A rank's side of engine=nicd: the connection to the host's offload daemon (`smartcoll nicd`). The rank only
 // posts its calls (what to run and where its buffers are) and waits; the daemon reads the buffers with
 // process_vm_readv, runs the collective with the other local ranks and the other hosts' daemons, writes the
-// results with process_vm_writev and says "done". A reader thread completes the requests.
+// results with process_vm_writev and says "done". A reader thread completes the requests, or the caller waiting on
+// one while it polls (drive).
 #pragma once
+
+#include <sys/types.h>
 
 #include <atomic>
 #include <chrono>
@@ -30,7 +33,11 @@ class Client : public std::enable_shared_from_this<Client> {
   // local ranks connected, the other hosts' daemons joined). Throws CommError naming the socket and the cause.
   // `spin`: how a caller that waits on a call polls for the answer itself (drive).
   Client(const std::string& path, const Hello& hello, const Spinner& spin);
-  ~Client();  // says bye (a normal leave, not a failure) and closes
+  ~Client();  // close()
+  // Waits for the calls still running, says bye (a normal leave, not a failure) and closes the connection; later
+  // calls fail at once. The communicator's close calls it even while another thread still holds the client (a
+  // caller inside drive), so that no call runs after close returns. Once only.
+  void close();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
 
@@ -49,6 +56,7 @@ class Client : public std::enable_shared_from_this<Client> {
   uint64_t driven_answers() const { return driven_.load(std::memory_order_relaxed); }
 
  private:
+  void close_once();
   void read_loop();
   // Reads and applies every message the socket holds; false once the connection is broken (mu_ held). Counts
   // the answers in `answers`.
@@ -75,6 +83,8 @@ class Client : public std::enable_shared_from_this<Client> {
   std::string inbox_ = std::string(kMaxMessage, '\0');  // take_messages' buffer (mu_)
   std::mutex drive_mu_;  // the caller that drives
   Spinner spin_;         // its polling state (drive_mu_)
+  pid_t pid_;            // the process that connected
+  std::once_flag closed_;
   std::atomic<uint64_t> driven_{0};  // answers a driving caller took
 };
 

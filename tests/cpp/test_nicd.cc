@@ -133,6 +133,32 @@ TEST(Nicd, WaitingCallersReadTheAnswersWhilePolling) {
   daemon.stop();
 }
 
+// close() waits for the calls still running even while another thread, waiting on one of them, holds the client
+// as it polls: rank 0 closes while its call waits for rank 1, which posts 300 ms later.
+TEST(Nicd, CloseWaitsForACallAnotherThreadPollsOn) {
+  nicd::Server daemon({socket_path("close"), {}, 20});
+  daemon.start();
+  run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 2, std::move(store),
+                      test_options({{"engine", "nicd"}, {"nicd_socket", daemon.path()}, {"spin", "on"},
+                                    {"spin_us", "1000000"}}));
+    int32_t x = r + 1, y = 0;
+    if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    auto req = comm.allreduce(&x, &y, 1, DataType::i32, ReduceOp::sum);
+    if (r == 0) {
+      std::thread waiter([req] { req->wait(); });
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the waiter polls, holding the client
+      comm.close();
+      EXPECT_TRUE(req->test()) << "close returned while the daemon could still write the call's result";
+      waiter.join();
+    } else {
+      req->wait();
+    }
+    EXPECT_EQ(y, 3) << "rank " << r;
+  });
+  daemon.stop();
+}
+
 // What a daemon may hold for a reduction or a broadcast of any size: its window of chunks in flight (4 x 4 MiB)
 // and the piece of one rank's input it combines (1 MiB).
 constexpr uint64_t kWindowBytes = (16 << 20) + (1 << 20);

@@ -18,6 +18,7 @@ def knobs_markdown() -> str:
         "Generated from the knob table in `include/smartcoll/knobs.h` by `smartcoll info --markdown`; do not edit.",
         "Each setting is a keyword option of `smartcoll.init()`, an option of `smartcoll bench`, and an",
         "environment variable; an explicit option overrides the variable, which overrides the default.",
+        "A `bytes` value is a byte count, written out or with a K, M or G suffix (powers of two: `16M`).",
         "",
         "| option | environment variable | default | type | meaning |",
         "|---|---|---|---|---|",
