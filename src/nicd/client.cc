@@ -250,6 +250,10 @@ void Client::read_loop() {
   while (!stop_) {
     pollfd p{fd_.get(), POLLIN, 0};
     const int k = ::poll(&p, 1, 100);
+    // While a caller drives it reads every answer that arrives: wait until it stops rather than race it for each
+    // one (on few cores this thread, woken by the kernel, would otherwise take nearly all of them).
+    std::unique_lock driving(drive_mu_, std::defer_lock);
+    if (k > 0) driving.lock();
     const auto now = Clock::now();
     std::lock_guard lock(mu_);
     // A caller that drives may have taken what woke this thread: then there is nothing to read.

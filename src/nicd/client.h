@@ -81,7 +81,7 @@ class Client : public std::enable_shared_from_this<Client> {
   std::atomic<bool> stop_{false};
   std::thread reader_;
   std::string inbox_ = std::string(kMaxMessage, '\0');  // take_messages' buffer (mu_)
-  std::mutex drive_mu_;  // the caller that drives
+  std::mutex drive_mu_;  // the caller that drives, or the reader thread while it reads
   Spinner spin_;         // its polling state (drive_mu_)
   pid_t pid_;            // the process that connected
   std::once_flag closed_;
