@@ -439,10 +439,11 @@ NB_MODULE(_core, m) {
                                              {"staged_bytes", static_cast<double>(s.staged_bytes)},
                                              {"direct_gets", static_cast<double>(s.direct_gets)},
                                              {"direct_puts", static_cast<double>(s.direct_puts)},
+                                             {"direct_accumulates", static_cast<double>(s.direct_accumulates)},
                                              {"driven_answers", static_cast<double>(s.driven_answers)}};
       }, "Engine worker count, their CPU seconds so far, the connections this rank holds (and of those the Unix "
          "sockets to peers on this host), same-host calls run, "
-         "list bytes staged, one-sided gets read and puts written directly, offload daemon answers read by the "
+         "list bytes staged, one-sided gets read, puts written and accumulates reduced directly, offload daemon answers read by the "
          "waiting caller.")
       .def("allreduce", [](Communicator& c, InArray in, Array out, const std::string& op, const std::string& algo,
                            const std::string& codec) {

@@ -100,14 +100,15 @@ class Request {
 
 struct EngineStats {
   int workers = 0;
-  double cpu_seconds = 0;  // CPU time of the engine's worker threads so far
-  int open_channels = 0;   // connections this rank holds now
-  int local_channels = 0;  // of those, Unix sockets to peers on this host (unix_sockets)
-  uint64_t same_host_calls = 0;  // calls run on the same-host path (algo cma) so far
-  uint64_t staged_bytes = 0;     // list entries' bytes copied into staging (list_stage_bytes) so far
-  uint64_t direct_gets = 0;      // one-sided gets that read the target's memory directly (rma_direct) so far
-  uint64_t direct_puts = 0;      // one-sided puts that wrote into the target's memory directly so far
-  uint64_t driven_answers = 0;   // engine=nicd: the daemon's answers a waiting caller read itself (spin) so far
+  double cpu_seconds = 0;           // CPU time of the engine's worker threads so far
+  int open_channels = 0;            // connections this rank holds now
+  int local_channels = 0;           // of those, Unix sockets to peers on this host (unix_sockets)
+  uint64_t same_host_calls = 0;     // calls run on the same-host path (algo cma) so far
+  uint64_t staged_bytes = 0;        // list entries' bytes copied into staging (list_stage_bytes) so far
+  uint64_t direct_gets = 0;         // one-sided gets that read the target's memory directly (rma_direct) so far
+  uint64_t direct_puts = 0;         // one-sided puts that wrote into the target's memory directly so far
+  uint64_t direct_accumulates = 0;  // one-sided accumulates reduced into the target's memory directly so far
+  uint64_t driven_answers = 0;      // engine=nicd: the daemon's answers a waiting caller read itself (spin) so far
 };
 
 class Communicator {

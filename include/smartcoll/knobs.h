@@ -36,11 +36,12 @@ inline constexpr Knob kKnobs[] = {
      "memory (process_vm_readv), and the ranks then signal each other through a shared-memory segment; tcp "
      "sends those control messages over TCP instead (as when the segment cannot be made); off never uses it"},
     {"rma_direct", "auto", "choice:auto|off", 0, 0, false,
-     "one-sided getv and putv between ranks of one host (where the same-host path is usable): auto reads the "
-     "target's region, or writes into it, directly when the pieces average 4 KiB or more (process_vm_readv / "
-     "process_vm_writev; a read checks that the region stayed registered, a write announces itself so that "
-     "deregistering waits for it) instead of asking the target's one-sided server; off always asks the server "
-     "(whose copy also excludes accumulatev into the same region during it); accumulatev always goes to the server"},
+     "one-sided calls between ranks of one host (where the same-host path is usable): auto reads the target's "
+     "region, or writes into it, directly instead of asking the target's one-sided server: getv and putv when "
+     "the pieces average 4 KiB or more (process_vm_readv / process_vm_writev), and for a region from allocate "
+     "getv and putv of any pieces and accumulatev, through a mapping of it (a read checks that the region stayed "
+     "registered, a write announces itself so that deregistering waits for it, and accumulates take the region's "
+     "lock in shared memory, which the target's server takes too); off always asks the server"},
     {"shm_bytes", "1048576", "bytes", 0, 1 << 26, true,
      "same-host path: bytes per rank that a call may put through the shared control segment (algo=shm: one round "
      "of stores and loads, two for allreduce and reduce from 16 KiB, no system call while the ranks run); auto "

@@ -387,8 +387,9 @@ class Communicator:
         """{'workers', 'cpu_seconds' (CPU time of the engine's worker threads so far), 'open_channels',
         'local_channels' (of those, Unix sockets to peers on this host, the unix_sockets knob),
         'same_host_calls' (calls run on the same-host path, algo cma), 'staged_bytes' (bytes of list entries
-        copied into one staging piece, the list_stage_bytes knob), 'direct_gets' and 'direct_puts' (one-sided
-        gets that read the target's memory directly and puts that wrote into it, the rma_direct knob),
+        copied into one staging piece, the list_stage_bytes knob), 'direct_gets', 'direct_puts' and
+        'direct_accumulates' (one-sided gets that read the target's memory directly, puts that wrote into it and
+        accumulates that reduced into an allocated region in place, the rma_direct knob),
         'driven_answers' (engine=nicd: the daemon's answers that the waiting caller read itself while it polled,
         the spin knob)}."""
         stats = self._core.engine_stats()
@@ -396,7 +397,8 @@ class Communicator:
                 "open_channels": int(stats["open_channels"]), "local_channels": int(stats["local_channels"]),
                 "same_host_calls": int(stats["same_host_calls"]),
                 "staged_bytes": int(stats["staged_bytes"]), "direct_gets": int(stats["direct_gets"]),
-                "direct_puts": int(stats["direct_puts"]), "driven_answers": int(stats["driven_answers"])}
+                "direct_puts": int(stats["direct_puts"]), "direct_accumulates": int(stats["direct_accumulates"]),
+                "driven_answers": int(stats["driven_answers"])}
 
     def allreduce_algorithm(
         self, count: int, dtype: str = "float32", algo: str = "auto", op: str = "sum", codec: Optional[str] = None

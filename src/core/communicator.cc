@@ -412,7 +412,8 @@ EngineStats Communicator::engine_stats() const {
   s.staged_bytes = staged_bytes_.load(std::memory_order_relaxed);
   if (nicd_) s.driven_answers = nicd_->driven_answers();
   std::shared_lock rma(rma_mu_);
-  if (rma_) s.direct_gets = rma_->direct_gets(), s.direct_puts = rma_->direct_puts();
+  if (rma_) s.direct_gets = rma_->direct_gets(), s.direct_puts = rma_->direct_puts(),
+             s.direct_accumulates = rma_->direct_accumulates();
   return s;
 }
 

@@ -238,10 +238,13 @@ struct Service::Region {
 struct Service::Slot {
   std::atomic<uint64_t> tag{0}, base{0}, bytes{0};
   std::atomic<uint64_t> shared{0};  // an allocated region's memfd in the owner, plus 1; 0: any other buffer
+  // The accumulate lock of the region in this slot (of whichever region holds it: a region whose slot was taken
+  // keeps using it, so that its accumulates stay exclusive): the holder's rank plus 1, 0 when free.
+  std::atomic<uint64_t> accumulating{0};
 };
 namespace {
 constexpr size_t kSlots = 1024;
-constexpr uint64_t kDirectoryMagic = 0x534d43524d414432;  // "SMCRMAD2"
+constexpr uint64_t kDirectoryMagic = 0x534d43524d414433;  // "SMCRMAD3"
 // What a directory starts with: a peer that mapped the descriptor the store named checks that it is one, and
 // this target's (a descriptor closed and reused meanwhile would be something else).
 struct DirectoryHeader {
@@ -265,6 +268,42 @@ struct Service::Directory {
   Slot* slots() const { return reinterpret_cast<Slot*>(header() + 1); }
   std::atomic<uint64_t>* writers() const { return reinterpret_cast<std::atomic<uint64_t>*>(slots() + kSlots); }
 };
+
+namespace {
+// Holds a slot's accumulate lock (Slot::accumulating) for one accumulate: the target's server and the peers that
+// accumulate into an allocated region directly apply theirs one at a time. A holder whose process has exited is
+// passed over (its accumulate may have stopped half done: that rank's job has failed anyway); one that holds it
+// for the timeout knob (a stopped process) fails the caller's accumulate, naming it.
+class AccumulateLock {
+ public:
+  AccumulateLock(std::atomic<uint64_t>& word, int rank, std::span<const int> pids, double timeout,
+                 const std::string& what)
+      : word_(word) {
+    const uint64_t me = static_cast<uint64_t>(rank) + 1;
+    const auto deadline = Clock::now() + millis(timeout);
+    for (int looks = 0;; ++looks) {
+      uint64_t held = 0;
+      if (word_.compare_exchange_strong(held, me)) return;
+      if (looks < 100) {  // an accumulate of a few pieces ends within microseconds
+        std::this_thread::yield();
+        continue;
+      }
+      const bool known = held >= 1 && held <= pids.size();
+      if ((!known || cma::process_gone(pids[held - 1])) && word_.compare_exchange_strong(held, me)) return;
+      if (Clock::now() > deadline)
+        throw CommError(what + ": rank " + std::to_string(held - 1) + " has held the region's accumulate lock for " +
+                        "more than " + log::seconds(timeout) + " (a stopped process?)");
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  ~AccumulateLock() { word_.store(0); }
+  AccumulateLock(const AccumulateLock&) = delete;
+  AccumulateLock& operator=(const AccumulateLock&) = delete;
+
+ private:
+  std::atomic<uint64_t>& word_;
+};
+}  // namespace
 
 struct Service::Call {
   explicit Call(std::atomic<int>& outstanding) : outstanding(outstanding) { outstanding.fetch_add(1); }
@@ -525,10 +564,9 @@ std::shared_ptr<Request> Service::post(Kind kind, const RemoteRegion& region, st
   require(local_bytes.has_value(), what + ": the local buffers add up to more than " + std::to_string(kMaxPayload) +
                                        " bytes; a call moves at most that much: split it");
   check_call(kind, region, pieces, *local_bytes, op, codec);
-  if ((kind == Kind::get || kind == Kind::put) && !codec && !s_.pids.empty() &&
-      outstanding_[static_cast<size_t>(region.rank)].load() == 0) {
+  if (!codec && !s_.pids.empty() && outstanding_[static_cast<size_t>(region.rank)].load() == 0) {
     connect(region.rank);  // waits for the target's server (and directory), and is there if the server must serve
-    if (auto req = copy_directly(kind, region, pieces, local, *local_bytes)) return req;
+    if (auto req = copy_directly(kind, region, pieces, local, *local_bytes, op)) return req;
   }
   auto call = std::make_shared<Call>(outstanding_[static_cast<size_t>(region.rank)]);
   call->peer = region.rank;
@@ -638,10 +676,10 @@ std::shared_ptr<cma::SharedMemory> Service::mapping(Directory& d, int peer, uint
 
 std::shared_ptr<Request> Service::copy_directly(Kind kind, const RemoteRegion& region,
                                                 std::span<const RemotePiece> pieces, std::span<const LocalPiece> local,
-                                                uint64_t local_bytes) {
+                                                uint64_t local_bytes, ReduceOp op) {
   Directory* d = directory(region.rank);
   if (!d) return nullptr;
-  const bool put = kind == Kind::put;
+  const bool put = kind != Kind::get;  // writes: a put or an accumulate
   std::unique_lock<std::mutex> writing(d->writing, std::defer_lock);
   std::atomic<uint64_t>& word = d->writers()[s_.rank];
   if (put) {
@@ -654,7 +692,7 @@ std::shared_ptr<Request> Service::copy_directly(Kind kind, const RemoteRegion& r
       if (word) word->store(0);
     }
   } clear{put ? &word : nullptr};
-  const Slot& slot = d->slots()[region.id % kSlots];
+  Slot& slot = d->slots()[region.id % kSlots];
   const uint64_t want = d->secret ^ region.id;
   if (slot.tag.load() != want) return nullptr;
   const uint64_t base = slot.base.load(), bytes = slot.bytes.load(), shared = slot.shared.load();
@@ -663,7 +701,26 @@ std::shared_ptr<Request> Service::copy_directly(Kind kind, const RemoteRegion& r
     if (p.offset > bytes || p.bytes > bytes - p.offset) return nullptr;  // the server says what is wrong
   const std::shared_ptr<cma::SharedMemory> mapped =
       shared ? mapping(*d, region.rank, region.id, static_cast<int>(shared - 1), bytes) : nullptr;
-  if (mapped) {
+  if (kind == Kind::accumulate) {
+    // Read, reduced and written back through process_vm_readv/writev, an accumulate would cost the server's
+    // copies again: only a mapped region is reduced into directly, in place.
+    if (!mapped) return nullptr;
+    std::vector<char> joined;
+    const char* in = local.size() == 1 ? static_cast<const char*>(local[0].data) : nullptr;
+    if (!in && local_bytes) {
+      joined.resize(local_bytes);
+      from_local(local, joined.data());
+      in = joined.data();
+    }
+    Header h;
+    h.kind = static_cast<uint8_t>(Kind::accumulate);
+    h.dtype = static_cast<uint8_t>(region.dtype);
+    h.op = static_cast<uint8_t>(op);
+    const AccumulateLock lock(slot.accumulating, s_.rank, s_.pids, s_.timeout,
+                              "accumulatev on rank " + std::to_string(s_.rank) + " into region " +
+                                  std::to_string(region.id) + " of rank " + std::to_string(region.rank));
+    scatter(static_cast<char*>(mapped->base()), pieces, in, h, std::nullopt);
+  } else if (mapped) {
     copy_mapped(static_cast<char*>(mapped->base()), pieces, local, local_bytes, put);
   } else {
     // process_vm_readv pins each remote piece's pages, about 1 us a piece here: measured on loopback (16 MiB in
@@ -685,7 +742,8 @@ std::shared_ptr<Request> Service::copy_directly(Kind kind, const RemoteRegion& r
   // The copy's loads (plain ones, from a mapping) complete before the tag is read again.
   std::atomic_thread_fence(std::memory_order_acquire);
   if (!put && slot.tag.load() != want) return nullptr;  // the region stayed registered throughout the read
-  (put ? direct_puts_ : direct_gets_).fetch_add(1, std::memory_order_relaxed);
+  (kind == Kind::get ? direct_gets_ : kind == Kind::put ? direct_puts_ : direct_accumulates_)
+      .fetch_add(1, std::memory_order_relaxed);
   auto req = std::make_shared<Request>();
   req->finish("");
   return req;
@@ -1099,6 +1157,15 @@ void Service::serve(Conn& c) {
     } else if (static_cast<Kind>(c.h.kind) == Kind::get) {
       gather(c.region->base, c.pieces, c.staging.data(), c.codec);
       o.body = std::move(c.staging);
+    } else if (static_cast<Kind>(c.h.kind) == Kind::accumulate && own_ && c.region->memory && !s_.pids.empty()) {
+      // Peers on this host may be accumulating into this allocated region directly: one at a time with them.
+      try {
+        const AccumulateLock held(own_->slots()[c.region->id % kSlots].accumulating, s_.rank, s_.pids, s_.timeout,
+                                  "accumulatev from rank " + std::to_string(c.peer));
+        scatter(c.region->base, c.pieces, c.staging.data(), c.h, c.codec);
+      } catch (const CommError& e) {
+        why = e.what();
+      }
     } else {
       scatter(c.region->base, c.pieces, c.staging.data(), c.h, c.codec);
     }

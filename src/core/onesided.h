@@ -37,8 +37,12 @@
 // closes the descriptor only after clearing the tag, and the mapping keeps the memory alive for a peer that is
 // still copying: no copy ever touches memory that is not the region's.
 // Anything else (not registered, changed, a piece outside the region, a failed copy) sends the call to the
-// server, which serves it or refuses it as for any peer. accumulatev always goes through the server, which
-// applies concurrent accumulates one at a time under the region's lock. A call is copied directly only while
+// server, which serves it or refuses it as for any peer.
+// An accumulate without a codec into an allocated region is reduced straight into the mapping, under the slot's
+// accumulate lock (a word in the directory: the holder's rank plus 1), which the server also takes for its own
+// accumulates into allocated regions: concurrent accumulates, direct or served, apply one at a time. The
+// initiator announces itself in its word first, as a put does. Into any other buffer, accumulatev goes through the
+// server, which applies them one at a time under the region's lock. A call is copied directly only while
 // none of this rank's calls to that target is outstanding at the server, so that one initiator's calls to a
 // target still land in the order it made them.
 #pragma once
@@ -100,6 +104,7 @@ class Service {
   // Gets served by reading the target's memory directly so far, and puts by writing into it.
   uint64_t direct_gets() const { return direct_gets_.load(std::memory_order_relaxed); }
   uint64_t direct_puts() const { return direct_puts_.load(std::memory_order_relaxed); }
+  uint64_t direct_accumulates() const { return direct_accumulates_.load(std::memory_order_relaxed); }
 
   // memory: the region's memfd (allocate), which peers on this host may map; null: any buffer.
   uint64_t add(void* base, size_t bytes, DataType dtype, std::shared_ptr<cma::SharedMemory> memory = nullptr);
@@ -143,9 +148,9 @@ class Service {
   std::shared_ptr<Region> find(uint64_t id, std::string& why);
   std::string key(int rank) const;  // where `rank` publishes its one-sided address
   std::string local_name(int rank, int port) const;
-  // A get or put with a process on this host, copied directly (see above); null where the server must serve it.
+  // A call to a process on this host copied (or reduced) directly (see above); null where the server must serve it.
   std::shared_ptr<Request> copy_directly(Kind kind, const RemoteRegion& region, std::span<const RemotePiece> pieces,
-                                         std::span<const LocalPiece> local, uint64_t local_bytes);
+                                         std::span<const LocalPiece> local, uint64_t local_bytes, ReduceOp op);
   // Waits until no peer's word in this rank's directory holds `id`; CommError naming the writer after the
   // timeout knob.
   void wait_for_writers(uint64_t id);
@@ -181,7 +186,7 @@ class Service {
   std::unique_ptr<Directory> own_;  // this rank's directory, which peers on this host map
   std::mutex directories_mu_;
   std::vector<std::unique_ptr<Directory>> directories_;  // [peer]: looked up on the first direct call to it
-  std::atomic<uint64_t> direct_gets_{0}, direct_puts_{0};
+  std::atomic<uint64_t> direct_gets_{0}, direct_puts_{0}, direct_accumulates_{0};
   Clock::time_point swept_{};  // the server thread's last drop_stale_mappings
   bool directory_closed_ = false;
 

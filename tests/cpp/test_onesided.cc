@@ -308,6 +308,69 @@ TEST(OneSided, AccumulatevSumsIntegersExactlyFromEveryRank) {
   });
 }
 
+// Accumulates into an allocated region are reduced straight into the mapping (rank 0 into its own region, rank 2
+// into rank 0's) while the server applies rank 1's (rma_direct=off: no directory, so it goes through the server),
+// all on the same few elements at once: the slot's lock makes them apply one at a time, so no update is lost and
+// the integer sums are exact. Each call's local side is one buffer or several (a piece may span two).
+TEST(OneSided, DirectAndServedAccumulatesIntoAnAllocatedRegionLoseNoUpdate) {
+  const int n = 3, rounds = 2000;
+  constexpr size_t kElems = 64;  // every piece lies within the region's first 64 elements: they overlap
+  std::vector<uint64_t> direct(n);
+  auto draw = [](int r, int round, std::vector<RemotePiece>& pieces, std::vector<int64_t>& values) {
+    std::mt19937 gen(static_cast<uint32_t>(1000 * r + round));
+    pieces.clear();
+    for (int k = 0; k < 3; ++k) {
+      const size_t first = std::uniform_int_distribution<size_t>(0, kElems - 1)(gen);
+      const size_t count = std::uniform_int_distribution<size_t>(1, kElems - first)(gen);
+      pieces.push_back({first * 8, count * 8});
+    }
+    values.resize(total(pieces) / 8);
+    for (auto& v : values) v = static_cast<int64_t>(gen() % 1000) - 500;
+  };
+  harness::run_threads(n, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, n, std::move(store), test_options({{"rma_direct", r == 1 ? "off" : "auto"}}));
+    AllocatedRegion mine = comm.allocate_region(kRegion, DataType::i64);
+    auto* elems = static_cast<int64_t*>(mine.data);
+    for (size_t i = 0; i < kRegion / 8; ++i) elems[i] = 5;
+    comm.barrier()->wait();
+    std::vector<RemotePiece> pieces;
+    std::vector<int64_t> values;
+    std::mt19937 gen(77 + r);
+    for (int round = 0; round < rounds; ++round) {
+      draw(r, round, pieces, values);
+      std::vector<uint8_t> bytes(values.size() * 8);
+      std::memcpy(bytes.data(), values.data(), bytes.size());
+      std::vector<LocalPiece> local{{bytes.data(), bytes.size()}};
+      if (round % 2) {  // buffers of 1 to 100 bytes
+        local.clear();
+        for (size_t at = 0, k; at < bytes.size(); at += k) {
+          k = std::min(bytes.size() - at, std::uniform_int_distribution<size_t>(1, 100)(gen));
+          local.push_back({bytes.data() + at, k});
+        }
+      }
+      comm.accumulatev(local, region_of(0, mine.id, DataType::i64), pieces, ReduceOp::sum)->wait();
+    }
+    direct[static_cast<size_t>(r)] = comm.engine_stats().direct_accumulates;
+    comm.barrier()->wait();
+    if (r == 0) {
+      std::vector<int64_t> want(kRegion / 8, 5);
+      for (int q = 0; q < n; ++q) {
+        for (int round = 0; round < rounds; ++round) {
+          draw(q, round, pieces, values);
+          size_t at = 0;
+          for (const RemotePiece& p : pieces)
+            for (size_t i = 0; i < p.bytes / 8; ++i) want[p.offset / 8 + i] += values[at++];
+        }
+      }
+      ASSERT_EQ(0, std::memcmp(elems, want.data(), kRegion)) << "an accumulate was lost or applied twice";
+    }
+    comm.barrier()->wait();
+  });
+  EXPECT_EQ(direct[0], static_cast<uint64_t>(rounds)) << "rank 0 into its own region";
+  EXPECT_EQ(direct[1], 0u) << "rma_direct=off goes through the server";
+  EXPECT_EQ(direct[2], static_cast<uint64_t>(rounds)) << "rank 2 into rank 0's region";
+}
+
 // Under a codec every piece travels encoded on its own: the result is, bit for bit, what the codec's own
 // round trip of each piece gives (a put: decode(encode(piece)); an accumulate: region + decode(encode(piece))
 // in float32, pieces in order; a get: decode(encode(the region's piece))).

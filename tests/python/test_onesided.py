@@ -284,8 +284,8 @@ def test_gets_on_one_host_read_the_target_directly(direct):
 def test_allocated_regions_on_one_host_are_copied_by_the_initiator_for_pieces_of_any_size(direct):
     """A region in memory from comm.allocate is mapped by peers on one host: their getv and putv of pieces of any
     size (1-300 B here, one local buffer or a list cut across the pieces) copy it themselves (direct_gets,
-    direct_puts), bit for bit as the server would; rma_direct=off asks the server. accumulatev still goes to the
-    server. A region allocated after a deregistered one is read at its new place, and a piece outside it is still
+    direct_puts), bit for bit as the server would, and accumulatev reduces into it in place (direct_accumulates);
+    rma_direct=off asks the server. A region allocated after a deregistered one is read at its new place, and a piece outside it is still
     refused by the target."""
     nbytes = 64 * KIB
 
@@ -319,7 +319,7 @@ def test_allocated_regions_on_one_host_are_copied_by_the_initiator_for_pieces_of
             expect[o:o + 100] = data[100 * i:100 * i + 100]
         expect[-8:] += 1
         np.testing.assert_array_equal(region.buffer, expect)
-        counts = {k: comm.engine_stats()[k] - before[k] for k in ("direct_gets", "direct_puts")}
+        counts = {k: comm.engine_stats()[k] - before[k] for k in ("direct_gets", "direct_puts", "direct_accumulates")}
         comm.barrier()
         region.close()
         again = comm.allocate((16, 4), "float32")  # a new id, a new memfd
@@ -337,7 +337,9 @@ def test_allocated_regions_on_one_host_are_copied_by_the_initiator_for_pieces_of
 
     results = run_thread_ranks(2, body, rma_direct=direct)
     assert [path for _, path in results] == ["usable"] * 2, results
-    expected = {"direct_gets": 2, "direct_puts": 1} if direct == "auto" else {"direct_gets": 0, "direct_puts": 0}
+    expected = dict.fromkeys(("direct_gets", "direct_puts", "direct_accumulates"), 0)
+    if direct == "auto":
+        expected.update(direct_gets=2, direct_puts=1, direct_accumulates=1)
     assert [counts for counts, _ in results] == [expected] * 2
 
 
@@ -682,7 +684,7 @@ def test_a_stopped_target_on_this_host_is_read_directly(ranks, tmp_path):
     assert "error" not in out and "timeout" not in out, out
     assert out["got"] == [1.0] * 1024, out
     assert out["put_back"] == [2.0] * 1024, out
-    assert out["direct"] == {"direct_gets": 2, "direct_puts": 1}, out
+    assert out["direct"] == {"direct_gets": 2, "direct_puts": 1, "direct_accumulates": 0}, out
 
 
 def test_a_writer_process_stopped_inside_a_direct_put_holds_deregistration_then_is_named(ranks, tmp_path):
@@ -761,7 +763,7 @@ def test_a_writer_stopped_in_a_direct_put_holds_deregistration_for_the_timeout_t
         fd = os.open(f"/proc/self/fd/{fds.pop()}", os.O_RDWR)
         try:
             with mmap.mmap(fd, 0) as directory:
-                word = 32 + 1024 * 32  # rank 0's word: after the header and the 1024 slots of (tag, base, bytes, shared)
+                word = 32 + 1024 * 40  # rank 0's word: after the header and the 1024 slots of 5 words
                 assert len(directory) == word + 2 * 8
                 struct.pack_into("<Q", directory, word, region.id)
                 start = time.monotonic()
