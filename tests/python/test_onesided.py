@@ -723,6 +723,20 @@ def test_bench_embedding_reports_every_method_and_checks_rows(tmp_path):
     assert all(r["median_s"] > 0 for r in table) and "rows checked" in proc.stdout
 
 
+def directory_memfds() -> set:
+    """This process's descriptors of one-sided directories (a communicator's memfd "smartcoll-rma")."""
+    import os
+
+    found = set()
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{f}").startswith("/memfd:smartcoll-rma"):
+                found.add(f)
+        except OSError:  # closed meanwhile (listdir's own, another thread's)
+            pass
+    return found
+
+
 @pytest.mark.parametrize("when", ["deregistering", "closing"])
 def test_a_writer_stopped_in_a_direct_put_holds_deregistration_for_the_timeout_then_is_named(when):
     """A peer on this host that announced a direct put into a region and then stopped (here: its word in the
@@ -737,16 +751,6 @@ def test_a_writer_stopped_in_a_direct_put_holds_deregistration_for_the_timeout_t
 
     from smartcoll import _onesided
 
-    def memfds() -> set:
-        found = set()
-        for f in os.listdir("/proc/self/fd"):
-            try:
-                if os.readlink(f"/proc/self/fd/{f}").startswith("/memfd:smartcoll-rma"):
-                    found.add(f)
-            except OSError:  # closed meanwhile (listdir's own, another thread's)
-                pass
-        return found
-
     done = threading.Event()  # rank 1 is through: rank 0 must not sit in a call meanwhile (1 s timeouts)
 
     def body(comm):
@@ -755,10 +759,10 @@ def test_a_writer_stopped_in_a_direct_put_holds_deregistration_for_the_timeout_t
             done.wait(30)
             comm.barrier()
             return None
-        before = memfds()
+        before = directory_memfds()
         buf = np.zeros(64 * KIB, np.uint8)
         region = comm.register(buf)
-        fds = memfds() - before
+        fds = directory_memfds() - before
         assert len(fds) == 1, fds
         fd = os.open(f"/proc/self/fd/{fds.pop()}", os.O_RDWR)
         try:
@@ -787,3 +791,62 @@ def test_a_writer_stopped_in_a_direct_put_holds_deregistration_for_the_timeout_t
                      r"\(a stopped process\?\): keep the buffer allocated", message), message
     assert 1 <= waited < 5, waited
     assert kept
+
+
+def test_an_accumulate_lock_held_for_the_timeout_fails_the_direct_accumulate_naming_the_holder():
+    """A peer that holds an allocated region's accumulate lock and stops (here: the lock's word in the target's
+    shared directory set by hand to rank 1, as a process stopped in the middle of its accumulate leaves it) makes a
+    direct accumulatev into that region fail after the timeout knob (1 s), naming the holder, instead of waiting
+    for ever; once the lock is free the next accumulatev applies."""
+    import mmap
+    import os
+    import struct
+    import threading
+
+    made = threading.Event()  # rank 1's directory exists: rank 0 may make its own
+
+    def body(comm):
+        if comm.rank == 1:  # rank 0 makes none until then: the directory that appears is rank 1's
+            before = directory_memfds()
+            region = comm.allocate(8, "int64")
+            (fd_name,) = directory_memfds() - before
+            made.set()
+        else:
+            made.wait(30)
+            region = comm.allocate(8, "int64")
+        remote = comm.exchange_regions(region)
+        if comm.rank == 1:
+            fd = os.open(f"/proc/self/fd/{fd_name}", os.O_RDWR)
+            with mmap.mmap(fd, 0) as directory:
+                lock = 32 + (remote[1].id % 1024) * 40 + 32  # the slot's fifth word, after (tag, base, bytes, shared)
+                assert struct.unpack_from("<Q", directory, lock)[0] == 0
+                struct.pack_into("<Q", directory, lock, 2)  # rank 1, plus 1
+                comm.barrier()
+                comm.barrier()  # rank 0's accumulate failed
+                struct.pack_into("<Q", directory, lock, 0)
+            os.close(fd)
+            comm.barrier()
+            comm.barrier()  # rank 0's second accumulate applied
+            values = region.buffer.copy()
+            region.close()
+            return values.tolist()
+        comm.barrier()
+        start = time.monotonic()
+        with pytest.raises(smartcoll.CommError) as failed:
+            comm.accumulatev(1, np.arange(8, dtype=np.int64), remote[1], [0])
+        waited = time.monotonic() - start
+        comm.barrier()
+        comm.barrier()
+        comm.accumulatev(1, np.arange(8, dtype=np.int64), remote[1], [0])
+        direct = comm.engine_stats()["direct_accumulates"]
+        comm.barrier()
+        region.close()
+        return str(failed.value), waited, direct
+
+    results = run_thread_ranks(2, body, timeout=1)
+    message, waited, direct = results[0]
+    assert re.search(r"accumulatev on rank 0 into region \d+ of rank 1: rank 1 has held the region's accumulate "
+                     r"lock for more than 1 s \(a stopped process\?\)", message), message
+    assert 1 <= waited < 5, waited
+    assert direct == 1, direct
+    assert results[1] == list(range(8)), results[1]
