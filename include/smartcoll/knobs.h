@@ -41,7 +41,8 @@ inline constexpr Knob kKnobs[] = {
      "the pieces average 4 KiB or more (process_vm_readv / process_vm_writev), and for a region from allocate "
      "getv and putv of any pieces and accumulatev, through a mapping of it (a read checks that the region stayed "
      "registered, a write announces itself so that deregistering waits for it, and accumulates take the region's "
-     "lock in shared memory, which the target's server takes too); off always asks the server"},
+     "lock in shared memory, which the target's server takes too); calls under a codec always go to the server; "
+     "off always asks the server"},
     {"shm_bytes", "1048576", "bytes", 0, 1 << 26, true,
      "same-host path: bytes per rank that a call may put through the shared control segment (algo=shm: one round "
      "of stores and loads, two for allreduce and reduce from 16 KiB, no system call while the ranks run); auto "

@@ -238,13 +238,14 @@ struct Service::Region {
 struct Service::Slot {
   std::atomic<uint64_t> tag{0}, base{0}, bytes{0};
   std::atomic<uint64_t> shared{0};  // an allocated region's memfd in the owner, plus 1; 0: any other buffer
+  std::atomic<uint64_t> dtype{0};   // the region's DataType, plus 1: a direct accumulate must match it
   // The accumulate lock of the region in this slot (of whichever region holds it: a region whose slot was taken
   // keeps using it, so that its accumulates stay exclusive): the holder's rank plus 1, 0 when free.
   std::atomic<uint64_t> accumulating{0};
 };
 namespace {
 constexpr size_t kSlots = 1024;
-constexpr uint64_t kDirectoryMagic = 0x534d43524d414433;  // "SMCRMAD3"
+constexpr uint64_t kDirectoryMagic = 0x534d43524d414434;  // "SMCRMAD4"
 // What a directory starts with: a peer that mapped the descriptor the store named checks that it is one, and
 // this target's (a descriptor closed and reused meanwhile would be something else).
 struct DirectoryHeader {
@@ -270,29 +271,38 @@ struct Service::Directory {
 };
 
 namespace {
-// Holds a slot's accumulate lock (Slot::accumulating) for one accumulate: the target's server and the peers that
-// accumulate into an allocated region directly apply theirs one at a time. A holder whose process has exited is
-// passed over (its accumulate may have stopped half done: that rank's job has failed anyway); one that holds it
-// for the timeout knob (a stopped process) fails the caller's accumulate, naming it.
+// A slot's accumulate lock (Slot::accumulating), which the target's server and the peers that accumulate into an
+// allocated region directly take around each accumulate, so that they apply one at a time. A holder whose process
+// has exited is passed over (its accumulate may have stopped half done: that rank's job has failed anyway).
 class AccumulateLock {
  public:
+  // One try: 0 when `rank` took the lock, else the holder's rank plus 1.
+  static uint64_t take(std::atomic<uint64_t>& word, int rank, std::span<const int> pids) {
+    const uint64_t me = static_cast<uint64_t>(rank) + 1;
+    uint64_t held = 0;
+    if (word.compare_exchange_strong(held, me)) return 0;
+    const bool known = held >= 1 && held <= pids.size();
+    if ((!known || cma::process_gone(pids[held - 1])) && word.compare_exchange_strong(held, me)) return 0;
+    return held ? held : take(word, rank, pids);  // released meanwhile: try again
+  }
+  // What a caller that waited `timeout` says: the holder now (a stopped process keeps it).
+  static std::string waited(uint64_t holder, double timeout) {
+    return "waited " + log::seconds(timeout) + " for the region's accumulate lock, which rank " +
+           std::to_string(holder - 1) + " holds (a stopped process?)";
+  }
+  // Takes it, waiting at most `timeout` (CommError after it, naming the holder and `what`).
   AccumulateLock(std::atomic<uint64_t>& word, int rank, std::span<const int> pids, double timeout,
                  const std::string& what)
       : word_(word) {
-    const uint64_t me = static_cast<uint64_t>(rank) + 1;
     const auto deadline = Clock::now() + millis(timeout);
     for (int looks = 0;; ++looks) {
-      uint64_t held = 0;
-      if (word_.compare_exchange_strong(held, me)) return;
+      const uint64_t holder = take(word_, rank, pids);
+      if (holder == 0) return;
       if (looks < 100) {  // an accumulate of a few pieces ends within microseconds
         std::this_thread::yield();
         continue;
       }
-      const bool known = held >= 1 && held <= pids.size();
-      if ((!known || cma::process_gone(pids[held - 1])) && word_.compare_exchange_strong(held, me)) return;
-      if (Clock::now() > deadline)
-        throw CommError(what + ": rank " + std::to_string(held - 1) + " has held the region's accumulate lock for " +
-                        "more than " + log::seconds(timeout) + " (a stopped process?)");
+      if (Clock::now() > deadline) throw CommError(what + ": " + waited(holder, timeout));
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
@@ -303,6 +313,14 @@ class AccumulateLock {
  private:
   std::atomic<uint64_t>& word_;
 };
+
+// Whether any local buffer shares a byte with [lo, lo + bytes).
+bool overlaps(std::span<const LocalPiece> local, uintptr_t lo, uint64_t bytes) {
+  return std::any_of(local.begin(), local.end(), [&](const LocalPiece& l) {
+    const auto at = reinterpret_cast<uintptr_t>(l.data);
+    return l.bytes && at < lo + bytes && lo < at + l.bytes;
+  });
+}
 }  // namespace
 
 struct Service::Call {
@@ -340,6 +358,7 @@ struct Service::Conn {
   std::string refused;              // target: why the request in hand is refused
   std::optional<Codec> codec;       // target: the codec of the request in hand
   std::shared_ptr<Region> region;   // target: the region it is for
+  std::optional<Clock::time_point> lock_wait;  // target: since when the request in hand waits for an accumulate lock
   std::shared_ptr<Call> call;       // initiator: the call the answer in hand is for (null: a farewell)
   std::deque<Out> out;
   uint64_t queued = 0;  // bytes of `out` not yet sent
@@ -474,6 +493,7 @@ uint64_t Service::add(void* base, size_t bytes, DataType dtype, std::shared_ptr<
     slot.base.store(reinterpret_cast<uintptr_t>(base));
     slot.bytes.store(bytes);
     slot.shared.store(shared);
+    slot.dtype.store(static_cast<uint64_t>(dtype) + 1);
     slot.tag.store(own_->secret ^ id);
   }
   return id;
@@ -695,8 +715,11 @@ std::shared_ptr<Request> Service::copy_directly(Kind kind, const RemoteRegion& r
   Slot& slot = d->slots()[region.id % kSlots];
   const uint64_t want = d->secret ^ region.id;
   if (slot.tag.load() != want) return nullptr;
-  const uint64_t base = slot.base.load(), bytes = slot.bytes.load(), shared = slot.shared.load();
-  if (slot.tag.load() != want) return nullptr;  // base, bytes and shared were this region's
+  const uint64_t base = slot.base.load(), bytes = slot.bytes.load(), shared = slot.shared.load(),
+                 dtype = slot.dtype.load();
+  if (slot.tag.load() != want) return nullptr;  // base, bytes, shared and dtype were this region's
+  // An accumulate of another dtype than the region's: the server refuses it, naming both.
+  if (kind == Kind::accumulate && dtype != static_cast<uint64_t>(region.dtype) + 1) return nullptr;
   for (const RemotePiece& p : pieces)
     if (p.offset > bytes || p.bytes > bytes - p.offset) return nullptr;  // the server says what is wrong
   const std::shared_ptr<cma::SharedMemory> mapped =
@@ -705,8 +728,12 @@ std::shared_ptr<Request> Service::copy_directly(Kind kind, const RemoteRegion& r
     // Read, reduced and written back through process_vm_readv/writev, an accumulate would cost the server's
     // copies again: only a mapped region is reduced into directly, in place.
     if (!mapped) return nullptr;
+    // The values as they were before any is applied, as the server takes them: copied first where a local buffer
+    // is the region's own memory (the target in this process, or this mapping of it).
+    const bool aliased = overlaps(local, reinterpret_cast<uintptr_t>(mapped->base()), bytes) ||
+                         (s_.pids[static_cast<size_t>(region.rank)] == ::getpid() && overlaps(local, base, bytes));
     std::vector<char> joined;
-    const char* in = local.size() == 1 ? static_cast<const char*>(local[0].data) : nullptr;
+    const char* in = local.size() == 1 && !aliased ? static_cast<const char*>(local[0].data) : nullptr;
     if (!in && local_bytes) {
       joined.resize(local_bytes);
       from_local(local, joined.data());
@@ -1105,7 +1132,10 @@ void Service::receive(Conn& c) {
       if (!take_pieces(c)) return;
     }
     if (c.stage == 3 && c.into.done() && c.discard == 0) {
-      c.outgoing ? answer(c) : serve(c);
+      if (c.outgoing)
+        answer(c);
+      else if (!serve(c))
+        return;  // waits for its region's accumulate lock (Conn::lock_wait)
       c.stage = 0;
       c.got = 0;
       c.more = !c.closed;  // one message a pass: the other channels' turn
@@ -1145,7 +1175,7 @@ void Service::receive(Conn& c) {
   }
 }
 
-void Service::serve(Conn& c) {
+bool Service::serve(Conn& c) {
   Header a;
   a.id = c.h.id;
   Out o;
@@ -1157,15 +1187,24 @@ void Service::serve(Conn& c) {
     } else if (static_cast<Kind>(c.h.kind) == Kind::get) {
       gather(c.region->base, c.pieces, c.staging.data(), c.codec);
       o.body = std::move(c.staging);
-    } else if (static_cast<Kind>(c.h.kind) == Kind::accumulate && own_ && c.region->memory && !s_.pids.empty()) {
-      // Peers on this host may be accumulating into this allocated region directly: one at a time with them.
-      try {
-        const AccumulateLock held(own_->slots()[c.region->id % kSlots].accumulating, s_.rank, s_.pids, s_.timeout,
-                                  "accumulatev from rank " + std::to_string(c.peer));
+    } else if (static_cast<Kind>(c.h.kind) == Kind::accumulate && own_ && c.region->memory) {
+      // Peers on this host may be accumulating into this allocated region directly: one at a time with them. A
+      // holder keeps this request waiting, not the thread (which serves every channel): it is tried again on
+      // the next passes, at most for the timeout knob.
+      std::atomic<uint64_t>& lock_word = own_->slots()[c.region->id % kSlots].accumulating;
+      const auto now = Clock::now();
+      if (const uint64_t holder = AccumulateLock::take(lock_word, s_.rank, s_.pids); holder != 0) {
+        if (!c.lock_wait) c.lock_wait = now;
+        if (now - *c.lock_wait <= millis(s_.timeout)) {
+          c.last = now;  // the channel is not idle: its request waits
+          return false;
+        }
+        why = "accumulatev: " + AccumulateLock::waited(holder, s_.timeout);
+      } else {
         scatter(c.region->base, c.pieces, c.staging.data(), c.h, c.codec);
-      } catch (const CommError& e) {
-        why = e.what();
+        lock_word.store(0);
       }
+      c.lock_wait.reset();
     } else {
       scatter(c.region->base, c.pieces, c.staging.data(), c.h, c.codec);
     }
@@ -1187,6 +1226,7 @@ void Service::serve(Conn& c) {
   o.left = o.head.size() + a.payload;
   c.queued += o.left;
   c.out.push_back(std::move(o));
+  return true;
 }
 
 void Service::answer(Conn& c) {
@@ -1219,13 +1259,14 @@ void Service::run() {
   while (!stop_) {
     // busy: a channel has bytes it may read now; waiting: a clock runs (an answer, a hello, a message half
     // read, answers unread, staging not granted, the listener's pause).
-    bool busy = false, waiting = !accepting_.empty() || !listening_;
+    bool busy = false, waiting = !accepting_.empty() || !listening_, locked_out = false;
     for (auto& c : conns_) {
       busy |= c->more && !paused(*c);
       waiting |= !c->waiting.empty() || c->stage != 0 || c->got != 0 || c->queued != 0;
+      locked_out |= c->lock_wait.has_value();
     }
     epoll_event events[64];
-    const int n = epoll_wait(epfd_.get(), events, 64, busy ? 0 : waiting ? 50 : 1000);
+    const int n = epoll_wait(epfd_.get(), events, 64, busy ? 0 : locked_out ? 1 : waiting ? 50 : 1000);
     // Only what woke: a pass per message when busy, so no system call that has nothing to do.
     bool woken = false, connecting = false;
     for (int i = 0; i < n; ++i) {

@@ -140,7 +140,7 @@ class Service {
   bool take_header(Conn& c);
   bool take_pieces(Conn& c);
   void send(Conn& c);
-  void serve(Conn& c);
+  bool serve(Conn& c);  // false: it waits for an accumulate lock, tried again on a later pass
   void answer(Conn& c);
   // retry: a later call may open a new channel to the peer (after a timeout); otherwise calls to it fail
   // with `why` from now on.

@@ -371,6 +371,45 @@ TEST(OneSided, DirectAndServedAccumulatesIntoAnAllocatedRegionLoseNoUpdate) {
   EXPECT_EQ(direct[2], static_cast<uint64_t>(rounds)) << "rank 2 into rank 0's region";
 }
 
+// A direct accumulate is refused as the server refuses it when the region holds another dtype than the call says
+// (never reduced as the wrong type), and takes its values before applying any where they lie in the region itself:
+// rank 0 adds its region's elements 0-5 into elements 1-6, and gets what the server gives (each element plus its
+// old neighbour), not a running sum. 56 elements, more than a vector register holds, which would hide it.
+TEST(OneSided, DirectAccumulatesCheckTheRegionsDtypeAndReadAliasedValuesFirst) {
+  run_ranks(2, [](Communicator& comm) {
+    constexpr int kElems = 64;
+    AllocatedRegion mine = comm.allocate_region(8 * kElems, DataType::i64);
+    auto* elems = static_cast<int64_t*>(mine.data);
+    for (int i = 0; i < kElems; ++i) elems[i] = 1;
+    comm.barrier()->wait();
+    if (comm.rank() == 1) {
+      std::vector<double> values(4, 1.0);
+      const LocalPiece local{values.data(), 32};
+      const std::vector<RemotePiece> pieces{{0, 32}};
+      try {
+        comm.accumulatev({&local, 1}, region_of(0, mine.id, DataType::f64, 8 * kElems), pieces, ReduceOp::sum)->wait();
+        ADD_FAILURE() << "an accumulate of float64 into an int64 region was applied";
+      } catch (const CommError& e) {
+        EXPECT_NE(std::string(e.what()).find("holds int64, the initiator sent float64"), std::string::npos)
+            << e.what();
+      }
+    }
+    comm.barrier()->wait();
+    if (comm.rank() == 0) {
+      for (int i = 0; i < kElems; ++i) ASSERT_EQ(elems[i], 1) << "element " << i << " after the refused accumulate";
+      const uint64_t before = comm.engine_stats().direct_accumulates;
+      const LocalPiece local{elems, 8 * 56};
+      const std::vector<RemotePiece> pieces{{8, 8 * 56}};
+      comm.accumulatev({&local, 1}, region_of(0, mine.id, DataType::i64, 8 * kElems), pieces, ReduceOp::sum)->wait();
+      EXPECT_EQ(comm.engine_stats().direct_accumulates - before, 1u);
+      std::vector<int64_t> want(kElems, 1);
+      std::fill(want.begin() + 1, want.begin() + 57, 2);
+      EXPECT_EQ(std::vector<int64_t>(elems, elems + kElems), want);
+    }
+    comm.barrier()->wait();
+  });
+}
+
 // Under a codec every piece travels encoded on its own: the result is, bit for bit, what the codec's own
 // round trip of each piece gives (a put: decode(encode(piece)); an accumulate: region + decode(encode(piece))
 // in float32, pieces in order; a get: decode(encode(the region's piece))).

@@ -146,7 +146,7 @@ def stalled(comm, out: dict, outdir: Path) -> None:
 
 def rank0_word(region_id: int) -> int:
     """Rank 0's word in this process's directory of regions (its shared-memory memfd): the id of the region rank 0
-    is writing into directly, 0 when none (docs/vectored.md: the header, 1024 slots of 40 bytes, a word per rank)."""
+    is writing into directly, 0 when none (docs/vectored.md: the header, 1024 slots of 48 bytes, a word per rank)."""
     import mmap
     import struct
 
@@ -159,7 +159,7 @@ def rank0_word(region_id: int) -> int:
             continue
         try:
             with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as directory:
-                return struct.unpack_from("<Q", directory, 32 + 1024 * 40)[0]
+                return struct.unpack_from("<Q", directory, 32 + 1024 * 48)[0]
         finally:
             os.close(fd)
     raise RuntimeError("no directory of regions in this process")

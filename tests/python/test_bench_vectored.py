@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import clean_env
 
-from smartcoll.tools.bench.vectored import METHODS, PLACEMENTS, placements, round_order, tensor_sizes
+from smartcoll.tools.bench.vectored import METHODS, PLACEMENTS, placements, reversed_views, round_order, tensor_sizes
 
 
 def test_tensor_sizes_add_up():
@@ -65,6 +65,25 @@ def test_list_bench_runs_the_four_methods(kind, tmp_path):
     after = data["times_after_s"]
     assert all(sorted(after[m]) == sorted(set(after) - {m}) and all(len(t) == 1 for t in after[m].values())
                for m in after), after
+
+
+def test_list_bench_can_lay_the_list_in_the_contiguous_buffer(tmp_path):
+    """--same-pages: the list's tensors are views into the contiguous buffer, the last first (so no two list
+    neighbours are memory neighbours); the workers still check every call's sums; without --fresh it is refused,
+    since the two would then sum into each other's memory."""
+    text, data = run(["list", "-n", "2", "--tensors", "12", "--total", "1M", "--iters", "3", "--algo", "ring",
+                      "--fresh", "--same-pages"], tmp_path)
+    assert data["same_pages"] and "the list in the contiguous buffer" in text, text
+    proc = subprocess.run([sys.executable, "-m", "smartcoll.tools.cli", "bench", "list", "--same-pages"],
+                          env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--same-pages needs --fresh" in proc.stderr, proc.stderr
+
+
+def test_reversed_views_put_the_last_tensor_first():
+    buffer = np.arange(10)
+    views = reversed_views(buffer, [2, 3, 5])
+    assert [v.tolist() for v in views] == [[8, 9], [5, 6, 7], [0, 1, 2, 3, 4]]
+    assert all(v.base is buffer for v in views)
 
 
 def test_round_orders_cover_every_transition_once_per_cycle():

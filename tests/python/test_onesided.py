@@ -767,7 +767,7 @@ def test_a_writer_stopped_in_a_direct_put_holds_deregistration_for_the_timeout_t
         fd = os.open(f"/proc/self/fd/{fds.pop()}", os.O_RDWR)
         try:
             with mmap.mmap(fd, 0) as directory:
-                word = 32 + 1024 * 40  # rank 0's word: after the header and the 1024 slots of 5 words
+                word = 32 + 1024 * 48  # rank 0's word: after the header and the 1024 slots of 6 words
                 assert len(directory) == word + 2 * 8
                 struct.pack_into("<Q", directory, word, region.id)
                 start = time.monotonic()
@@ -793,60 +793,77 @@ def test_a_writer_stopped_in_a_direct_put_holds_deregistration_for_the_timeout_t
     assert kept
 
 
-def test_an_accumulate_lock_held_for_the_timeout_fails_the_direct_accumulate_naming_the_holder():
+def test_an_accumulate_lock_held_for_the_timeout_fails_accumulates_naming_the_holder_and_blocks_nothing_else():
     """A peer that holds an allocated region's accumulate lock and stops (here: the lock's word in the target's
-    shared directory set by hand to rank 1, as a process stopped in the middle of its accumulate leaves it) makes a
-    direct accumulatev into that region fail after the timeout knob (1 s), naming the holder, instead of waiting
-    for ever; once the lock is free the next accumulatev applies."""
+    shared directory set by hand to rank 1, as a process stopped in the middle of its accumulate leaves it) makes
+    a direct accumulatev into that region (rank 0) and one the target's server serves (rank 2, under a codec) fail
+    after the timeout knob (1 s), naming the holder. Meanwhile the server serves other calls (rank 0's getv) at
+    once: the waiting request waits, not the server. Once the lock is free both accumulates apply."""
     import mmap
     import os
     import struct
     import threading
 
-    made = threading.Event()  # rank 1's directory exists: rank 0 may make its own
+    made = threading.Event()  # rank 1's directory exists: the others may make theirs
+    step = threading.Barrier(3)  # in step without a collective, which the 1 s timeout would fail while others wait
+    values = np.arange(8, dtype=np.float32)  # bfp16 carries these exactly
 
     def body(comm):
-        if comm.rank == 1:  # rank 0 makes none until then: the directory that appears is rank 1's
+        if comm.rank == 1:  # the others make none until then: the directory that appears is rank 1's
             before = directory_memfds()
-            region = comm.allocate(8, "int64")
+            region = comm.allocate(8, "float32")
             (fd_name,) = directory_memfds() - before
             made.set()
         else:
             made.wait(30)
-            region = comm.allocate(8, "int64")
+            region = None
         remote = comm.exchange_regions(region)
         if comm.rank == 1:
             fd = os.open(f"/proc/self/fd/{fd_name}", os.O_RDWR)
             with mmap.mmap(fd, 0) as directory:
-                lock = 32 + (remote[1].id % 1024) * 40 + 32  # the slot's fifth word, after (tag, base, bytes, shared)
+                # the slot's sixth word, after (tag, base, bytes, shared, dtype)
+                lock = 32 + (remote[1].id % 1024) * 48 + 40
                 assert struct.unpack_from("<Q", directory, lock)[0] == 0
                 struct.pack_into("<Q", directory, lock, 2)  # rank 1, plus 1
-                comm.barrier()
-                comm.barrier()  # rank 0's accumulate failed
+                step.wait(30)  # set
+                step.wait(30)  # both accumulates failed
                 struct.pack_into("<Q", directory, lock, 0)
             os.close(fd)
-            comm.barrier()
-            comm.barrier()  # rank 0's second accumulate applied
-            values = region.buffer.copy()
+            step.wait(30)  # cleared
+            step.wait(30)  # both accumulates applied
+            got = region.buffer.copy()
             region.close()
-            return values.tolist()
-        comm.barrier()
-        start = time.monotonic()
-        with pytest.raises(smartcoll.CommError) as failed:
-            comm.accumulatev(1, np.arange(8, dtype=np.int64), remote[1], [0])
-        waited = time.monotonic() - start
-        comm.barrier()
-        comm.barrier()
-        comm.accumulatev(1, np.arange(8, dtype=np.int64), remote[1], [0])
-        direct = comm.engine_stats()["direct_accumulates"]
-        comm.barrier()
-        region.close()
-        return str(failed.value), waited, direct
+            return got.tolist()
+        step.wait(30)
+        out = {}
+        if comm.rank == 2:
+            start = time.monotonic()
+            with pytest.raises(smartcoll.CommError) as failed:
+                comm.accumulatev(1, values, remote[1], [0], codec="bfp16")
+            out["served"], out["served_waited"] = str(failed.value), time.monotonic() - start
+        else:
+            time.sleep(0.2)  # rank 2's accumulate waits at the server by now
+            start = time.monotonic()
+            got = np.empty(8, np.float32)
+            comm.getv(1, remote[1], [0], 32, got, codec="bfp16")
+            out["getv_s"], out["getv"] = time.monotonic() - start, got.tolist()
+            start = time.monotonic()
+            with pytest.raises(smartcoll.CommError) as failed:
+                comm.accumulatev(1, values, remote[1], [0])
+            out["direct"], out["direct_waited"] = str(failed.value), time.monotonic() - start
+        step.wait(30)
+        step.wait(30)
+        comm.accumulatev(1, values, remote[1], [0], codec="bfp16" if comm.rank == 2 else None)
+        out["direct_accumulates"] = comm.engine_stats()["direct_accumulates"]
+        step.wait(30)
+        return out
 
-    results = run_thread_ranks(2, body, timeout=1)
-    message, waited, direct = results[0]
-    assert re.search(r"accumulatev on rank 0 into region \d+ of rank 1: rank 1 has held the region's accumulate "
-                     r"lock for more than 1 s \(a stopped process\?\)", message), message
-    assert 1 <= waited < 5, waited
-    assert direct == 1, direct
-    assert results[1] == list(range(8)), results[1]
+    first, target, second = run_thread_ranks(3, body, timeout=1)
+    assert re.search(r"accumulatev on rank 0 into region \d+ of rank 1: waited 1 s for the region's accumulate lock, "
+                     r"which rank 1 holds \(a stopped process\?\)", first["direct"]), first
+    assert re.search(r"rank 1 refused it: accumulatev: waited 1 s for the region's accumulate lock, which rank 1 "
+                     r"holds \(a stopped process\?\)", second["served"]), second
+    assert 1 <= first["direct_waited"] < 5 and 1 <= second["served_waited"] < 5, (first, second)
+    assert first["getv"] == [0.0] * 8 and first["getv_s"] < 0.5, first
+    assert first["direct_accumulates"] == 1 and second["direct_accumulates"] == 0, (first, second)
+    assert target == (2 * values).tolist(), target

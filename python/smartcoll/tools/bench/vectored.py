@@ -1,7 +1,7 @@
 """Vectored collectives and the engine's gather/scatter (docs/vectored.md).
 
     smartcoll bench list [-n 2] [--tensors 200] [--total 64M] [--iters 6] [--algo ring] [--small-pages]
-                         [--torch] [--fresh] [--cluster NAME] [--json F]
+                         [--torch] [--fresh] [--same-pages] [--cluster NAME] [--json F]
 
 A DDP-like list of float32 tensors of mixed sizes (log-uniform, --total bytes in all), allreduced four ways in
 each iteration, side by side: one list call (comm.allreduce(list)); fuse-copy-allreduce-copy-back (concatenate
@@ -18,7 +18,9 @@ read through process_vm_readv page by page, that alone makes the contiguous buff
 allocates every buffer with base pages, for a comparison of the calls on the same kind of memory. --torch
 allocates every buffer as a torch tensor, as DDP's gradients and buckets are (torch's CPU allocator asks for no
 huge pages, so the four methods meet the same kind of memory), and fuses with torch.cat: a list's checks then
-cost what a tensor's attributes cost.
+cost what a tensor's attributes cost. --same-pages lays the list's tensors in the contiguous buffer itself, the
+last first: on a virtual machine the same call on two buffers of the same size can differ by 20%, depending on
+where each buffer landed in physical memory, which the comparison then no longer measures.
 
     smartcoll bench gather|scatter [--total 64M] [--sizes 32,64,...,4096] [--repeat 5] [--json FILE]
 
@@ -79,8 +81,15 @@ def pattern(count: int) -> np.ndarray:
     return ((np.arange(count, dtype=np.uint64) * np.uint64(2654435761)) >> np.uint64(13)) % np.uint64(251) + 1
 
 
+def reversed_views(buffer: Any, counts: list[int]) -> list:
+    """Views of `buffer` of counts[i] elements each, the last tensor first: the list's tensors lie in the buffer's
+    own pages, and no tensor is followed in memory by the next one in the list, so none of its pieces merge."""
+    starts = len(buffer) - np.cumsum(counts)
+    return [buffer[int(at):int(at) + k] for k, at in zip(counts, starts)]
+
+
 def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool = False,
-           use_torch: bool = False, fresh: bool = False) -> int:
+           use_torch: bool = False, fresh: bool = False, same_pages: bool = False) -> int:
     import smartcoll
 
     if small_pages:
@@ -92,15 +101,15 @@ def worker(outdir: str, tensors: int, total: int, iters: int, small_pages: bool 
         import torch
 
         torch.set_num_threads(1)  # ranks share this host's cores: torch's copies must not wait on idle pool threads
-        xs = [torch.ones(k) for k in counts]
         fused, contiguous = torch.empty(sum(counts)), torch.ones(sum(counts))
+        xs = reversed_views(contiguous, counts) if same_pages else [torch.ones(k) for k in counts]
 
         def concatenate() -> None:
             torch.cat(xs, out=fused)
     else:
-        xs = [np.ones(k, np.float32) for k in counts]
         fused = np.empty(sum(counts), np.float32)
         contiguous = np.ones_like(fused)
+        xs = reversed_views(contiguous, counts) if same_pages else [np.ones(k, np.float32) for k in counts]
 
         def concatenate() -> None:
             np.concatenate(xs, out=fused)
@@ -189,6 +198,10 @@ def list_main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--small-pages", action="store_true",
                     help="no transparent huge pages for any buffer (NumPy asks for them from 4 MiB on, which only "
                     "the contiguous and fused buffers reach)")
+    ap.add_argument("--same-pages", action="store_true",
+                    help="the list's tensors are views into the contiguous buffer, in reverse order (no piece of "
+                    "the list merges with the next): both calls then read and write the same memory, so the "
+                    "comparison sees the calls alone, not where each buffer landed in physical memory (needs --fresh)")
     ap.add_argument("--torch", action="store_true",
                     help="torch tensors allocated by torch, as DDP's gradients and buckets are")
     ap.add_argument("--fresh", action="store_true",
@@ -200,13 +213,16 @@ def list_main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     if args.iters < 1:
         ap.error("--iters must be at least 1")
+    if args.same_pages and not args.fresh:
+        ap.error("--same-pages needs --fresh: the list and the contiguous buffer share their memory, so each must be "
+                 "written before its call")
     # Without --fresh the list's tensors are summed 3 times a round (list, fuse-copy, separate) and never rewritten.
     if not args.fresh and 3 * (args.iters + 1) * math.log2(max(args.n, 2)) + 10 > 127:
         ap.error(f"{args.iters} rounds of sums over {args.n} ranks overflow float32 in buffers never rewritten: "
                  "use --fresh or fewer --iters")
     total = parse_size(args.total)
     worker_args = [str(args.tensors), str(total), str(args.iters), str(int(args.small_pages)), str(int(args.torch)),
-                   str(int(args.fresh))]
+                   str(int(args.fresh)), str(int(args.same_pages))]
     report, status = run_workers("list", "smartcoll.tools.bench.vectored", worker_args, args.n, args.cluster,
                                  args.timeout, {"SMARTCOLL_ALGO": args.algo})
     if report is None:
@@ -215,7 +231,8 @@ def list_main(argv: Optional[list[str]] = None) -> int:
     print(f"{args.n} ranks{' on cluster ' + args.cluster if args.cluster else ' on loopback'}, algo {args.algo}: "
           f"{args.tensors} float32 {'torch tensors' if args.torch else 'arrays'}, {total / 2**20:.0f} MiB in all "
           f"({min(sizes) * 4} B to {max(sizes) * 4 / 2**20:.1f} MiB each), {args.iters} rounds"
-          f"{', base pages only' if args.small_pages else ''}{', buffers written before each call' if args.fresh else ''}")
+          f"{', base pages only' if args.small_pages else ''}{', buffers written before each call' if args.fresh else ''}"
+          f"{', the list in the contiguous buffer' if args.same_pages else ''}")
     print(f"{'method':<12} {'median ms':>10} {'best ms':>9} {'algbw GB/s':>11} {'vs list':>8} {'cma calls':>10}")
     rows = {}
     list_median = statistics.median(report["times"]["list"])
@@ -235,6 +252,7 @@ def list_main(argv: Optional[list[str]] = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"ranks": args.n, "cluster": args.cluster, "algo": args.algo, "tensors": args.tensors,
                        "bytes": total, "small_pages": args.small_pages, "torch": args.torch, "fresh": args.fresh,
+                       "same_pages": args.same_pages,
                        "iters": args.iters, "methods": rows, "times_s": report["times"],
                        "times_after_s": report["after"]}, f, indent=2)
     return 0
@@ -306,4 +324,4 @@ def scatter_main(argv: Optional[list[str]] = None) -> int:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     raise SystemExit(worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6:7] == ["1"],
-                            sys.argv[7:8] == ["1"], sys.argv[8:9] == ["1"]))
+                            sys.argv[7:8] == ["1"], sys.argv[8:9] == ["1"], sys.argv[9:10] == ["1"]))
