@@ -724,14 +724,16 @@ std::shared_ptr<Request> Service::copy_directly(Kind kind, const RemoteRegion& r
     if (p.offset > bytes || p.bytes > bytes - p.offset) return nullptr;  // the server says what is wrong
   const std::shared_ptr<cma::SharedMemory> mapped =
       shared ? mapping(*d, region.rank, region.id, static_cast<int>(shared - 1), bytes) : nullptr;
+  // Local buffers that are the region's own memory (the target in this process, or this mapping of it): the
+  // server copies such a call in two steps through its staging, so that every byte is read before any is written.
+  const bool aliased =
+      (mapped && overlaps(local, reinterpret_cast<uintptr_t>(mapped->base()), bytes)) ||
+      (s_.pids[static_cast<size_t>(region.rank)] == ::getpid() && overlaps(local, base, bytes));
+  if (aliased && kind != Kind::accumulate) return nullptr;
   if (kind == Kind::accumulate) {
     // Read, reduced and written back through process_vm_readv/writev, an accumulate would cost the server's
-    // copies again: only a mapped region is reduced into directly, in place.
+    // copies again: only a mapped region is reduced into directly, in place. Aliased values are copied first.
     if (!mapped) return nullptr;
-    // The values as they were before any is applied, as the server takes them: copied first where a local buffer
-    // is the region's own memory (the target in this process, or this mapping of it).
-    const bool aliased = overlaps(local, reinterpret_cast<uintptr_t>(mapped->base()), bytes) ||
-                         (s_.pids[static_cast<size_t>(region.rank)] == ::getpid() && overlaps(local, base, bytes));
     std::vector<char> joined;
     const char* in = local.size() == 1 && !aliased ? static_cast<const char*>(local[0].data) : nullptr;
     if (!in && local_bytes) {
@@ -1191,24 +1193,35 @@ bool Service::serve(Conn& c) {
       // Peers on this host may be accumulating into this allocated region directly: one at a time with them. A
       // holder keeps this request waiting, not the thread (which serves every channel): it is tried again on
       // the next passes, at most for the timeout knob.
+      // A few quick tries first, as a direct accumulator's wait makes them: a holder's accumulate of a few pieces
+      // ends within microseconds. The request waits at most half the timeout knob, so that its refusal reaches
+      // the initiator before the initiator's own timeout, after which nothing may apply it any more.
       std::atomic<uint64_t>& lock_word = own_->slots()[c.region->id % kSlots].accumulating;
+      uint64_t holder = AccumulateLock::take(lock_word, s_.rank, s_.pids);
+      for (int tries = 0; holder != 0 && tries < 20; ++tries) {
+        std::this_thread::yield();
+        holder = AccumulateLock::take(lock_word, s_.rank, s_.pids);
+      }
       const auto now = Clock::now();
-      if (const uint64_t holder = AccumulateLock::take(lock_word, s_.rank, s_.pids); holder != 0) {
+      if (holder != 0) {
         if (!c.lock_wait) c.lock_wait = now;
-        if (now - *c.lock_wait <= millis(s_.timeout)) {
+        if (now - *c.lock_wait <= millis(s_.timeout / 2)) {
           c.last = now;  // the channel is not idle: its request waits
           return false;
         }
-        why = "accumulatev: " + AccumulateLock::waited(holder, s_.timeout);
+        why = "accumulatev: " + AccumulateLock::waited(holder, s_.timeout / 2);
       } else {
+        const struct Release {
+          std::atomic<uint64_t>& word;
+          ~Release() { word.store(0); }
+        } release{lock_word};
         scatter(c.region->base, c.pieces, c.staging.data(), c.h, c.codec);
-        lock_word.store(0);
       }
-      c.lock_wait.reset();
     } else {
       scatter(c.region->base, c.pieces, c.staging.data(), c.h, c.codec);
     }
   }
+  c.lock_wait.reset();
   c.staging = {};
   c.region.reset();
   if (!why.empty()) {
@@ -1235,8 +1248,9 @@ void Service::answer(Conn& c) {
     return close(c, text.empty() ? "rank " + std::to_string(c.peer) + " closed the one-sided channel" : text);
   std::shared_ptr<Call> call = std::move(c.call);
   c.waiting.erase(c.h.id);
+  std::string error;
   if (static_cast<Kind>(c.h.kind) == Kind::error) {
-    call->req->finish(call->name + ": rank " + std::to_string(c.peer) + " refused it: " + text);
+    error = call->name + ": rank " + std::to_string(c.peer) + " refused it: " + text;
   } else {
     if (static_cast<Kind>(c.h.kind) == Kind::data && call->codec) {
       // Decode each piece into the concatenation of the local buffers (the scatter half of the codec's work).
@@ -1249,8 +1263,12 @@ void Service::answer(Conn& c) {
       scatter(raw.data(), packed(call->pieces), c.staging.data(), put_like, call->codec);
       to_local(raw.data(), call->local);
     }
-    call->req->finish("");
   }
+  // The call is dropped (no longer outstanding_) before its caller learns it is done: the caller's next call to
+  // this peer may then be copied directly.
+  const std::shared_ptr<Request> req = call->req;
+  call.reset();
+  req->finish(error);
   c.staging = {};
   if (c.waiting.empty()) c.last = Clock::now();
 }

@@ -410,6 +410,33 @@ TEST(OneSided, DirectAccumulatesCheckTheRegionsDtypeAndReadAliasedValuesFirst) {
   });
 }
 
+// A putv or getv whose local buffers are the region's own memory (here rank 0's own allocated region) is copied
+// as the server copies it, every byte read before any is written: a put of the region's two halves swapped swaps
+// them, a get of its first half onto bytes 4-11 moves it; neither goes direct, where the copy would read bytes it
+// had already written.
+TEST(OneSided, CallsWhoseLocalBuffersAreTheRegionCopyAsTheServerDoes) {
+  run_ranks(2, [](Communicator& comm) {
+    AllocatedRegion mine = comm.allocate_region(16, DataType::u8);
+    auto* bytes = static_cast<uint8_t*>(mine.data);
+    for (uint8_t i = 0; i < 16; ++i) bytes[i] = i;
+    comm.barrier()->wait();
+    if (comm.rank() == 0) {
+      const EngineStats before = comm.engine_stats();
+      const std::vector<LocalPiece> halves{{bytes + 8, 8}, {bytes, 8}};
+      comm.putv(halves, region_of(0, mine.id, DataType::u8, 16), std::vector<RemotePiece>{{0, 8}, {8, 8}})->wait();
+      const std::vector<uint8_t> swapped{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+      EXPECT_EQ(std::vector<uint8_t>(bytes, bytes + 16), swapped);
+      const LocalPiece into{bytes + 4, 8};
+      comm.getv(region_of(0, mine.id, DataType::u8, 16), std::vector<RemotePiece>{{0, 8}}, {&into, 1})->wait();
+      const std::vector<uint8_t> moved{8, 9, 10, 11, 8, 9, 10, 11, 12, 13, 14, 15, 4, 5, 6, 7};
+      EXPECT_EQ(std::vector<uint8_t>(bytes, bytes + 16), moved);
+      EXPECT_EQ(comm.engine_stats().direct_puts, before.direct_puts);
+      EXPECT_EQ(comm.engine_stats().direct_gets, before.direct_gets);
+    }
+    comm.barrier()->wait();
+  });
+}
+
 // Under a codec every piece travels encoded on its own: the result is, bit for bit, what the codec's own
 // round trip of each piece gives (a put: decode(encode(piece)); an accumulate: region + decode(encode(piece))
 // in float32, pieces in order; a get: decode(encode(the region's piece))).
