@@ -1191,11 +1191,10 @@ bool Service::serve(Conn& c) {
       o.body = std::move(c.staging);
     } else if (static_cast<Kind>(c.h.kind) == Kind::accumulate && own_ && c.region->memory) {
       // Peers on this host may be accumulating into this allocated region directly: one at a time with them. A
-      // holder keeps this request waiting, not the thread (which serves every channel): it is tried again on
-      // the next passes, at most for the timeout knob.
-      // A few quick tries first, as a direct accumulator's wait makes them: a holder's accumulate of a few pieces
-      // ends within microseconds. The request waits at most half the timeout knob, so that its refusal reaches
-      // the initiator before the initiator's own timeout, after which nothing may apply it any more.
+      // few quick tries first (a holder's accumulate of a few pieces ends within microseconds); then a holder
+      // keeps this request waiting, not the thread (which serves every channel), and it is tried again on the
+      // next passes, for at most half the timeout knob, so that its refusal reaches the initiator before the
+      // initiator's own timeout, after which nothing may apply it any more.
       std::atomic<uint64_t>& lock_word = own_->slots()[c.region->id % kSlots].accumulating;
       uint64_t holder = AccumulateLock::take(lock_word, s_.rank, s_.pids);
       for (int tries = 0; holder != 0 && tries < 20; ++tries) {
