@@ -144,25 +144,29 @@ def stalled(comm, out: dict, outdir: Path) -> None:
         out["direct"] = {k: v for k, v in comm.engine_stats().items() if k.startswith("direct_")}
 
 
+def directory_fd(flags: int = os.O_RDWR) -> int:
+    """A descriptor of this process's directory of regions (its shared-memory memfd "smartcoll-rma")."""
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{f}").startswith("/memfd:smartcoll-rma"):
+                return os.open(f"/proc/self/fd/{f}", flags)
+        except OSError:  # closed meanwhile
+            continue
+    raise RuntimeError("no directory of regions in this process")
+
+
 def rank0_word(region_id: int) -> int:
     """Rank 0's word in this process's directory of regions (its shared-memory memfd): the id of the region rank 0
     is writing into directly, 0 when none (docs/vectored.md: the header, 1024 slots of 48 bytes, a word per rank)."""
     import mmap
     import struct
 
-    for f in os.listdir("/proc/self/fd"):
-        try:
-            if not os.readlink(f"/proc/self/fd/{f}").startswith("/memfd:smartcoll-rma"):
-                continue
-            fd = os.open(f"/proc/self/fd/{f}", os.O_RDONLY)
-        except OSError:  # closed meanwhile
-            continue
-        try:
-            with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as directory:
-                return struct.unpack_from("<Q", directory, 32 + 1024 * 48)[0]
-        finally:
-            os.close(fd)
-    raise RuntimeError("no directory of regions in this process")
+    fd = directory_fd(os.O_RDONLY)
+    try:
+        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as directory:
+            return struct.unpack_from("<Q", directory, 32 + 1024 * 48)[0]
+    finally:
+        os.close(fd)
 
 
 def stopped_writer(comm, out: dict, outdir: Path) -> None:
@@ -213,12 +217,55 @@ def stopped_writer(comm, out: dict, outdir: Path) -> None:
     await_files([outdir / "done0"], 30)  # serving rank 0's next put, which finds the region gone
 
 
+def dead_holder(comm, out: dict, outdir: Path) -> None:
+    """Rank 2 dies (SIGKILL); rank 1 then sets the accumulate lock word of its allocated region to rank 2 (as a
+    process killed in the middle of a direct accumulate leaves it); rank 0's direct accumulatev passes over the
+    dead holder and applies at once, well within the timeout knob, and releases the lock."""
+    import mmap
+    import struct
+
+    region = comm.allocate(8, "int64") if comm.rank == 1 else None
+    remote = comm.exchange_regions(region)
+    (outdir / f"pid{comm.rank}").write_text(str(os.getpid()))
+    comm.barrier()
+    if comm.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if comm.rank == 1:
+        pid = int((outdir / "pid2").read_text())
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]:
+            if time.monotonic() > deadline:
+                out["error"] = "rank 2 did not die"
+                return
+            time.sleep(0.01)
+        fd = directory_fd()
+        with mmap.mmap(fd, 0) as directory:
+            lock = 32 + (region.id % 1024) * 48 + 40  # the slot's sixth word, after (tag, base, bytes, shared, dtype)
+            struct.pack_into("<Q", directory, lock, 3)  # rank 2, plus 1
+            (outdir / "locked").write_text("1")
+            await_files([outdir / "done0"], 30)
+            out["lock_after"] = struct.unpack_from("<Q", directory, lock)[0]
+        os.close(fd)
+        out["values"] = region.buffer.tolist()
+        return
+    await_files([outdir / "locked"], 30)
+    start = time.monotonic()
+    try:
+        comm.accumulatev(1, np.arange(8, dtype=np.int64), remote[1], [0])
+    except smartcoll.CommError as e:
+        out["error"] = str(e)
+    out["elapsed"] = time.monotonic() - start
+    out["direct"] = comm.engine_stats()["direct_accumulates"]
+    (outdir / "done0").write_text("1")
+
+
 def main() -> None:
     scenario, outdir = sys.argv[1], Path(sys.argv[2])
     out: dict = {}
     with smartcoll.init(timeout=float(sys.argv[3]) if len(sys.argv) > 3 else 20, connect_timeout=20) as comm:
         rank = comm.rank
-        {"sleeping": sleeping, "killed": killed, "stalled": stalled, "stopped_writer": stopped_writer}[scenario](
+        {"sleeping": sleeping, "killed": killed, "stalled": stalled, "stopped_writer": stopped_writer,
+         "dead_holder": dead_holder}[scenario](
             comm, out, outdir)
         (outdir / f"rank{rank}.json").write_text(json.dumps(out))
         if scenario != "sleeping":  # a dead or stopped peer: leave without the closing handshakes

@@ -868,3 +868,17 @@ def test_an_accumulate_lock_held_for_the_timeout_fails_accumulates_naming_the_ho
     assert first["getv"] == [0.0] * 8 and first["getv_s"] < 0.5, first
     assert first["direct_accumulates"] == 1 and second["direct_accumulates"] == 0, (first, second)
     assert target == (2 * values).tolist(), target
+
+
+def test_a_dead_holder_of_an_accumulate_lock_is_passed_over(ranks, tmp_path):
+    """Rank 2 is killed; its number is left in the accumulate lock of rank 1's allocated region (as a process killed
+    inside a direct accumulate leaves it): rank 0's direct accumulatev takes the lock over at once (the timeout knob
+    is 10 s), applies, and frees it."""
+    res = ranks(3, ["dead_holder", tmp_path, 10], timeout=60, worker=WORKER, must_finish=[0, 1])
+    assert res[2].returncode == -9, describe(res)
+    assert_all_ok(res, [0, 1])
+    out = outcomes(tmp_path, [0, 1])
+    first, target = out[0], out[1]
+    assert "error" not in first and "error" not in target, (first, target)
+    assert first["elapsed"] < 2 and first["direct"] == 1, first
+    assert target["values"] == list(range(8)) and target["lock_after"] == 0, target
