@@ -242,10 +242,12 @@ struct Service::Slot {
   // The accumulate lock of the region in this slot (of whichever region holds it: a region whose slot was taken
   // keeps using it, so that its accumulates stay exclusive): the holder's rank plus 1, 0 when free.
   std::atomic<uint64_t> accumulating{0};
+  // Who has waited for the lock and takes it next (see AccumulateLock::claim), and until when; 0: nobody.
+  std::atomic<uint64_t> next{0};
 };
 namespace {
 constexpr size_t kSlots = 1024;
-constexpr uint64_t kDirectoryMagic = 0x534d43524d414434;  // "SMCRMAD4"
+constexpr uint64_t kDirectoryMagic = 0x534d43524d414435;  // "SMCRMAD5"
 // What a directory starts with: a peer that mapped the descriptor the store named checks that it is one, and
 // this target's (a descriptor closed and reused meanwhile would be something else).
 struct DirectoryHeader {
@@ -274,16 +276,43 @@ namespace {
 // A slot's accumulate lock (Slot::accumulating), which the target's server and the peers that accumulate into an
 // allocated region directly take around each accumulate, so that they apply one at a time. A holder whose process
 // has exited is passed over (its accumulate may have stopped half done: that rank's job has failed anyway).
+//
+// Fair enough that nobody starves: a taker that has waited past a few quick tries claims the next turn
+// (Slot::next: who, and a deadline a little ahead that it renews on every try), and while a live claim of another
+// stands, the lock is not taken even when free. Without it, a served accumulate that retries once a millisecond
+// lost the lock for hundreds of milliseconds to peers that accumulate back to back (BENCHMARKS.md). A claimant
+// that stops trying (it gave up, or its process stopped) holds the others back for kClaimMs at most.
 class AccumulateLock {
  public:
-  // One try: 0 when `rank` took the lock, else the holder's rank plus 1.
-  static uint64_t take(std::atomic<uint64_t>& word, int rank, std::span<const int> pids) {
-    const uint64_t me = static_cast<uint64_t>(rank) + 1;
+  // Who takes it: the rank, plus kServer for the target's server (whose rank is the region owner's, which may
+  // accumulate into its own region directly too).
+  static uint64_t taker(int rank, bool server) { return (static_cast<uint64_t>(rank) + 1) | (server ? kServer : 0); }
+  // One try: 0 when `who` took the lock, else the rank plus 1 of the holder, or of the claimant it stood back for.
+  static uint64_t take(Service::Slot& slot, uint64_t who, std::span<const int> pids) {
+    const uint64_t claim = slot.next.load();
+    if (claim && (claim & kWho) != who && now_ms() <= claim >> kWhoBits && !gone(claim & kRank, pids))
+      return slot.accumulating.load() ? slot.accumulating.load() : claim & kRank;
+    const uint64_t me = who & kRank;
     uint64_t held = 0;
-    if (word.compare_exchange_strong(held, me)) return 0;
-    const bool known = held >= 1 && held <= pids.size();
-    if ((!known || cma::process_gone(pids[held - 1])) && word.compare_exchange_strong(held, me)) return 0;
-    return held ? held : take(word, rank, pids);  // released meanwhile: try again
+    bool took = slot.accumulating.compare_exchange_strong(held, me);
+    if (!took && gone(held, pids)) took = slot.accumulating.compare_exchange_strong(held, me);
+    if (!took) return held ? held : take(slot, who, pids);  // released meanwhile: try again
+    uint64_t mine = slot.next.load();
+    if ((mine & kWho) == who) slot.next.compare_exchange_strong(mine, 0);  // the claimed turn, taken
+    return 0;
+  }
+  // After a failed try: claims the next turn unless another's live claim stands, or renews this taker's own.
+  static void claim(Service::Slot& slot, uint64_t who, std::span<const int> pids) {
+    if (who & ~kWho) return;  // a rank number past the field: no claims (no fairness), nothing wrong
+    uint64_t claim = slot.next.load();
+    const uint64_t now = now_ms();
+    if (claim && (claim & kWho) != who && now <= claim >> kWhoBits && !gone(claim & kRank, pids)) return;
+    slot.next.compare_exchange_strong(claim, ((now + kClaimMs) << kWhoBits) | who);
+  }
+  // Withdraws this taker's claim (it gives up), if it still stands.
+  static void withdraw(Service::Slot& slot, uint64_t who) {
+    uint64_t mine = slot.next.load();
+    if (mine && (mine & kWho) == who) slot.next.compare_exchange_strong(mine, 0);
   }
   // What a caller that waited `timeout` says: the holder now (a stopped process keeps it).
   static std::string waited(uint64_t holder, double timeout) {
@@ -291,18 +320,22 @@ class AccumulateLock {
            std::to_string(holder - 1) + " holds (a stopped process?)";
   }
   // Takes it, waiting at most `timeout` (CommError after it, naming the holder and `what`).
-  AccumulateLock(std::atomic<uint64_t>& word, int rank, std::span<const int> pids, double timeout,
-                 const std::string& what)
-      : word_(word) {
+  AccumulateLock(Service::Slot& slot, int rank, std::span<const int> pids, double timeout, const std::string& what)
+      : word_(slot.accumulating) {
+    const uint64_t who = taker(rank, false);
     const auto deadline = Clock::now() + millis(timeout);
     for (int looks = 0;; ++looks) {
-      const uint64_t holder = take(word_, rank, pids);
+      const uint64_t holder = take(slot, who, pids);
       if (holder == 0) return;
       if (looks < 100) {  // an accumulate of a few pieces ends within microseconds
         std::this_thread::yield();
         continue;
       }
-      if (Clock::now() > deadline) throw CommError(what + ": " + waited(holder, timeout));
+      claim(slot, who, pids);
+      if (Clock::now() > deadline) {
+        withdraw(slot, who);
+        throw CommError(what + ": " + waited(holder, timeout));
+      }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
@@ -311,6 +344,23 @@ class AccumulateLock {
   AccumulateLock& operator=(const AccumulateLock&) = delete;
 
  private:
+  // Slot::next: the deadline (milliseconds of the host's monotonic clock, which every process shares) above
+  // kWhoBits; below, the taker: the rank plus 1 (kRank) and kServer.
+  static constexpr int kWhoBits = 24;
+  static constexpr uint64_t kWho = (uint64_t{1} << kWhoBits) - 1, kServer = uint64_t{1} << (kWhoBits - 1),
+                            kRank = kServer - 1;
+  // How long a claim stands unless renewed: its claimant tries again every 50 us (a direct accumulate) or every
+  // millisecond (the server), so only one that stopped trying lets it lapse.
+  static constexpr uint64_t kClaimMs = 50;
+  static uint64_t now_ms() {
+    return static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+            .count());
+  }
+  // Whether `holder` (a rank plus 1) is no rank of the world or one whose process has exited.
+  static bool gone(uint64_t holder, std::span<const int> pids) {
+    return holder >= 1 && (holder > pids.size() || cma::process_gone(pids[holder - 1]));
+  }
   std::atomic<uint64_t>& word_;
 };
 
@@ -745,7 +795,7 @@ std::shared_ptr<Request> Service::copy_directly(Kind kind, const RemoteRegion& r
     h.kind = static_cast<uint8_t>(Kind::accumulate);
     h.dtype = static_cast<uint8_t>(region.dtype);
     h.op = static_cast<uint8_t>(op);
-    const AccumulateLock lock(slot.accumulating, s_.rank, s_.pids, s_.timeout,
+    const AccumulateLock lock(slot, s_.rank, s_.pids, s_.timeout,
                               "accumulatev on rank " + std::to_string(s_.rank) + " into region " +
                                   std::to_string(region.id) + " of rank " + std::to_string(region.rank));
     scatter(static_cast<char*>(mapped->base()), pieces, in, h, std::nullopt);
@@ -1195,25 +1245,28 @@ bool Service::serve(Conn& c) {
       // keeps this request waiting, not the thread (which serves every channel), and it is tried again on the
       // next passes, for at most half the timeout knob, so that its refusal reaches the initiator before the
       // initiator's own timeout, after which nothing may apply it any more.
-      std::atomic<uint64_t>& lock_word = own_->slots()[c.region->id % kSlots].accumulating;
-      uint64_t holder = AccumulateLock::take(lock_word, s_.rank, s_.pids);
+      Slot& slot = own_->slots()[c.region->id % kSlots];
+      const uint64_t me = AccumulateLock::taker(s_.rank, true);
+      uint64_t holder = AccumulateLock::take(slot, me, s_.pids);
       for (int tries = 0; holder != 0 && tries < 20; ++tries) {
         std::this_thread::yield();
-        holder = AccumulateLock::take(lock_word, s_.rank, s_.pids);
+        holder = AccumulateLock::take(slot, me, s_.pids);
       }
       const auto now = Clock::now();
       if (holder != 0) {
         if (!c.lock_wait) c.lock_wait = now;
         if (now - *c.lock_wait <= millis(s_.timeout / 2)) {
+          AccumulateLock::claim(slot, me, s_.pids);  // the next turn is this request's
           c.last = now;  // the channel is not idle: its request waits
           return false;
         }
+        AccumulateLock::withdraw(slot, me);
         why = "accumulatev: " + AccumulateLock::waited(holder, s_.timeout / 2);
       } else {
         const struct Release {
           std::atomic<uint64_t>& word;
           ~Release() { word.store(0); }
-        } release{lock_word};
+        } release{slot.accumulating};
         scatter(c.region->base, c.pieces, c.staging.data(), c.h, c.codec);
       }
     } else {

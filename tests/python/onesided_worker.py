@@ -155,16 +155,30 @@ def directory_fd(flags: int = os.O_RDWR) -> int:
     raise RuntimeError("no directory of regions in this process")
 
 
+# The directory's layout (docs/wire-format.md, rma/<rank>/<claim>/directory): a 32-byte header, 1024 slots of 7
+# u64 words (tag, base, bytes, shared, dtype, the accumulate lock, the next turn's claim), a word per rank.
+SLOTS, SLOT_BYTES = 1024, 7 * 8
+
+
+def slot_word(region_id: int, word: int) -> int:
+    """The offset of word `word` (0-6) of region `region_id`'s slot: 5 is its accumulate lock, 6 the claim."""
+    return 32 + (region_id % SLOTS) * SLOT_BYTES + 8 * word
+
+
+def rank_word(rank: int) -> int:
+    """The offset of rank `rank`'s word: the id of the region that rank is writing into directly, 0 when none."""
+    return 32 + SLOTS * SLOT_BYTES + 8 * rank
+
+
 def rank0_word(region_id: int) -> int:
-    """Rank 0's word in this process's directory of regions (its shared-memory memfd): the id of the region rank 0
-    is writing into directly, 0 when none (docs/vectored.md: the header, 1024 slots of 48 bytes, a word per rank)."""
+    """Rank 0's word in this process's directory of regions (its shared-memory memfd)."""
     import mmap
     import struct
 
     fd = directory_fd(os.O_RDONLY)
     try:
         with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as directory:
-            return struct.unpack_from("<Q", directory, 32 + 1024 * 48)[0]
+            return struct.unpack_from("<Q", directory, rank_word(0))[0]
     finally:
         os.close(fd)
 
@@ -240,7 +254,7 @@ def dead_holder(comm, out: dict, outdir: Path) -> None:
             time.sleep(0.01)
         fd = directory_fd()
         with mmap.mmap(fd, 0) as directory:
-            lock = 32 + (region.id % 1024) * 48 + 40  # the slot's sixth word, after (tag, base, bytes, shared, dtype)
+            lock = slot_word(region.id, 5)
             struct.pack_into("<Q", directory, lock, 3)  # rank 2, plus 1
             (outdir / "locked").write_text("1")
             await_files([outdir / "done0"], 30)

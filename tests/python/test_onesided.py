@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import smartcoll
 from conftest import HERE, assert_all_ok, clean_env, describe, run_cli, run_thread_ranks
+from onesided_worker import rank_word, slot_word
 
 KIB = 1024
 WORKER = HERE / "onesided_worker.py"
@@ -767,7 +768,7 @@ def test_a_writer_stopped_in_a_direct_put_holds_deregistration_for_the_timeout_t
         fd = os.open(f"/proc/self/fd/{fds.pop()}", os.O_RDWR)
         try:
             with mmap.mmap(fd, 0) as directory:
-                word = 32 + 1024 * 48  # rank 0's word: after the header and the 1024 slots of 6 words
+                word = rank_word(0)
                 assert len(directory) == word + 2 * 8
                 struct.pack_into("<Q", directory, word, region.id)
                 start = time.monotonic()
@@ -793,6 +794,20 @@ def test_a_writer_stopped_in_a_direct_put_holds_deregistration_for_the_timeout_t
     assert kept
 
 
+def allocated_on_rank1(comm, made) -> tuple:
+    """(region, every rank's regions, the name of rank 1's directory's descriptor): rank 1 allocates 8 float32
+    while the other ranks, which make no directory until `made` is set, wait; the directory that appears is its."""
+    region = fd_name = None
+    if comm.rank == 1:
+        before = directory_memfds()
+        region = comm.allocate(8, "float32")
+        (fd_name,) = directory_memfds() - before
+        made.set()
+    else:
+        made.wait(30)
+    return region, comm.exchange_regions(region), fd_name
+
+
 def test_an_accumulate_lock_held_for_the_timeout_fails_accumulates_naming_the_holder_and_blocks_nothing_else():
     """A peer that holds an allocated region's accumulate lock and stops (here: the lock's word in the target's
     shared directory set by hand to rank 1, as a process stopped in the middle of its accumulate leaves it) makes
@@ -810,20 +825,11 @@ def test_an_accumulate_lock_held_for_the_timeout_fails_accumulates_naming_the_ho
     values = np.arange(8, dtype=np.float32)  # bfp16 carries these exactly
 
     def body(comm):
-        if comm.rank == 1:  # the others make none until then: the directory that appears is rank 1's
-            before = directory_memfds()
-            region = comm.allocate(8, "float32")
-            (fd_name,) = directory_memfds() - before
-            made.set()
-        else:
-            made.wait(30)
-            region = None
-        remote = comm.exchange_regions(region)
+        region, remote, fd_name = allocated_on_rank1(comm, made)
         if comm.rank == 1:
             fd = os.open(f"/proc/self/fd/{fd_name}", os.O_RDWR)
             with mmap.mmap(fd, 0) as directory:
-                # the slot's sixth word, after (tag, base, bytes, shared, dtype)
-                lock = 32 + (remote[1].id % 1024) * 48 + 40
+                lock = slot_word(remote[1].id, 5)
                 assert struct.unpack_from("<Q", directory, lock)[0] == 0
                 struct.pack_into("<Q", directory, lock, 2)  # rank 1, plus 1
                 step.wait(30)  # set
@@ -868,6 +874,67 @@ def test_an_accumulate_lock_held_for_the_timeout_fails_accumulates_naming_the_ho
     assert first["getv"] == [0.0] * 8 and first["getv_s"] < 0.5, first
     assert first["direct_accumulates"] == 1 and second["direct_accumulates"] == 0, (first, second)
     assert target == (2 * values).tolist(), target
+
+
+def test_a_served_accumulate_that_waited_for_the_lock_takes_it_before_a_later_direct_one():
+    """The accumulate lock's turns: a request the target's server keeps waiting for a held lock claims the next
+    turn, and a direct accumulate that comes later stands back for it even though it looks at the lock far more
+    often (every 50 us against the server's every millisecond). Before claims, a served accumulate could lose the
+    lock for hundreds of milliseconds to peers accumulating back to back. Order shows in the result: rank 2's
+    served +1 then rank 0's direct x2 gives (5 + 1) x 2 = 12, the other order 11."""
+    import mmap
+    import os
+    import struct
+    import threading
+
+    made = threading.Event()  # rank 1's directory exists: the others may make theirs
+    step = threading.Barrier(3)
+
+    def body(comm):
+        region, remote, fd_name = allocated_on_rank1(comm, made)
+        if region is not None:
+            region.buffer[:] = 5
+        out = {}
+        if comm.rank == 1:
+            fd = os.open(f"/proc/self/fd/{fd_name}", os.O_RDWR)
+            with mmap.mmap(fd, 0) as directory:
+                lock, claim = slot_word(remote[1].id, 5), slot_word(remote[1].id, 6)
+                struct.pack_into("<Q", directory, lock, 2)  # held by rank 1, plus 1 (alive: this process)
+                step.wait(30)  # held
+                step.wait(30)  # rank 2's accumulate posted
+                deadline = time.monotonic() + 10
+                while not struct.unpack_from("<Q", directory, claim)[0] and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                out["claim"] = struct.unpack_from("<Q", directory, claim)[0] & 0xFFFFFF  # the claimant
+                step.wait(30)  # claimed: rank 0 accumulates (and waits for the lock)
+                time.sleep(0.3)
+                struct.pack_into("<Q", directory, lock, 0)
+                step.wait(30)  # both applied
+                out["claim_after"] = struct.unpack_from("<Q", directory, claim)[0]
+                out["lock_after"] = struct.unpack_from("<Q", directory, lock)[0]
+            os.close(fd)
+            out["values"] = region.buffer.tolist()
+            region.close()
+            return out
+        step.wait(30)
+        if comm.rank == 2:
+            request = comm.iaccumulatev(1, np.ones(8, np.float32), remote[1], [0], codec="bfp16")  # served
+            step.wait(30)
+            step.wait(30)
+            request.wait()
+        else:
+            step.wait(30)
+            step.wait(30)
+            comm.accumulatev(1, np.full(8, 2, np.float32), remote[1], [0], op="prod")  # direct
+        out["direct_accumulates"] = comm.engine_stats()["direct_accumulates"]
+        step.wait(30)
+        return out
+
+    first, target, second = run_thread_ranks(3, body)
+    assert target["claim"] == 2 | 1 << 23, target  # rank 1's server (rank 1 plus 1, and the server's bit)
+    assert first["direct_accumulates"] == 1 and second["direct_accumulates"] == 0, (first, second)
+    assert target["values"] == [12.0] * 8, target
+    assert target["claim_after"] == 0 and target["lock_after"] == 0, target
 
 
 def test_a_dead_holder_of_an_accumulate_lock_is_passed_over(ranks, tmp_path):
