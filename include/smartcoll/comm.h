@@ -244,7 +244,7 @@ class Communicator {
   // A list call: in and out as views of these buffers (docs/vectored.md).
   std::shared_ptr<Request> submit_list(Call call, const std::vector<std::pair<const void*, size_t>>& in,
                                        const std::vector<std::pair<const void*, size_t>>& out);
-  void check_usable();                           // not closed, not a forked child's copy
+  void check_usable() const;                     // not closed, not a forked child's copy
   void check_buffers(const Call& call, const void* in, const void* out) const;
   // A call of `bytes` (the vector, or one rank's block) as algorithm selection sees it.
   coll::Query query(size_t bytes, bool compressed) const;

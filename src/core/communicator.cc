@@ -441,13 +441,14 @@ Algorithm Communicator::choose(Collective coll, size_t count, DataType dt, Algor
 }
 
 coll::Query Communicator::query(size_t bytes, bool compressed) const {
+  check_usable();  // before reading what close() frees (the same-host transport)
   const auto [hosts, per_host] = host_shape_;
   const int switches = 1 + static_cast<int>(std::count(config_->switches.begin(), config_->switches.end(), ','));
   return {size_,    bytes,    compressed, cma_usable_, switch_ != nullptr, hosts,
           per_host, switches, cma_usable_ ? cma_->segment_room() : 0, hosts_interleaved_};
 }
 
-void Communicator::check_usable() {
+void Communicator::check_usable() const {
   if (forked_since(forks_))
     throw CommError("this communicator belongs to process " + std::to_string(pid_) + "; process " +
                     std::to_string(::getpid()) + " is a fork() of it and cannot use it: create a new communicator "

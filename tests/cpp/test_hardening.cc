@@ -179,6 +179,32 @@ TEST(Hardening, InPlaceAllgatherFromThisRanksBlock) {
   });
 }
 
+// Every call on a closed communicator is refused, naming it, before anything the close freed is read (the
+// same-host transport that choosing an algorithm asks about once crashed the process here).
+TEST(Hardening, CallsOnAClosedCommunicatorAreRefused) {
+  run_ranks(2, [](Communicator& c) {
+    c.barrier()->wait();
+    c.close();
+    std::vector<float> x(64, 1.0f), y(128);
+    void* const bufs[] = {x.data()};
+    const size_t counts[] = {64}, two[] = {32, 32}, at[] = {0, 32};
+    const std::vector<std::function<void()>> calls{
+        [&] { c.allreduce(x.data(), x.data(), 64, DataType::f32, ReduceOp::sum); },
+        [&] { c.allgather(x.data(), y.data(), 64, DataType::f32); },
+        [&] { c.reduce_scatter(y.data(), x.data(), 64, DataType::f32, ReduceOp::sum); },
+        [&] { c.broadcast(x.data(), 64, DataType::f32, 0); },
+        [&] { c.reduce(x.data(), y.data(), 64, DataType::f32, ReduceOp::sum, 0); },
+        [&] { c.alltoall(y.data(), y.data() + 64, 32, DataType::f32); },
+        [&] { c.barrier(); },
+        [&] { c.allreduce(bufs, counts, DataType::f32, ReduceOp::sum); },
+        [&] { c.alltoallv(x.data(), two, at, y.data(), two, at, DataType::f32); },
+    };
+    for (size_t i = 0; i < calls.size(); ++i)
+      EXPECT_NE(error_of(calls[i]).find("the communicator is closed"), std::string::npos)
+          << "call " << i << ": " << error_of(calls[i]);
+  });
+}
+
 TEST(Hardening, PostingFromASecondThreadWhileACallRunsIsRejected) {
   std::latch checked(1);
   run_ranks(2, [&](Communicator& c) {

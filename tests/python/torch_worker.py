@@ -230,6 +230,39 @@ def check_collectives(c: Checks, gloo: Any) -> None:
     send, recv = [rows(r, j) for j in range(n)], [rows(j, r) for j in range(n)]
     x = data(r, (sum(send), 2), torch.int32, seed=21)
     c.both("all_to_all_single equal here, uneven there", gloo, lambda g: alltoall(x, sum(recv), (recv, send), g))
+    x = data(r, (n * 2, 3), torch.int64, seed=22)  # splits on one side only: the other in equal parts
+    c.both("all_to_all_single input splits only", gloo, lambda g: alltoall(x, n * 2, (None, [2] * n), g))
+    c.both("all_to_all_single output splits only", gloo, lambda g: alltoall(x, n * 2, ([2] * n, None), g))
+
+    def requiring_grad(g: Any) -> torch.Tensor:
+        """Parameters broadcast one by one, as model set-up code does, and reduced."""
+        p = torch.nn.Parameter(data(r, (7,), torch.float32, seed=23))
+        dist.broadcast(p, src=0, group=g)
+        q = torch.nn.Parameter(data(r, (7,), torch.float32, seed=24))
+        dist.all_reduce(q, group=g)
+        return torch.cat([p.detach(), q.detach()])
+
+    c.both("tensors that require grad", gloo, requiring_grad)
+
+    def reduce_scatter_in_place(g: Any) -> torch.Tensor:
+        x = data(r, (n * 6,), torch.float32, seed=25)
+        dist.reduce_scatter_tensor(x[r * 6:(r + 1) * 6], x, group=g)
+        return x[r * 6:(r + 1) * 6]
+
+    c.both("reduce_scatter_tensor in place", gloo, reduce_scatter_in_place)
+
+    def callback_waits_for_a_later_call(g: Any) -> torch.Tensor:
+        """A future's callback that posts a call and waits for it, as PowerSGD's hook does."""
+        if r == 0:
+            time.sleep(0.3)  # the other ranks chain their callbacks before their first call completes
+        first = dist.all_reduce(torch.ones(2), group=g, async_op=True)
+
+        def later(_: Any) -> torch.Tensor:
+            return dist.all_reduce(torch.full((2,), 2.0), group=g, async_op=True).get_future().wait()[0]
+
+        return first.get_future().then(later).wait()
+
+    c.both("a callback waits for a later call", gloo, callback_waits_for_a_later_call)
 
     def all_to_all(size: Callable[[int, int], int], g: Any) -> list:
         """Rank r sends size(r, j) copies of 10 r + j to rank j."""
@@ -317,7 +350,7 @@ def check_groups(c: Checks) -> None:
     c.same("new_group of all ranks", x, torch.full((4,), float(n * (n - 1) / 2)))
 
 
-def check_errors(c: Checks) -> None:
+def check_errors(c: Checks, gloo: Any) -> None:
     """Local refusals (no data moves), then a call whose size differs between ranks: every rank must raise."""
     r = dist.get_rank()
     wide = torch.zeros(4, 4)
@@ -336,6 +369,36 @@ def check_errors(c: Checks) -> None:
     c.names.append("mismatched sizes")
     if o["error_type"] != "CommError" or "ranks disagree" not in o["message"] or o["elapsed"] > 10:
         c.problems.append(f"mismatched sizes: expected CommError 'ranks disagree' at once, got {o}")
+    mixed = [torch.full((3,), r + 5.0), torch.full((3,), 2, dtype=torch.int64)]
+
+    def coalesced_average() -> None:
+        with dist._coalescing_manager():
+            for t in mixed:
+                dist.all_reduce(t, op=R.AVG)
+
+    o = outcome(coalesced_average)
+    c.names.append("coalesced AVG of an integer tensor")
+    time.sleep(0.1)  # a float group posted all the same would have averaged by now
+    if o["error_type"] != "ValueError" or "AVG needs floating-point" not in o["message"] or mixed[0][0] != r + 5:
+        c.problems.append(f"coalesced AVG of an integer tensor: expected ValueError before any call, got {o}, "
+                          f"{mixed}")
+    destroyed = dist.new_group()
+    dist.destroy_process_group(destroyed)
+    o = outcome(lambda: destroyed.allreduce([torch.ones(4)]))  # a handle kept after destroy: no crash
+    c.names.append("a destroyed group")
+    if o["error_type"] != "ValueError" or "the communicator is closed" not in o["message"]:
+        c.problems.append(f"a destroyed group: expected ValueError 'the communicator is closed', got {o}")
+    aborted = dist.new_group()
+    if r == 0:  # the others never make the call
+        work = dist.all_reduce(torch.ones(4), group=aborted, async_op=True)
+        o = outcome(lambda: dist.distributed_c10d._abort_process_group(aborted))
+        c.names.append("abort with a call in flight")
+        if o["error_type"] is not None or o["elapsed"] > 10:
+            c.problems.append(f"abort with a call in flight: expected it to return at once, got {o}")
+        o = outcome(work.wait)
+        if o["error_type"] is None or "aborted" not in o["message"]:
+            c.problems.append(f"abort with a call in flight: expected the call to fail, naming the abort, got {o}")
+    dist.barrier(group=gloo)  # the others close nothing of theirs before rank 0 has aborted
 
 
 def scenario_collectives(outdir: Path) -> None:
@@ -344,7 +407,7 @@ def scenario_collectives(outdir: Path) -> None:
     c = Checks()
     check_collectives(c, gloo)
     check_groups(c)
-    check_errors(c)
+    check_errors(c, gloo)
     write(outdir, {"checked": c.names, "problems": c.problems, "backend": dist.get_backend(),
                    "group_name": dist.group.WORLD.group_name})
     dist.destroy_process_group()

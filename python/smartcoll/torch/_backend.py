@@ -46,6 +46,12 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in _ENGINE_DTYPES else t.view(torch.uint8)
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share a byte of memory."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def _by_dtype(tensors: list, indices: bool = False) -> list[list]:
     """The tensors (or their indices) grouped by dtype, in order of first appearance: a list call takes one dtype,
     and every rank groups its (alike) lists alike."""
@@ -53,6 +59,15 @@ def _by_dtype(tensors: list, indices: bool = False) -> list[list]:
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype, []).append(i if indices else t)
     return list(groups.values())
+
+
+def _check_average(tensors: list, op: str, what: str) -> None:
+    """AVG of every dtype group, checked before any group is posted: a refusal leaves every tensor as it was."""
+    if op == "avg":
+        for t in tensors:
+            if not (t.is_floating_point() or t.is_complex()):
+                raise ValueError(f"smartcoll {what}: AVG needs floating-point tensors, got {t.dtype}; use SUM and "
+                                 f"divide")
 
 
 def _reduction(op: Any) -> tuple[str, Optional[float]]:
@@ -81,13 +96,16 @@ class _Call:
         if t.is_cuda:
             self.devices.add(t.device)
 
+    # Tensors that require grad are used through their data (detach() shares the memory), as gloo does: a
+    # collective is not an operation autograd records.
     def input(self, t: torch.Tensor) -> torch.Tensor:
         self._see(t)
-        return t.cpu()  # t itself on the CPU
+        return t.detach().cpu()  # t's memory itself on the CPU
 
     def output(self, t: torch.Tensor, initial: bool = False) -> torch.Tensor:
         """initial: the call also reads the tensor (in place)."""
         self._see(t)
+        t = t.detach()
         if t.device.type == "cpu":
             return t
         host = t.cpu() if initial else torch.empty(t.shape, dtype=t.dtype)
@@ -156,6 +174,7 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
         call = _Call("allreduce_coalesced")
         op, factor = _reduction(opts.reduceOp if opts else dist.ReduceOp.SUM)
         bufs = [call.output(t, initial=True).reshape(-1) for t in tensors]
+        _check_average(bufs, op, "allreduce_coalesced")
         if factor is not None:
             for buf in bufs:
                 buf.mul_(factor)  # in place: the buffers are the outputs (host copies for CUDA tensors)
@@ -176,6 +195,7 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
         call = _Call("reduce_scatter_tensor_coalesced")
         op, factor = _reduction(opts.reduceOp)
         ins = [call.input(t).reshape(-1) for t in inputs]
+        _check_average(ins, op, "reduce_scatter_tensor_coalesced")
         ins = ins if factor is None else [x * factor for x in ins]
         outs = [call.output(t).reshape(-1) for t in outputs]
         requests = [self.comm.ireduce_scatter([ins[i] for i in group], [outs[i] for i in group], op)
@@ -211,7 +231,7 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
 
         def finish() -> list:
             for out, part in zip(outputs, gathered):
-                out.copy_(part.view(out.shape))
+                out.detach().copy_(part.view(out.shape))
             return [outputs]
 
         return self._post(call, [request], finish)
@@ -234,9 +254,19 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
 
     def _reduce_scatter(self, call: _Call, out: torch.Tensor, x: torch.Tensor, opts: Any) -> Work:
         op, factor = _reduction(opts.reduceOp)
-        src = x if factor is None else x * factor
-        request = self.comm.ireduce_scatter(src.reshape(-1), call.output(out).reshape(-1), op)
-        return self._post(call, [request], lambda: [out])
+        src = (x if factor is None else x * factor).reshape(-1)
+        dst = call.output(out).reshape(-1)
+        if not _overlap(src, dst):
+            return self._post(call, [self.comm.ireduce_scatter(src, dst, op)], lambda: [out])
+        # torch's in-place form (out is this rank's block of the input): the engine takes buffers apart, so the
+        # result lands in a buffer of its own and is copied into place once every rank has read its input.
+        staged = torch.empty_like(dst)
+
+        def finish() -> list:
+            dst.copy_(staged)
+            return [out]
+
+        return self._post(call, [self.comm.ireduce_scatter(src, staged, op)], finish)
 
     def all_to_all_single(self, output: torch.Tensor, x: torch.Tensor, output_splits: list, input_splits: list,
                           opts: Any = None) -> Work:
@@ -247,9 +277,11 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
                 raise ValueError(f"smartcoll all_to_all_single: {host_in.numel()} input and {host_out.numel()} "
                                  f"output elements do not split into {self.size()} equal parts; pass split sizes")
             return self._post(call, [self.comm.ialltoall(host_in, host_out)], lambda: [output])
-        # splits count rows (the first dimension); the engine counts elements (of host_in's dtype)
-        send = self._splits(input_splits, host_in, x)
-        recv = self._splits(output_splits, host_out, output)
+        # Splits on either side: alltoallv (a rank whose splits happen to be equal too, so that every rank that
+        # passes splits makes the same call). splits count rows (the first dimension), the engine elements (of
+        # host_in's dtype); a side without splits (None or empty) is cut in equal parts, as torch means it.
+        send = self._splits(input_splits, host_in, x, "input")
+        recv = self._splits(output_splits, host_out, output, "output")
         return self._alltoallv(call, host_in, host_out, send, recv, lambda: [output])
 
     def alltoall(self, outputs: list, inputs: list, opts: Any = None) -> Work:
@@ -297,7 +329,7 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
         request = self.comm.ibroadcast(_flat(blocks), opts.rootRank)
 
         def finish() -> list:
-            out.copy_(blocks[self.rank()].view(out.shape))
+            out.detach().copy_(blocks[self.rank()].view(out.shape))
             return [out]
 
         return self._post(call, [request], finish)
@@ -318,14 +350,23 @@ class ProcessGroupSmartcoll(dist.ProcessGroup):
         self._completer.close()
         self.comm.close()
 
-    abort = shutdown
+    def abort(self) -> None:
+        """Fails the calls in flight here and on every rank (they do not wait for the timeout), then shuts down."""
+        self.comm.abort("the process group was aborted")
+        self.shutdown()
 
     # --- helpers
 
-    @staticmethod
-    def _splits(rows: list, flat: torch.Tensor, t: torch.Tensor) -> list[int]:
+    def _splits(self, rows: Optional[list], flat: torch.Tensor, t: torch.Tensor, side: str) -> list[int]:
+        """Elements per rank from rows per rank; none given: the first dimension in equal parts."""
         row = flat.numel() // t.shape[0] if t.dim() and t.shape[0] else 0
-        return [int(n) * row for n in rows]
+        if rows:
+            return [int(n) * row for n in rows]
+        parts = t.shape[0] if t.dim() else flat.numel()
+        if parts % self.size():
+            raise ValueError(f"smartcoll all_to_all_single: the {side}'s {parts} rows do not split into "
+                             f"{self.size()} equal parts; pass {side}_split_sizes")
+        return [flat.numel() // self.size()] * self.size()
 
     def _check_list(self, tensors: list, like: torch.Tensor, what: str) -> None:
         if len(tensors) != self.size():

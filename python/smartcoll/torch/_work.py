@@ -4,6 +4,11 @@ torch wants a Work per call (Python callers wait() on it) and a torch.futures.Fu
 it and never waits). The engine finishes the calls of one communicator in the order they were posted, so one
 thread per communicator that waits on the oldest unfinished request, then the next, completes every future
 as soon as its call is done without a thread per call.
+
+Completing a future runs the callbacks chained on it, on the completing thread, and a callback may wait for a
+later call of the same communicator (PowerSGD's hook does). So the thread that waited for a call hands the
+waiting over to another thread before it completes the call's future: threads take turns, one waits for the
+calls while the others run callbacks, and a new one starts only when every thread is inside a callback.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import atexit
 import datetime
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Callable, Optional
 
@@ -66,16 +72,19 @@ class Work(dist._Work):
 
 
 class Completer:
-    """Completes the Work of one communicator's calls, in the order they were posted, on one daemon thread
-    (started at the first call). drain_s: how long close() waits for the calls still in flight (the engine
-    fails a call that makes no progress for its timeout, so that bounds it)."""
+    """Completes the Work of one communicator's calls, in the order they were posted (threads started at the first
+    call, see above). drain_s: how long close() waits for the calls still in flight (the engine fails a call that
+    makes no progress for its timeout, so that bounds it)."""
 
     def __init__(self, name: str, drain_s: float):
         self._name = name
         self._drain_s = drain_s
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
+        self._turn = threading.Lock()  # held by the thread that waits for the calls
         self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # threads waiting for their turn, or about to (not inside a callback)
+        self._closed = False
         _all_completers.add(self)
 
     def post(self, requests: list[Request], finish: Callable[[], Any], devices: Optional[list] = None) -> Work:
@@ -84,39 +93,63 @@ class Completer:
         source = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
         done = threading.Event()
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
+            if self._closed:  # nothing would complete it
+                raise RuntimeError("smartcoll: the process group was shut down")
+            if not self._threads:
+                self._start()
         self._queue.put((requests, finish, source, done))
         return Work(source, done)
 
     def close(self) -> None:
-        """Completes what was posted, then stops the thread."""
+        """Completes what was posted, then stops the threads."""
         with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            thread.join(self._drain_s)
+            threads, self._threads, self._closed = self._threads, [], True
+        if threads:
+            self._queue.put(None)  # each thread that takes it puts it back for the next
+            deadline = time.monotonic() + self._drain_s
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _start(self) -> None:
+        """A new thread (self._lock held)."""
+        self._idle += 1
+        thread = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            self._complete(*item)
+        while True:
+            with self._turn:
+                with self._lock:
+                    self._idle -= 1
+                item = self._queue.get()
+                if item is None:
+                    self._queue.put(None)
+                    return
+                requests, finish, source, done = item
+                del item
+                value = self._wait(requests, finish)
+                del requests, finish
+                with self._lock:  # the next call's waiting goes on while this thread runs the callbacks
+                    if self._idle == 0 and not self._closed:
+                        self._start()
+            source.set_result(value)
+            done.set()
+            with self._lock:
+                self._idle += 1
             # Nothing of a finished call stays referenced by this frame: a daemon thread's frame is never freed,
             # and it would keep the call's buffers (and the engine's objects) alive up to exit.
-            del item
+            del source, done, value
 
     @staticmethod
-    def _complete(requests: list[Request], finish: Callable[[], Any], source: torch.futures.Future,
-                  done: threading.Event) -> None:
+    def _wait(requests: list[Request], finish: Callable[[], Any]) -> Any:
         try:
             for request in requests:
                 request.wait()
-            value: Any = finish()
+            return finish()
         except BaseException as e:  # handed to whoever waits on the Work or reads its future
             # Raised again from there; the traceback of this thread would only keep the call's frames alive.
-            value = e.with_traceback(None)
-        source.set_result(value)
-        done.set()
+            return e.with_traceback(None)
 
 
 _all_completers: "weakref.WeakSet[Completer]" = weakref.WeakSet()  # a running thread keeps its own alive
