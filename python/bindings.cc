@@ -231,7 +231,8 @@ NB_MODULE(_core, m) {
         }
         const bool same = format.empty() ? (format = view.format ? view.format : "B", true)
                                          : format == (view.format ? view.format : "B");
-        const bool ok = same && view.itemsize > 0;
+        // '>' or '!': big-endian items, which the checks of the slow path refuse by name (this host is little-endian)
+        const bool ok = same && view.itemsize > 0 && format.find_first_of(">!") == std::string::npos;
         if (ok) {
           addresses.push_back(reinterpret_cast<uintptr_t>(view.buf));
           counts.push_back(static_cast<size_t>(view.len / view.itemsize));

@@ -29,6 +29,9 @@ def _check_array(x: Any, what: str, writable: bool = False) -> None:
         flags = x.flags  # a new object at every access: read once
         if not flags.c_contiguous:
             raise TypeError(f"{what} is a non-contiguous NumPy array: pass numpy.ascontiguousarray({what})")
+        if not x.dtype.isnative:
+            raise TypeError(f"{what} has dtype {x.dtype.str} in the other byte order: pass "
+                            f"{what}.astype({what}.dtype.newbyteorder('='))")
         if writable and not flags.writeable:
             raise TypeError(f"{what} is read-only: pass a writable array (e.g. {what}.copy())")
     elif _is_torch(x):
@@ -345,7 +348,8 @@ class Communicator:
         """A Region over new, zeroed shared memory of `shape` and `dtype` (its `buffer`, a NumPy array; for torch,
         torch.from_numpy(region.buffer) shares it). Peers on this host map it and read or write it with plain
         copies, for pieces of any size, where a registered buffer costs them a system call; elsewhere it is served
-        as any region. The array stays valid after the region is closed."""
+        as any region. The array stays valid after the region is closed. "bfloat16" (NumPy has none): the buffer
+        is an int16 array of the raw bits; torch.from_numpy(region.buffer).view(torch.bfloat16) is the tensor."""
         return _onesided().allocate(self, shape, dtype)
 
     def deregister(self, region: Any) -> None:

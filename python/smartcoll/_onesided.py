@@ -54,11 +54,11 @@ class Region:
     """A registered buffer of this rank. close() (or deregister, or leaving a `with` block) waits for a peer's
     copy in progress; later calls on it fail on the caller's side with "region N was deregistered"."""
 
-    def __init__(self, comm: Any, buffer: Any, _allocated_id: Optional[int] = None):
+    def __init__(self, comm: Any, buffer: Any, _allocated_id: Optional[int] = None, _dtype_name: str = ""):
         self._comm = comm
         self.buffer = _as_array(buffer, "buffer", writable=True)
         self.nbytes = _nbytes(self.buffer)
-        self.dtype = _dtype(self.buffer)
+        self.dtype = _dtype_name or _dtype(self.buffer)
         self.rank = comm.rank
         self.id = int(comm._core.register_region(self.buffer) if _allocated_id is None else _allocated_id)
         self._open = True
@@ -98,19 +98,20 @@ class Region:
 
 def allocate(comm: Any, shape: Any, dtype: str) -> Region:
     """A Region over new shared memory, zeroed (Communicator.allocate)."""
-    if dtype not in _DTYPES or dtype == "bfloat16":
-        raise TypeError(f"allocate: dtype {dtype!r} is not one of {', '.join(d for d in _DTYPES if d != 'bfloat16')} "
-                        "(NumPy has no bfloat16: allocate int16 and view the tensor, torch.from_numpy(region.buffer)"
-                        ".view(torch.bfloat16))")
+    if dtype not in _DTYPES:
+        raise TypeError(f"allocate: dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
     dims = (int(shape),) if np.isscalar(shape) else tuple(int(d) for d in shape)
     if any(d < 0 for d in dims):
         raise ValueError(f"allocate: shape {dims} has a negative dimension")
-    nbytes = math.prod(dims) * np.dtype(dtype).itemsize  # Python integers: no overflow
+    # NumPy has no bfloat16: such a region's buffer is an int16 array of the raw bits (torch.from_numpy(buffer)
+    # .view(torch.bfloat16) is the tensor), its dtype bfloat16 for peers' accumulates.
+    view = np.int16 if dtype == "bfloat16" else dtype
+    nbytes = math.prod(dims) * np.dtype(view).itemsize  # Python integers: no overflow
     if nbytes == 0:
         raise ValueError(f"allocate: shape {dims} holds no element; a region holds at least one")
     region_id, raw = comm._core.allocate_region(nbytes, dtype)
     try:
-        return Region(comm, raw.view(dtype).reshape(dims), _allocated_id=int(region_id))
+        return Region(comm, raw.view(view).reshape(dims), _allocated_id=int(region_id), _dtype_name=dtype)
     except BaseException:
         comm._core.deregister_region(int(region_id))
         raise

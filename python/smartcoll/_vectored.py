@@ -33,7 +33,7 @@ def _check_list(xs: Sequence[Any], what: str, collective: str, writable: bool, d
     for i, x in enumerate(xs):
         kind = type(x)
         if kind is np.ndarray:
-            ok = x.flags.c_contiguous and (x.flags.writeable or not writable)
+            ok = x.flags.c_contiguous and (x.flags.writeable or not writable) and x.dtype.isnative
         else:
             ok = (kind is tensor and x.is_cpu and x.is_contiguous() and not (writable and x.requires_grad)
                   and not x.is_neg())

@@ -459,11 +459,15 @@ void Communicator::check_usable() const {
 void Communicator::check_buffers(const Call& call, const void* in, const void* out) const {
   // alltoallv's count is the world size, not its buffers' length: its own checks refuse in == out (one buffer)
   // and any input overlapping an output (lists).
-  if (!in || !out || in == out || call.count == 0 || call.coll == Collective::alltoallv) return;
+  if (!in || !out || call.count == 0 || call.coll == Collective::alltoallv) return;
   const size_t block = call.count * dtype_size(call.dt), n = static_cast<size_t>(size_);
   size_t in_bytes = block, out_bytes = block;
   if (call.coll == Collective::reduce_scatter || call.coll == Collective::alltoall) in_bytes = n * block;
   if (call.coll == Collective::allgather || call.coll == Collective::alltoall) out_bytes = n * block;
+  // In place: the same buffer; for reduce_scatter, the output over the input's first block (MPI_IN_PLACE's
+  // layout; submit() stages it where an algorithm would write it too early). An allgather input at the output's
+  // start is in place for rank 0 only (the rule below).
+  if (in == out && (in_bytes == out_bytes || call.coll == Collective::reduce_scatter)) return;
   const auto* i = static_cast<const char*>(in);
   const auto* o = static_cast<const char*>(out);
   // In-place allgather (MPI_IN_PLACE, torch's all_gather_into_tensor on a view): the input is this rank's block.
@@ -471,8 +475,11 @@ void Communicator::check_buffers(const Call& call, const void* in, const void* o
   require(i + in_bytes <= o || o + out_bytes <= i, [&] {
     return std::string(collective_name(call.coll)) + ": the input and output buffers partly overlap (input " +
            std::to_string(in_bytes) + " bytes, output " + std::to_string(out_bytes) + " bytes, " +
-           std::to_string(o > i ? o - i : i - o) + " bytes apart); pass the same buffer to work in place, or "
-           "buffers that do not overlap";
+           std::to_string(o > i ? o - i : i - o) + " bytes apart); " +
+           (in_bytes == out_bytes ? "pass the same buffer to work in place, or buffers that do not overlap"
+            : call.coll == Collective::allgather ? "in place, the input is this rank's block of the output; else "
+                                                   "pass buffers that do not overlap"
+                                                 : "pass an output that does not overlap the input");
   });
 }
 
@@ -569,8 +576,16 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
                    config_->segment_size, config_->codec_owner, engine_->pool(), &hosts_};
   auto spec = std::make_shared<const coll::ReduceSpec>(coll::ReduceSpec{call.dt, call.op, size_, call.codec, views});
   coll::Builder b(*task, cx, std::move(spec));
-  coll::find(call.coll, call.algo).build(b, {static_cast<const char*>(in), static_cast<char*>(out), call.count,
-                                            call.root, call.displs});
+  char* into = static_cast<char*>(out);
+  if (call.coll == Collective::reduce_scatter && in == out && !views &&
+      (call.algo == Algorithm::ring || call.algo == Algorithm::hier)) {
+    // In place, the rings reduce this rank's block into its output while they still send the input's first block
+    // from the same bytes: the block is reduced into scratch and copied into place once the call is done.
+    const size_t bytes = call.count * dtype_size(call.dt);
+    into = b.scratch(bytes);
+    task->epilogue = [out, into, bytes] { std::memcpy(out, into, bytes); };
+  }
+  coll::find(call.coll, call.algo).build(b, {static_cast<const char*>(in), into, call.count, call.root, call.displs});
   if (views) {
     coll::resolve(*task, *views);
     task->epilogue = views->after;

@@ -135,6 +135,67 @@ void copy_runs(const Pieces& p, std::span<const Run> runs, char* base, bool gath
   }
 }
 
+// Blocks that a call cannot run with: an output block overlapping an input block or another output block
+// (inputs may share memory: they are only read). Both lists are walked once, sorted by address; the answer names
+// the lowest-addressed such pair ("input 1 overlaps output 0", "outputs 0 and 2 overlap"), empty if none.
+std::string overlapping_blocks(const Pieces& ins, const Pieces& outs, std::span<const size_t> in_names = {}) {
+  struct Range {
+    uintptr_t begin, end;
+    size_t index;
+    bool output;
+  };
+  std::vector<Range> all;
+  for (const auto* list : {&ins, &outs})
+    for (size_t i = 0; i < list->size(); ++i)
+      if (const auto& [at, bytes] = (*list)[i]; bytes)
+        all.push_back({reinterpret_cast<uintptr_t>(at), reinterpret_cast<uintptr_t>(at) + bytes,
+                       list == &ins && !in_names.empty() ? in_names[i] : i, list == &outs});
+  std::sort(all.begin(), all.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  // The range reaching furthest so far of each kind: one that starts before its end overlaps it.
+  std::optional<Range> reach[2];
+  for (const Range& r : all) {
+    if (const auto& out = reach[1]; out && r.begin < out->end)
+      return r.output ? "outputs " + std::to_string(std::min(out->index, r.index)) + " and " +
+                            std::to_string(std::max(out->index, r.index)) + " overlap"
+                      : "input " + std::to_string(r.index) + " overlaps output " + std::to_string(out->index);
+    if (const auto& in = reach[0]; r.output && in && r.begin < in->end)
+      return "input " + std::to_string(in->index) + " overlaps output " + std::to_string(r.index);
+    if (auto& mine = reach[r.output]; !mine || r.end > mine->end) mine = r;
+  }
+  return "";
+}
+
+
+// The entries of a list call that it cannot run with (InvalidArgument naming them): in place (allreduce,
+// broadcast), two entries that share memory; else an output sharing memory with an input or another output. In
+// place, an output may be this rank's block of its own input (reduce_scatter: the rings read that block only to
+// reduce it into itself), and an input this rank's block of its own output (allgather).
+void check_list_memory(Collective coll, std::span<const void* const> ins, std::span<void* const> outs,
+                       std::span<const size_t> counts, size_t esize, int size, int rank) {
+  const size_t n = static_cast<size_t>(size), mine = static_cast<size_t>(rank);
+  Pieces in, out;
+  std::vector<size_t> names;  // of the pieces of `in`: their entries
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const size_t bytes = counts[i] * esize;
+    const auto* o = static_cast<const char*>(outs[i]);
+    out.emplace_back(o, coll == Collective::allgather ? n * bytes : bytes);
+    if (ins.empty()) continue;
+    const auto* x = static_cast<const char*>(ins[i]);
+    if (coll == Collective::allgather) {
+      if (x != o + mine * bytes) in.emplace_back(x, bytes), names.push_back(i);
+    } else if (o == x + mine * bytes) {  // reduce_scatter in place: the input around the output
+      in.emplace_back(x, mine * bytes), names.push_back(i);
+      in.emplace_back(o + bytes, (n - mine - 1) * bytes), names.push_back(i);
+    } else {
+      in.emplace_back(x, n * bytes), names.push_back(i);
+    }
+  }
+  if (const std::string clash = overlapping_blocks(in, out, names); !clash.empty())
+    throw InvalidArgument(std::string(collective_name(coll)) + ": the list's " +
+                          (ins.empty() ? "entries " + clash.substr(clash.find(' ') + 1) : clash) +
+                          " in memory; every " + (ins.empty() ? "entry" : "output") +
+                          " needs memory of its own" + (ins.empty() ? "" : ", apart from the inputs"));
+}
 }  // namespace
 
 std::shared_ptr<Request> Communicator::submit_list(Call call, const Pieces& in, const Pieces& out) {
@@ -186,6 +247,7 @@ std::shared_ptr<Request> Communicator::allreduce(std::span<void* const> bufs, st
                                                  std::optional<Codec> codec) {
   check_op(dt, op);
   const size_t total = check_list(Collective::allreduce, as_const(bufs), counts, "list");
+  check_list_memory(Collective::allreduce, {}, bufs, counts, dtype_size(dt), size_, rank_);
   const Codec wire = list_codec(Collective::allreduce, choose_codec(dt, op, codec), codec.has_value(),
                                 config_->codec_owner);
   return submit_list({Collective::allreduce, dt, op, algo, -1, total, wire,
@@ -197,6 +259,7 @@ std::shared_ptr<Request> Communicator::broadcast(std::span<void* const> bufs, st
                                                  DataType dt, int root, Algorithm algo) {
   check_root(root, size_);
   const size_t total = check_list(Collective::broadcast, as_const(bufs), counts, "list");
+  check_list_memory(Collective::broadcast, {}, bufs, counts, dtype_size(dt), size_, rank_);
   return submit_list({Collective::broadcast, dt, ReduceOp::sum, algo, root, total, {},
                       layout_digest(Collective::broadcast, counts)},
                      {}, concat(as_const(bufs), counts, dtype_size(dt)));
@@ -209,6 +272,7 @@ std::shared_ptr<Request> Communicator::reduce_scatter(std::span<const void* cons
   check_list(Collective::reduce_scatter, ins, counts, "input");
   const size_t total = check_list(Collective::reduce_scatter, as_const(outs), counts, "output");
   const size_t esize = dtype_size(dt);
+  check_list_memory(Collective::reduce_scatter, ins, outs, counts, esize, size_, rank_);
   const Codec wire = list_codec(Collective::reduce_scatter, choose_codec(dt, op, codec), codec.has_value(),
                                 config_->codec_owner);
   return submit_list({Collective::reduce_scatter, dt, op, algo, -1, total, wire,
@@ -221,6 +285,7 @@ std::shared_ptr<Request> Communicator::allgather(std::span<const void* const> in
   check_list(Collective::allgather, ins, counts, "input");
   const size_t total = check_list(Collective::allgather, as_const(outs), counts, "output");
   const size_t esize = dtype_size(dt);
+  check_list_memory(Collective::allgather, ins, outs, counts, esize, size_, rank_);
   return submit_list({Collective::allgather, dt, ReduceOp::sum, algo, -1, total, {},
                       layout_digest(Collective::allgather, counts)},
                      concat(ins, counts, esize), by_rank(as_const(outs), counts, esize, size_));
@@ -238,35 +303,6 @@ void check_alltoallv_counts(std::initializer_list<std::pair<const char*, std::sp
   require(sendcounts[me] == recvcounts[me],
           "alltoallv: this rank sends itself " + std::to_string(sendcounts[me]) + " elements but expects " +
               std::to_string(recvcounts[me]) + " (sendcounts[rank] must equal recvcounts[rank])");
-}
-
-// Blocks that alltoallv cannot run with: an output block overlapping an input block or another output block
-// (inputs may share memory: they are only read). Both lists are walked once, sorted by address; the answer names
-// the lowest-addressed such pair ("input 1 overlaps output 0", "outputs 0 and 2 overlap"), empty if none.
-std::string overlapping_blocks(const Pieces& ins, const Pieces& outs) {
-  struct Range {
-    uintptr_t begin, end;
-    size_t index;
-    bool output;
-  };
-  std::vector<Range> all;
-  for (const auto* list : {&ins, &outs})
-    for (size_t i = 0; i < list->size(); ++i)
-      if (const auto& [at, bytes] = (*list)[i]; bytes)
-        all.push_back({reinterpret_cast<uintptr_t>(at), reinterpret_cast<uintptr_t>(at) + bytes, i, list == &outs});
-  std::sort(all.begin(), all.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
-  // The range reaching furthest so far of each kind: one that starts before its end overlaps it.
-  std::optional<Range> reach[2];
-  for (const Range& r : all) {
-    if (const auto& out = reach[1]; out && r.begin < out->end)
-      return r.output ? "outputs " + std::to_string(std::min(out->index, r.index)) + " and " +
-                            std::to_string(std::max(out->index, r.index)) + " overlap"
-                      : "input " + std::to_string(r.index) + " overlaps output " + std::to_string(out->index);
-    if (const auto& in = reach[0]; r.output && in && r.begin < in->end)
-      return "input " + std::to_string(in->index) + " overlaps output " + std::to_string(r.index);
-    if (auto& mine = reach[r.output]; !mine || r.end > mine->end) mine = r;
-  }
-  return "";
 }
 
 std::vector<size_t> packed(std::span<const size_t> counts) {

@@ -169,6 +169,81 @@ TEST(Hardening, PartlyOverlappingBuffersAreRejected) {
             "");
 }
 
+// In place, reduce_scatter's output is its input's first block (MPI_IN_PLACE), which the ring still sends from
+// while it reduces this rank's block: the result was wrong on another rank, at random, before it was staged.
+// Many segments and several rounds, so that the race would show; integers, so the sums are exact.
+TEST(Hardening, InPlaceReduceScatterOverTheRingIsRight) {
+  for (const Algorithm algo : {Algorithm::ring, Algorithm::hier}) {
+    harness::run_threads(4, [&](int rank, std::shared_ptr<Store> store) {
+      // Two hosts of two ranks (the host knob), which hier needs.
+      Communicator c(rank, 4, std::move(store),
+                     test_options({{"segment_size", "16384"}, {"host", rank < 2 ? "a" : "b"}}));
+      const size_t count = 300007, n = 4;
+      for (int round = 0; round < 8; ++round) {
+        std::vector<int32_t> x(n * count);
+        for (size_t j = 0; j < x.size(); ++j) x[j] = static_cast<int32_t>(j % 1000) + 1000 * c.rank() + round;
+        c.reduce_scatter(x.data(), x.data(), count, DataType::i32, ReduceOp::sum, std::nullopt, algo)->wait();
+        const size_t at = static_cast<size_t>(c.rank()) * count;
+        for (size_t i = 0; i < count; ++i)
+          ASSERT_EQ(x[i], 4 * static_cast<int32_t>((at + i) % 1000) + 6000 + 4 * round)
+              << algorithm_name(algo) << " round " << round << " element " << i;
+      }
+    });
+  }
+}
+
+// A reduce_scatter output or an allgather input that lies at the other buffer's start is not in place (except
+// rank 0's allgather input, its own block): refused, not run with the wrong bytes.
+TEST(Hardening, OverlapsThatAreNotInPlaceAreRefused) {
+  run_ranks(2, [](Communicator& c) {
+    std::vector<float> x(64, 1.0f);
+    if (c.rank() == 1) {  // rank 0's input there would be its own block (in place, which runs)
+      const std::string gather = error_of([&] { c.allgather(x.data(), x.data(), 32, DataType::f32); });
+      EXPECT_NE(gather.find("in place, the input is this rank's block of the output"), std::string::npos) << gather;
+    }
+    const std::string scatter =
+        error_of([&] { c.reduce_scatter(x.data(), x.data() + 16, 32, DataType::f32, ReduceOp::sum); });
+    EXPECT_NE(scatter.find("pass an output that does not overlap the input"), std::string::npos) << scatter;
+    c.barrier()->wait();
+  });
+}
+
+// List calls check their entries' memory as single buffers do: entries of an in-place list that share bytes, an
+// output over an input or another output. An output that is this rank's block of its own input (reduce_scatter)
+// and an input that is this rank's block of its own output (allgather) are in place, and run.
+TEST(Hardening, ListEntriesThatShareMemoryAreRefused) {
+  run_ranks(2, [](Communicator& c) {
+    const size_t r = static_cast<size_t>(c.rank());
+    std::vector<float> a(100, 1.0f), b(100, 1.0f);
+    const size_t two[] = {50, 50};
+    void* same[] = {a.data(), a.data()};
+    std::string e = error_of([&] { c.allreduce(same, two, DataType::f32, ReduceOp::sum); });
+    EXPECT_NE(e.find("allreduce: the list's entries 0 and 1 overlap in memory"), std::string::npos) << e;
+    void* shifted[] = {a.data(), a.data() + 40};
+    e = error_of([&] { c.broadcast(shifted, two, DataType::f32, 0); });
+    EXPECT_NE(e.find("broadcast: the list's entries 0 and 1 overlap in memory"), std::string::npos) << e;
+    const size_t one[] = {25};
+    const void* in[] = {a.data()};
+    void* wrong_block[] = {a.data() + (1 - r) * 25};
+    e = error_of([&] { c.reduce_scatter(in, wrong_block, one, DataType::f32, ReduceOp::sum); });
+    EXPECT_NE(e.find("reduce_scatter: the list's input 0 overlaps output 0 in memory"), std::string::npos) << e;
+    void* into_input[] = {b.data()};
+    const void* from_output[] = {b.data() + 10};
+    e = error_of([&] { c.allgather(from_output, into_input, one, DataType::f32); });
+    EXPECT_NE(e.find("allgather: the list's input 0 overlaps output 0 in memory"), std::string::npos) << e;
+    // In place: both run, with every rank's block right.
+    for (size_t i = 0; i < 50; ++i) a[i] = static_cast<float>(i + 100 * r);
+    void* own_block[] = {a.data() + r * 25};
+    c.reduce_scatter(in, own_block, one, DataType::f32, ReduceOp::sum)->wait();
+    for (size_t i = 0; i < 25; ++i) ASSERT_EQ(a[r * 25 + i], static_cast<float>(2 * (r * 25 + i) + 100)) << i;
+    for (size_t i = 0; i < 25; ++i) b[r * 25 + i] = static_cast<float>(r * 1000 + i);
+    const void* mine[] = {b.data() + r * 25};
+    void* whole[] = {b.data()};
+    c.allgather(mine, whole, one, DataType::f32)->wait();
+    for (size_t i = 0; i < 50; ++i) ASSERT_EQ(b[i], static_cast<float>((i / 25) * 1000 + i % 25)) << i;
+  });
+}
+
 TEST(Hardening, InPlaceAllgatherFromThisRanksBlock) {
   run_ranks(3, [](Communicator& c) {
     std::vector<int32_t> out(3 * 5, -1);

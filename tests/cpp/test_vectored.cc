@@ -373,7 +373,7 @@ TEST(ListCollectives, MismatchedListsFailNamingTheLayout) {
 
 TEST(ListCollectives, BadArgumentsAreRefusedLocally) {
   run_ranks(2, [&](Communicator& comm) {
-    std::vector<float> a(3);
+    std::vector<float> a(3), b(2);
     std::vector<void*> bufs = {a.data(), nullptr};
     std::vector<size_t> counts = {3, 2};
     try {
@@ -382,7 +382,7 @@ TEST(ListCollectives, BadArgumentsAreRefusedLocally) {
     } catch (const InvalidArgument& e) {
       EXPECT_NE(std::string(e.what()).find("buffer 1 is null"), std::string::npos) << e.what();
     }
-    bufs[1] = a.data();
+    bufs[1] = b.data();
     try {
       comm.allreduce(bufs, counts, DataType::f32, ReduceOp::sum, Algorithm::switch_);
       ADD_FAILURE() << "algo switch was accepted for a list";

@@ -254,6 +254,27 @@ def test_partly_overlapping_input_and_output_are_rejected(solo):
     np.testing.assert_array_equal(buf[1024:], np.arange(1024, dtype=np.float32))
 
 
+def test_list_entries_that_share_memory_are_rejected(solo):
+    """A list's entries are checked as one buffer's are: in place, two entries over the same bytes would be summed
+    in an order that differs between algorithms and ranks."""
+    b = np.ones(100, np.float32)
+    with pytest.raises(ValueError, match="allreduce: the list's entries 0 and 1 overlap in memory"):
+        solo.allreduce([b, b])
+    with pytest.raises(ValueError, match="entries 0 and 1 overlap"):
+        solo.allreduce([b[:60], b[40:]])
+    out = np.zeros(200, np.float32)
+    with pytest.raises(ValueError, match="allgather: the list's input 0 overlaps output 0 in memory"):
+        solo.allgather([out[50:150]], [out[:100]])
+    np.testing.assert_array_equal(b, 1)
+
+
+def test_arrays_in_the_other_byte_order_are_named(solo):
+    x = np.arange(4).astype(">f4")
+    for call in (lambda: solo.allreduce(x), lambda: solo.allreduce([x, x.copy()]), lambda: solo.register(x)):
+        with pytest.raises(TypeError, match=r"has dtype >f4 in the other byte order: pass \S+\.astype\("):
+            call()
+
+
 def test_read_only_inputs_are_accepted(solo):
     data = np.arange(8, dtype=np.float32)
     ro = np.frombuffer(data.tobytes(), dtype=np.float32)

@@ -371,8 +371,17 @@ def test_an_allocated_region_s_array_outlives_its_registration():
         comm.barrier()
         with pytest.raises(smartcoll.CommError, match=rf"rank {peer} refused it: region {remote[peer].id} was deregistered"):
             comm.getv(peer, remote[peer], [0], 20, got)
-        with pytest.raises(TypeError, match=r"NumPy has no bfloat16"):
-            comm.allocate(8, "bfloat16")
+        with pytest.raises(TypeError, match=r"dtype 'int16' is not one of float32, "):
+            comm.allocate(8, "int16")
+        # bfloat16: an int16 buffer of the raw bits, a bfloat16 region to its peers, who accumulate into it
+        halves = comm.allocate(4, "bfloat16")
+        assert halves.buffer.dtype == np.int16 and halves.dtype == "bfloat16" and halves.nbytes == 8
+        remote = comm.exchange_regions(halves)
+        assert remote[peer].dtype == "bfloat16"
+        comm.accumulatev(peer, torch.full((4,), 1.5, dtype=torch.bfloat16), remote[peer], [0])
+        comm.barrier()
+        assert torch.from_numpy(halves.buffer).view(torch.bfloat16).tolist() == [1.5] * 4
+        halves.close()
         with pytest.raises(ValueError, match=r"holds no element"):
             comm.allocate((4, 0))
         with pytest.raises(ValueError, match=r"negative dimension"):
