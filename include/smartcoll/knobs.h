@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 #include <string_view>
 
 namespace smartcoll {
@@ -180,5 +181,10 @@ class Options {
 
 const Knob& find_knob(std::string_view name);  // throws InvalidArgument listing the valid names
 std::string knob_env_name(std::string_view name);
+
+// SMARTCOLL_* environment variables that are no knob and no other variable smartcoll reads (the launcher's
+// SMARTCOLL_SECRET, the emulated cluster's SMARTCOLL_CLUSTER*, ...): likely typos of a knob's variable, which would
+// otherwise be ignored in silence. One line per variable, naming the closest knob.
+std::vector<std::string> unknown_variables();
 
 }  // namespace smartcoll

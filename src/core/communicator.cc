@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <unistd.h>
 #include <map>
+#include <mutex>
 #include <random>
 #include <sstream>
 
@@ -139,6 +140,10 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
     throw InvalidArgument("rank " + std::to_string(rank) + " is outside the world of size " + std::to_string(size));
   config_ = std::make_unique<Config>(Config::from(options_));
   log::set_level(config_->log);
+  static std::once_flag unknown_once;  // once per process, not per communicator
+  std::call_once(unknown_once, [rank] {
+    for (const std::string& line : unknown_variables()) SC_LOG(LogLevel::warn, rank, "start") << line;
+  });
   const auto limit = std::chrono::milliseconds(static_cast<int64_t>(config_->connect_timeout * 1000));
   // Every key this communicator writes lives under its job's id, and every hello carries it: ranks of another
   // job that reach the same store or ports are never joined.
@@ -465,9 +470,9 @@ void Communicator::check_buffers(const Call& call, const void* in, const void* o
   if (call.coll == Collective::reduce_scatter || call.coll == Collective::alltoall) in_bytes = n * block;
   if (call.coll == Collective::allgather || call.coll == Collective::alltoall) out_bytes = n * block;
   // In place: the same buffer; for reduce_scatter, the output over the input's first block (MPI_IN_PLACE's
-  // layout; submit() stages it where an algorithm would write it too early). An allgather input at the output's
-  // start is in place for rank 0 only (the rule below).
-  if (in == out && (in_bytes == out_bytes || call.coll == Collective::reduce_scatter)) return;
+  // layout), for allgather the input at the output's start (submit() stages either where an algorithm would
+  // overwrite it before reading it).
+  if (in == out) return;
   const auto* i = static_cast<const char*>(in);
   const auto* o = static_cast<const char*>(out);
   // In-place allgather (MPI_IN_PLACE, torch's all_gather_into_tensor on a view): the input is this rank's block.
@@ -476,10 +481,7 @@ void Communicator::check_buffers(const Call& call, const void* in, const void* o
     return std::string(collective_name(call.coll)) + ": the input and output buffers partly overlap (input " +
            std::to_string(in_bytes) + " bytes, output " + std::to_string(out_bytes) + " bytes, " +
            std::to_string(o > i ? o - i : i - o) + " bytes apart); " +
-           (in_bytes == out_bytes ? "pass the same buffer to work in place, or buffers that do not overlap"
-            : call.coll == Collective::allgather ? "in place, the input is this rank's block of the output; else "
-                                                   "pass buffers that do not overlap"
-                                                 : "pass an output that does not overlap the input");
+           "pass the same buffer to work in place, or buffers that do not overlap";
   });
 }
 
@@ -519,6 +521,14 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
     req->finish("");
     return req;
   }
+  // In place with the input at the output's start, on a rank whose block is elsewhere: the algorithms would write
+  // other ranks' blocks over it before sending it (the switch copies it itself).
+  std::shared_ptr<std::vector<char>> staged_input;
+  if (call.coll == Collective::allgather && in == out && rank_ != 0 && !views && call.algo != Algorithm::switch_) {
+    const auto* from = static_cast<const char*>(in);
+    staged_input = std::make_shared<std::vector<char>>(from, from + call.count * dtype_size(call.dt));
+    in = staged_input->data();
+  }
   if (nicd_) {
     nicd::check_supported(call.coll, call.codec);
     nicd::Post post{0, static_cast<uint8_t>(call.coll), static_cast<uint8_t>(call.dt), static_cast<uint8_t>(call.op),
@@ -546,8 +556,9 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
     struct Kept {
       std::shared_ptr<const coll::Views> views;
       std::vector<uint64_t> blocks;
+      std::shared_ptr<std::vector<char>> staged_input;
     };
-    auto kept = std::make_shared<Kept>(Kept{views, {}});
+    auto kept = std::make_shared<Kept>(Kept{views, {}, staged_input});
     if (call.displs) {
       const coll::Displacements& d = *call.displs;
       const uint64_t esize = dtype_size(call.dt);
@@ -590,6 +601,7 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
     coll::resolve(*task, *views);
     task->epilogue = views->after;
   }
+  if (staged_input) task->epilogue = [staged_input] {};  // kept until the call is done
   req->engine_ = engine_;
   // A call whose lanes all run on one worker may run on its waiting caller's thread (Engine::wait); an exclusive
   // one runs on worker 0.

@@ -1,8 +1,11 @@
 #include "core/config.h"
 
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <iterator>
 #include <cctype>
 #include <cinttypes>
 #include <cmath>
@@ -43,7 +46,7 @@ std::string validate(const Knob& knob, const std::string& value) {
     if (value.empty() || *end != '\0')
       fail(type == "int" ? "an integer" : type == "bytes" ? "a byte count, e.g. 1048576 or 1M (K, M, G: 2^10, 2^20, 2^30)"
                                                           : "a number");
-    if (v < knob.lo || v > knob.hi)
+    if (!(v >= knob.lo && v <= knob.hi))  // NaN too
       throw InvalidArgument("option '" + std::string(knob.name) + "' (" + knob_env_name(knob.name) + ") = " +
                             value + " is outside [" + show(knob.lo) + ", " + show(knob.hi) + "]");
     if (type == "bytes") return std::to_string(static_cast<int64_t>(v));
@@ -94,6 +97,53 @@ const Knob& find_knob(std::string_view name) {
   std::string valid;
   for (const Knob& k : kKnobs) valid += (valid.empty() ? "" : ", ") + std::string(k.name);
   throw InvalidArgument("unknown option '" + std::string(name) + "'; valid options: " + valid);
+}
+
+namespace {
+// What smartcoll reads besides the knobs' variables: the launcher's store secret and MPI job, the emulated
+// cluster's (tools/netemu), the fuzz driver's seed.
+constexpr std::string_view kOtherVariables[] = {"SMARTCOLL_SECRET",       "SMARTCOLL_MPI_JOB",
+                                                "SMARTCOLL_CLUSTER",      "SMARTCOLL_CLUSTER_DIR",
+                                                "SMARTCOLL_CLUSTER_HOST", "SMARTCOLL_CLUSTER_SWITCH_ADDR",
+                                                "SMARTCOLL_FUZZ_SEED"};
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1])});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+}  // namespace
+
+std::vector<std::string> unknown_variables() {
+  std::vector<std::string> lines;
+  for (char** e = environ; *e; ++e) {
+    const std::string_view entry(*e);
+    const std::string_view name = entry.substr(0, entry.find('='));
+    if (!name.starts_with("SMARTCOLL_") ||
+        std::find(std::begin(kOtherVariables), std::end(kOtherVariables), name) != std::end(kOtherVariables))
+      continue;
+    std::string closest;
+    size_t best = SIZE_MAX;
+    bool known = false;
+    for (const Knob& k : kKnobs) {
+      const std::string env = knob_env_name(k.name);
+      known |= env == name;
+      if (const size_t d = edit_distance(name, env); d < best) best = d, closest = env;
+    }
+    if (!known)
+      lines.push_back(std::string(name) + " is not a smartcoll setting and is ignored" +
+                      (best <= 2 ? " (did you mean " + closest + "?)" : "") + "; `smartcoll info` lists them");
+  }
+  return lines;
 }
 
 Options Options::resolve(const std::map<std::string, std::string>& explicit_options) {

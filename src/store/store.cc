@@ -135,7 +135,14 @@ TcpStore::TcpStore(const std::string& host, int port, bool serve, std::chrono::m
     : port_(checked_port(port)), ip_(net::resolve_ipv4(host)), secret_(std::move(secret)), limits_(limits) {
   if (serve) {
     // Listen on all addresses: MASTER_ADDR may name this host by an address other ranks reach it through.
-    net::Fd listener = net::listen_on("0.0.0.0", port_, 1024);
+    net::Fd listener;
+    try {
+      listener = net::listen_on("0.0.0.0", port_, 1024);
+    } catch (const CommError& e) {
+      throw CommError(std::string(e.what()) + " (rank 0 serves the rendezvous store on MASTER_PORT " +
+                      std::to_string(port_) + ": another job or program may hold it; choose another port, e.g. "
+                      "smartcoll run --master-port, or leave it unset for a free one)");
+    }
     port_ = net::bound_port(listener.get());
     server_ = std::make_unique<store::Server>(std::move(listener), secret_, limits_);
   }

@@ -63,13 +63,20 @@ struct alignas(64) Switch::IoCounters {
   std::atomic<uint64_t> send_calls{0}, messages_out{0}, datagrams_out{0}, offload_refused{0}, joined_in{0};
 };
 
-Switch::Switch(const SwitchOptions& options)
-    : options_(options),
-      io_(std::make_unique<IoCounters[]>(static_cast<size_t>(std::max(options.threads, 1)))),
-      agg_(options.threads, options.slots, options.full_auth) {
+namespace {
+// Checked before anything is sized by them (each thread's aggregator holds buffers of its own).
+const SwitchOptions& checked(const SwitchOptions& options) {
   if (options.threads < 1 || options.threads > 256)
     throw InvalidArgument("switch threads must be between 1 and 256, got " + std::to_string(options.threads));
   if (options.slots < 1) throw InvalidArgument("switch slots must be at least 1");
+  return options;
+}
+}  // namespace
+
+Switch::Switch(const SwitchOptions& options)
+    : options_(checked(options)),
+      io_(std::make_unique<IoCounters[]>(static_cast<size_t>(options.threads))),
+      agg_(options.threads, options.slots, options.full_auth) {
   // Thread t serves port base + t: workers find a slot's port from the base and the thread count.
   for (int attempt = 0; sockets_.empty(); ++attempt) {
     try {
@@ -89,9 +96,14 @@ Switch::Switch(const SwitchOptions& options)
       port_ = base;
     } catch (const CommError& e) {
       // With port 0 another process may hold one of the ports above the free one: draw again.
-      if (options.port != 0 || attempt >= 20)
-        throw CommError(std::string(e.what()) + " (the switch needs ports " + std::to_string(options.port) + ".." +
-                        std::to_string(options.port + options.threads - 1) + "; choose another --listen port)");
+      if (options.port != 0 || attempt >= 20) {
+        const bool address = std::string_view(e.what()).find("Cannot assign requested address") != std::string::npos;
+        throw CommError(std::string(e.what()) + (address ? " (" + options.host + " is not an address of this host; "
+                                                           "choose one it has, or 0.0.0.0, for --listen)"
+                                                         : " (the switch needs ports " + std::to_string(options.port) +
+                                                               ".." + std::to_string(options.port + options.threads - 1) +
+                                                               "; choose another --listen port)"));
+      }
     }
   }
 }

@@ -207,6 +207,38 @@ TEST(Knobs, UnknownAndMalformedOptionsAreNamed) {
   EXPECT_EQ(Options::resolve({{"algo", "ring"}}).str("algo"), "ring");
 }
 
+// A number knob whose value is NaN is outside every range (the comparisons with the bounds are all false).
+TEST(Knobs, NotANumberIsOutsideTheRange) {
+  for (const char* nan : {"nan", "NaN", "-nan"}) {
+    try {
+      Options::resolve({{"timeout", nan}});
+      FAIL() << nan;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("is outside"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// SMARTCOLL_* variables that no knob reads are named (a typo would be ignored in silence); the other variables
+// smartcoll reads are not.
+TEST(Knobs, UnknownVariablesAreNamedWithTheClosestKnob) {
+  ::setenv("SMARTCOLL_TIMEOUTS", "3", 1);
+  ::setenv("SMARTCOLL_QUITE_UNLIKE_ANY", "1", 1);
+  ::setenv("SMARTCOLL_SECRET", "x", 1);
+  ::setenv("SMARTCOLL_STREAMS", "2", 1);
+  const std::vector<std::string> lines = unknown_variables();
+  for (const char* name : {"SMARTCOLL_TIMEOUTS", "SMARTCOLL_QUITE_UNLIKE_ANY", "SMARTCOLL_SECRET", "SMARTCOLL_STREAMS"})
+    ::unsetenv(name);
+  std::string all;
+  for (const std::string& line : lines) all += line + "\n";
+  EXPECT_NE(all.find("SMARTCOLL_TIMEOUTS is not a smartcoll setting and is ignored (did you mean SMARTCOLL_TIMEOUT?)"),
+            std::string::npos) << all;
+  EXPECT_NE(all.find("SMARTCOLL_QUITE_UNLIKE_ANY is not a smartcoll setting and is ignored; `smartcoll info`"),
+            std::string::npos) << all;
+  EXPECT_EQ(all.find("SMARTCOLL_SECRET"), std::string::npos) << all;
+  EXPECT_EQ(all.find("SMARTCOLL_STREAMS"), std::string::npos) << all;
+}
+
 // Byte counts take K, M and G (powers of two) and are kept as integers, so that ranks that write one size two
 // ways agree; anything else is refused naming the form.
 TEST(Knobs, ByteCountsTakeBinarySuffixes) {

@@ -80,6 +80,27 @@ def test_ranks_that_ignore_sigterm_are_killed_after_the_grace_period(capsys):
     assert "timed out after 1 s; killing ranks 0, 1" in capsys.readouterr().err
 
 
+def test_what_a_wrapper_rank_started_is_killed_after_the_grace_period_too(tmp_path, capsys):
+    """A rank that is a shell: the shell dies of SIGTERM at once, its child ignores it. The child is SIGKILLed after
+    the grace period as well (the rank's process group is stopped, not only its first process)."""
+    child = f"import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
+            f"open(r'{tmp_path}/' + os.environ['RANK'], 'w').write(str(os.getpid())); time.sleep(60)"
+    start = time.monotonic()
+    status = launcher.launch(["sh", "-c", f'{PY} -c "{child}"; true'], 2, timeout=2.0, grace=1.0)
+    assert status == launcher.EXIT_TIMEOUT and time.monotonic() - start < 8
+    pids = [int((tmp_path / str(rank)).read_text()) for rank in range(2)]
+
+    def running(pid: int) -> bool:  # killed but not yet reaped by init: a zombie, "Z"
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    left = [pid for pid in pids if running(pid)]
+    assert not left, f"processes left behind: {left}"
+    assert "killing ranks 0, 1" in capsys.readouterr().err
+
+
 def test_a_command_that_cannot_start_is_reported(capsys):
     assert launcher.launch(["/nonexistent/smartcoll-test-binary"], 2) == launcher.EXIT_CANNOT_START
     assert "cannot start rank 0" in capsys.readouterr().err
@@ -335,6 +356,9 @@ def test_help_lists_every_subcommand():
         ),
         ("demo", ["--nprocs", "--link", "--local", "--iters", "--png", "--json"]),
         ("cluster", ["up", "down", "status", "fault", "iperf"]),
+        ("model", ["calibrate", "predict", "compare"]),
+        ("switch", ["--listen", "--threads", "--stats-json", "--query", "--duration"]),
+        ("nicd", ["--socket", "--cpus", "--timeout", "--duration"]),
     ],
 )
 def test_subcommand_help(command, options):
@@ -342,6 +366,28 @@ def test_subcommand_help(command, options):
     assert result.returncode == 0, result.stderr
     for option in options:
         assert option in result.stdout
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["run", "-n", "1", "--timeout", "nan", "--", "true"], "--timeout: expected more than 0 seconds, got nan"),
+    (["run", "-n", "1", "--grace", "-1", "--", "true"], "--grace: expected 0 or more seconds, got -1"),
+    (["run", "-n", "1", "--ranks-per-host", "2", "--", "true"], "--ranks-per-host places ranks on the hosts of"),
+    (["run", "-n", "1", "--nicd-cpus", "1", "--", "true"], "--nicd-cpus sets the CPUs of the daemons --nicd"),
+    (["switch", "--threads", "100000"], "--threads: must be between 1 and 256, got 100000"),
+    (["switch", "--duration", "-1"], "--duration: expected 0 or more seconds, got -1"),
+    (["switch", "--query", "bogus"], "argument --query: 'bogus': expected ADDR:PORT"),
+    (["nicd", "--cpus", "3-1"], "a range from low to high"),
+    (["demo", "-n", "0", "--local"], "--nprocs: must be at least 1, got 0"),
+    (["model", "compare", "/nonexistent/smartcoll.json"], "/nonexistent/smartcoll.json: No such file or directory"),
+    (["bench", "allreduce", "-n", "2", "--json", "/nonexistent/dir/x.json"], "the directory /nonexistent/dir does not"),
+])
+def test_bad_options_are_refused_before_any_work(argv, says):
+    """Values no run can use (NaN or negative times, options that need another, paths that cannot be written) are
+    refused at once with status 2, naming the option, instead of being ignored or failing after the work."""
+    start = time.monotonic()
+    result = _smartcoll(*argv)
+    assert result.returncode == 2 and says in result.stderr, result.stderr
+    assert time.monotonic() - start < 20
 
 
 def test_bench_rejects_bad_sizes():

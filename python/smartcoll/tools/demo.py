@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import launcher
+from .argtypes import at_least_one, writable_file
 from .bench import train
 from .bench.runners import status
 
@@ -47,7 +48,7 @@ Larger runs: smartcoll bench train --help; the measurements: BENCHMARKS.md."""
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "-n", "--nprocs", type=int, default=4, metavar="N",
+        "-n", "--nprocs", type=at_least_one, default=4, metavar="N",
         help="ranks, and hosts of the emulated cluster (default: %(default)s)",
     )
     parser.add_argument(
@@ -59,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the ranks as local processes even where an emulated cluster could be built",
     )
     parser.add_argument(
-        "--iters", type=int, default=15, metavar="K",
+        "--iters", type=at_least_one, default=15, metavar="K",
         help=f"timed training iterations per variant, after {train.build_parser().get_default('warmup')} "
         "untimed ones (default: %(default)s)",
     )
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where to draw the time per iteration by phase and the loss curves (default: %(default)s)",
     )
     parser.add_argument(
-        "--json", type=Path, metavar="FILE", help="also write the figures, loss curves and metadata to FILE"
+        "--json", type=writable_file, metavar="FILE", help="also write the figures, loss curves and metadata to FILE"
     )
 
 

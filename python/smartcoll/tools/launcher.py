@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, NamedTuple, Optional, Sequence
 
+from .argtypes import seconds, seconds_or_zero
+
 MASTER_ADDR = "127.0.0.1"
 EXIT_TIMEOUT = 124  # what timeout(1) returns, so scripts can tell a timeout from a failure
 EXIT_INTERRUPTED = 130
@@ -169,7 +171,9 @@ _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child mus
 
 def _die_with_launcher(launcher_pid: int) -> None:
     """Runs in each rank between fork and exec: the kernel kills the rank when the launcher dies, even by SIGKILL
-    (no chance to stop its ranks). A launcher that died before this ran is seen as a changed parent."""
+    (no chance to stop its ranks). A launcher that died before this ran is seen as a changed parent. Only the
+    rank's own process: what a rank that is a wrapper (a shell) started survives a SIGKILLed launcher; SIGTERM
+    and Ctrl-C stop the whole process group."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != launcher_pid:
         os._exit(1)
@@ -214,21 +218,41 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def _group_left(proc: subprocess.Popen) -> bool:
+    """Whether anything of the rank's process group is left: its own process, or what it started (a shell's
+    children), which may outlive it."""
+    proc.poll()  # reaps the rank's own process if it has exited
+    try:
+        os.killpg(proc.pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
-    """SIGTERM every live rank, then SIGKILL whatever is left after grace seconds; reap them all. With
-    grace <= 0 the ranks get SIGKILL straight away."""
-    live = [p for p in procs if p.poll() is None]
-    for p in live:
-        if grace > 0:
-            _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while any(p.poll() is None for p in live) and time.monotonic() < deadline:
-        time.sleep(_POLL_S)
-    for p in live:
-        if p.poll() is None:
-            _signal_group(p, signal.SIGKILL)
-    for p in live:
-        p.wait()
+    """SIGTERM every rank's process group, then SIGKILL whatever is left of each group after grace seconds (a
+    rank's own process may be gone while what it started is not); reap them all. With grace <= 0 the ranks get
+    SIGKILL straight away. A second Ctrl-C meanwhile is ignored: stopping is what it asks for."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        live = [p for p in procs if _group_left(p)]
+        for p in live:
+            if grace > 0:
+                _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while any(_group_left(p) for p in live) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        for p in live:
+            if _group_left(p):
+                _signal_group(p, signal.SIGKILL)
+        for p in live:
+            p.wait()
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _message(text: str) -> None:
@@ -415,8 +439,9 @@ def launch(
         stop(procs, grace)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        relays_end = time.monotonic() + 2.0  # together, not 2 s each
         for _, t in relays:
-            t.join(timeout=2.0)
+            t.join(timeout=max(0.0, relays_end - time.monotonic()))
         # A rank that exited but left a child holding its pipe open would keep a relay thread alive.
         for proc, t in relays:
             if t.is_alive():
@@ -496,10 +521,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ranks-per-host",
         type=int,
-        default=1,
         metavar="K",
         help="with --cluster: K ranks per host (ranks 0..K-1 on host 0, K..2K-1 on host 1, ...), each told "
-        "LOCAL_RANK and LOCAL_WORLD_SIZE (default: %(default)s); -n defaults to hosts x K",
+        "LOCAL_RANK and LOCAL_WORLD_SIZE (default: 1); -n defaults to hosts x K",
     )
     add_cyclic_argument(parser)
     parser.add_argument(
@@ -518,18 +542,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--master-port",
         type=int,
         metavar="P",
-        help="rendezvous port exported as MASTER_PORT, on 127.0.0.1 (or host 0 of --cluster) "
-        "(default: a free port)",
+        help="rendezvous port exported as MASTER_PORT (rank 0's store listens on it; MASTER_ADDR is 127.0.0.1, or "
+        "host 0 of --cluster) (default: a free port)",
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=seconds,
         metavar="S",
         help="kill all ranks after S seconds and exit with status 124 (default: no limit)",
     )
     parser.add_argument(
         "--grace",
-        type=float,
+        type=seconds_or_zero,
         default=3.0,
         metavar="S",
         help="seconds between SIGTERM and SIGKILL when stopping ranks (default: %(default)s)",
@@ -555,6 +579,16 @@ def main(args: argparse.Namespace) -> int:
         return 2
     nprocs = args.nprocs
     hooks: dict = {}
+    # Options that only mean something next to another: refused alone rather than ignored.
+    per_host, cyclic = getattr(args, "ranks_per_host", None), getattr(args, "cyclic", False)
+    for given, needs in ((per_host is not None, "--ranks-per-host"), (cyclic, "--cyclic")):
+        if given and not getattr(args, "cluster", None):
+            _message(f"{needs} places ranks on the hosts of an emulated cluster: it needs --cluster NAME")
+            return 2
+    if getattr(args, "nicd_cpus", "") and not getattr(args, "nicd", False):
+        _message("--nicd-cpus sets the CPUs of the daemons --nicd starts: it needs --nicd")
+        return 2
+    args.ranks_per_host = per_host or 1
     if getattr(args, "cluster", None):
         from . import netemu
 

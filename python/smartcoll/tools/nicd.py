@@ -21,6 +21,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from . import serving
+from .argtypes import seconds, seconds_or_zero
 
 
 def parse_cpus(text: str) -> list[int]:
@@ -29,10 +30,12 @@ def parse_cpus(text: str) -> list[int]:
     try:
         for part in filter(None, text.split(",")):
             lo, _, hi = part.partition("-")
+            if int(hi or lo) < int(lo):
+                raise ValueError
             cpus.extend(range(int(lo), int(hi or lo) + 1))
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--cpus {text!r}: expected CPU numbers such as 2,3 or 2-5"
+            f"{text!r}: expected CPU numbers such as 2,3 or 2-5 (a range from low to high)"
         ) from None
     return cpus
 
@@ -55,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=seconds,
         default=60.0,
         metavar="S",
         help="seconds a job waits for a local rank's call once another local rank has posted it "
@@ -63,14 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--stats-interval",
-        type=float,
+        type=seconds_or_zero,
         default=0.0,
         metavar="SEC",
         help="print counters every SEC seconds (0: only at exit; default 0)",
     )
     parser.add_argument(
         "--duration",
-        type=float,
+        type=seconds_or_zero,
         default=0.0,
         metavar="SEC",
         help="stop after SEC seconds (0: run until SIGINT or SIGTERM)",

@@ -16,13 +16,21 @@ import time
 from typing import Optional
 
 from . import serving
+from .argtypes import at_least_one, seconds, seconds_or_zero, writable_file
 
 
 def parse_listen(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"--listen {text!r}: expected ADDR:PORT, e.g. 0.0.0.0:7000")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ADDR:PORT, e.g. 0.0.0.0:7000")
     return host, int(port)
+
+
+def _threads(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 256:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 256, got {value}")
+    return value
 
 
 def _probability(text: str) -> float:
@@ -40,29 +48,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ADDR:PORT",
         help="UDP address to serve on; thread t uses PORT+t (default 0.0.0.0:7000; port 0: any free run of ports)",
     )
-    parser.add_argument("--threads", type=int, default=1, help="aggregation threads, each with its own port and "
+    parser.add_argument("--threads", type=_threads, default=1, help="aggregation threads, each with its own port and "
                         "the slots s with s mod threads == t (default 1)")
-    parser.add_argument("--slots", type=int, default=4096,
+    parser.add_argument("--slots", type=at_least_one, default=4096,
                         help="slots of all jobs together; each job asks for SMARTCOLL_SWITCH_SLOTS (default 4096)")
     parser.add_argument("--auth", choices=["header", "full"], default="header",
                         help="header: jobs choose what their MACs cover; full: refuse jobs that do not "
                         "authenticate payloads (SMARTCOLL_SWITCH_AUTH=full)")
-    parser.add_argument("--job-timeout", type=float, default=60.0, metavar="SEC",
+    parser.add_argument("--job-timeout", type=seconds, default=60.0, metavar="SEC",
                         help="free the slots of a job that sent nothing valid for SEC seconds (default 60)")
     parser.add_argument("--offload", choices=["on", "off"], default="on",
                         help="UDP segmentation offload: results to one worker leave in one message (UDP_SEGMENT) "
                         "and the kernel may join received datagrams (UDP_GRO); off: one datagram per system "
                         "message (default on; the wire is the same)")
-    parser.add_argument("--stats-interval", type=float, default=10.0, metavar="SEC",
+    parser.add_argument("--stats-interval", type=seconds_or_zero, default=10.0, metavar="SEC",
                         help="print counters every SEC seconds (0: only at exit; default 10)")
-    parser.add_argument("--stats-json", metavar="PATH", help="also write the counters to PATH as JSON each time")
+    parser.add_argument("--stats-json", type=writable_file, metavar="PATH", help="also write the counters to PATH as JSON each time")
     parser.add_argument("--query", type=parse_listen, metavar="ADDR:PORT",
                         help="do not serve: ask the switch at ADDR:PORT for its open counters (twice, "
                         "--query-interval apart, for throughput) and print them")
-    parser.add_argument("--query-interval", type=float, default=1.0, metavar="SEC",
+    parser.add_argument("--query-interval", type=seconds_or_zero, default=1.0, metavar="SEC",
                         help="seconds between the two queries of --query (0: one query; default 1)")
     parser.add_argument("--json", action="store_true", help="with --query: print the last answer as JSON")
-    parser.add_argument("--duration", type=float, default=0.0, metavar="SEC", help="stop after SEC seconds (0: "
+    parser.add_argument("--duration", type=seconds_or_zero, default=0.0, metavar="SEC", help="stop after SEC seconds (0: "
                         "run until SIGINT or SIGTERM)")
     faults = parser.add_argument_group("fault injection (for tests)")
     faults.add_argument("--drop", type=_probability, default=0.0, metavar="P",
@@ -103,10 +111,15 @@ def format_stats(stats: dict, previous: Optional[dict], elapsed: float, interval
 
 
 def _write_json(path: str, stats: dict) -> None:
+    """Writes the counters; a failure is reported, not raised: the jobs on this switch go on."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(stats, f)
-    os.replace(tmp, path)  # readers never see half a file
+    try:
+        with open(tmp, "w") as f:
+            json.dump(stats, f)
+        os.replace(tmp, path)  # readers never see half a file
+    except OSError as e:
+        print(f"smartcoll switch: cannot write --stats-json {path}: {e.strerror}; serving on", file=sys.stderr,
+              flush=True)
 
 
 def query(address: tuple[str, int], timeout: float = 2.0) -> dict:

@@ -13,6 +13,7 @@ from typing import Optional
 import numpy as np
 
 from .. import launcher
+from ..argtypes import seconds, writable_file
 from . import overlap
 from .report import aggregate, build_rows, format_report, metadata
 from .runners import (
@@ -229,11 +230,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Cluster runs set mpi_yield_when_idle=1 unless given (the emulated hosts share this machine's cores)",
     )
     parser.add_argument(
-        "--json", type=Path, metavar="FILE", help="write all measurements and run metadata to FILE"
+        "--json", type=writable_file, metavar="FILE", help="write all measurements and run metadata to FILE"
     )
     parser.add_argument(
         "--time-limit",
-        type=float,
+        type=seconds,
         default=900.0,
         metavar="S",
         help="stop the run if the smartcoll/gloo part, or the MPI part, takes longer than S seconds "

@@ -19,6 +19,7 @@ import time
 import numpy as np
 from smartcoll import _core, codec
 from .sizes import parse_size
+from ..argtypes import writable_file
 
 
 def best_seconds(fn, repeat: int) -> float:
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--simd", choices=["scalar", "avx2", "avx512"], help="force a SIMD level (default: the best)"
     )
-    ap.add_argument("--json", help="also write the figures to this JSON file")
+    ap.add_argument("--json", type=writable_file, help="also write the figures to this JSON file")
     args = ap.parse_args(argv)
 
     if args.simd:

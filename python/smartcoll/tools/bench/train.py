@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Optional
 
 from .. import launcher
+from ..argtypes import at_least_one, seconds, writable_file
 from .cli import measure_link, place_ranks
 from .report import host_metadata
 from .runners import ProgressBar, status
@@ -114,13 +115,6 @@ def unavailable(variant: Variant) -> Optional[str]:
 # Options
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _variants_arg(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in VARIANTS]
@@ -132,23 +126,23 @@ def _variants_arg(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=_positive, default=8, metavar="L", help="MLP layers (default: %(default)s)")
+    parser.add_argument("--layers", type=at_least_one, default=8, metavar="L", help="MLP layers (default: %(default)s)")
     parser.add_argument(
-        "--width", type=_positive, default=1024, metavar="M",
+        "--width", type=at_least_one, default=1024, metavar="M",
         help="layer width: each layer is an M x M matrix and a bias (default: %(default)s: 4 MiB of float32 "
         "gradient per layer)",
     )
     parser.add_argument(
-        "--batch", type=_positive, default=64, metavar="B", help="samples per rank per iteration (default: %(default)s)"
+        "--batch", type=at_least_one, default=64, metavar="B", help="samples per rank per iteration (default: %(default)s)"
     )
-    parser.add_argument("--iters", type=_positive, default=15, metavar="K", help="timed iterations (default: %(default)s)")
+    parser.add_argument("--iters", type=at_least_one, default=15, metavar="K", help="timed iterations (default: %(default)s)")
     parser.add_argument(
         "--warmup", type=int, default=3, metavar="W",
         help="untimed iterations before them (connections, caches, DDP's bucket rebuild after the first "
         "iteration) (default: %(default)s)",
     )
     parser.add_argument(
-        "-n", "--nprocs", type=_positive, metavar="N",
+        "-n", "--nprocs", type=at_least_one, metavar="N",
         help="ranks (default: 4, or one per host of --cluster)",
     )
     parser.add_argument(
@@ -171,19 +165,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="DDP bucket_cap_mb; 0: one layer per bucket, one all-reduce per layer (default: %(default)s)",
     )
     parser.add_argument(
-        "--threads", type=_positive, metavar="T",
+        "--threads", type=at_least_one, metavar="T",
         help="torch threads per rank (default: this machine's CPUs / N, at least 1: the ranks share the CPUs, "
         "also on an emulated cluster)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weights and data (default: %(default)s)")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="write the figures, loss curves and metadata")
+    parser.add_argument("--json", type=writable_file, metavar="FILE", help="write the figures, loss curves and metadata")
     parser.add_argument(
-        "--png", type=Path, metavar="FILE",
+        "--png", type=writable_file, metavar="FILE",
         help="draw the phases as stacked bars (the paper's Fig. 4a) and every variant's loss curve (needs "
         "matplotlib)",
     )
     parser.add_argument(
-        "--time-limit", type=float, default=300.0, metavar="S",
+        "--time-limit", type=seconds, default=300.0, metavar="S",
         help="stop a variant's ranks after S seconds and report it as failed (default: %(default)s)",
     )
 

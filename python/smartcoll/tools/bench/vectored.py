@@ -48,6 +48,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .sizes import parse_size
+from ..argtypes import writable_file
 from .workers import add_launch_options, run_workers
 
 METHODS = ("list", "fuse-copy", "separate", "contiguous")
@@ -287,7 +288,7 @@ def copy_main(gather: bool, argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--total", default="64M", help="bytes moved per run (default 64M)")
     ap.add_argument("--sizes", default="32,64,128,256,512,1024,2048,4096", help="piece sizes in bytes")
     ap.add_argument("--repeat", type=int, default=5, help="timed runs; the best is reported")
-    ap.add_argument("--json", help="also write the figures to this JSON file")
+    ap.add_argument("--json", type=writable_file, help="also write the figures to this JSON file")
     args = ap.parse_args(argv)
     total = parse_size(args.total)
     region, packed = page_aligned(2 * total), page_aligned(total)

@@ -11,11 +11,13 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from ..argtypes import writable_file
+
 
 def add_launch_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cluster", metavar="NAME", help="one rank per host of the emulated cluster NAME")
     ap.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are stopped")
-    ap.add_argument("--json", help="also write the figures to this JSON file")
+    ap.add_argument("--json", type=writable_file, help="also write the figures to this JSON file")
 
 
 def run_workers(mode: str, module: str, worker_args: list[str], n: int, cluster: Optional[str], timeout: float,

@@ -56,6 +56,7 @@ import numpy as np
 from smartcoll import _core
 
 from ..bench.codec import best_seconds, gradient_like
+from ..argtypes import seconds
 from ..bench.codec import measure as measure_codec
 from ..bench.report import host_metadata
 from ..bench.runners import COLLECTIVES, ProgressBar, status
@@ -90,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=64, help="GEMM batch (default: %(default)s)")
     parser.add_argument("--threads", type=int, help="torch threads for the GEMM (default: CPUs / N, at least 1)")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and calls (about 10 s on loopback)")
-    parser.add_argument("--time-limit", type=float, default=300.0, metavar="S", help="per bench run (default: %(default)s)")
+    parser.add_argument("--time-limit", type=seconds, default=300.0, metavar="S", help="per bench run (default: %(default)s)")
 
 
 def bench_times(collective: str, algo: str, sizes: list[int], nranks: int, cluster: str | None, iters: int,

@@ -22,22 +22,28 @@ from pathlib import Path
 from smartcoll import _core
 
 from . import NO_MATPLOTLIB, load_profile, pyplot, save_figure
+from ..argtypes import writable_file
 from ..bench.runners import COLLECTIVES
 from ..bench.sizes import format_size, format_table
 
-SUMMARY = "measured (smartcoll bench --json files) against predicted, with error %, and auto against the best"
+SUMMARY = "measured (smartcoll bench --json files) against predicted, with error %%, and auto against the best"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", type=Path, help="`smartcoll bench ... --json` files")
     parser.add_argument("--profile", type=Path, help="the profile to predict with (default: built-in)")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables (for BENCHMARKS.md)")
-    parser.add_argument("--png", type=Path, help="draw measured against predicted (needs matplotlib)")
-    parser.add_argument("--json", type=Path, help="write the rows and the summary as JSON")
+    parser.add_argument("--png", type=writable_file, help="draw measured against predicted (needs matplotlib)")
+    parser.add_argument("--json", type=writable_file, help="write the rows and the summary as JSON")
 
 
 def rows_of(path: Path, profile: str) -> list[dict]:
-    report = json.loads(path.read_text())
+    try:
+        report = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON ({e}); pass `smartcoll bench --json` files") from None
     if "results" not in report or "collective" not in report.get("metadata", {}):
         raise ValueError(f"{path} is not a `smartcoll bench --json` file (no metadata.collective and results)")
     meta, knobs = report["metadata"], report["metadata"]["knobs"]

@@ -32,6 +32,7 @@ from typing import Optional
 from smartcoll import _core
 
 from . import NO_MATPLOTLIB, load_profile, pyplot, save_figure
+from ..argtypes import writable_file
 from ..bench.runners import status
 from ..bench.sizes import format_size, format_table, parse_sizes
 
@@ -82,8 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train: of those, cores set aside for the engine (engine_cpus, or the offload daemon's "
                              "--cpus): the compute runs on the rest and the all-reduce takes nothing from it "
                              "(default: 0)")
-    parser.add_argument("--png", type=Path, help="train: draw the scaling (needs matplotlib)")
-    parser.add_argument("--json", type=Path, help="write the predictions")
+    parser.add_argument("--png", type=writable_file, help="train: draw the scaling (needs matplotlib)")
+    parser.add_argument("--json", type=writable_file, help="write the predictions")
 
 
 def collective_rows(args: argparse.Namespace, profile: str) -> list[dict]:
