@@ -119,13 +119,23 @@ def iallgather(comm: Any, xs: Sequence[Any], outs: Sequence[Any], codec: Optiona
     return Request(req, outs, (tuple(xs), tuple(outs)), comm._core)
 
 
+def _whole(values: Sequence[Any], what: str) -> list[int]:
+    """Integers as given (Python or NumPy integers, or whole floats); 2.9 is refused, not cut to 2."""
+    out = []
+    for v in values:
+        if isinstance(v, (bool, np.bool_)) or int(v) != v:
+            raise ValueError(f"alltoallv: {what} must be whole numbers, got {list(values)}")
+        out.append(int(v))
+    return out
+
+
 def _displacements(counts: Sequence[int], displs: Optional[Sequence[int]], what: str, size: int) -> list[int]:
-    counts = [int(c) for c in counts]
+    counts = _whole(counts, f"{what} counts")
     if len(counts) != size or any(c < 0 for c in counts):
         raise ValueError(f"alltoallv: {what} counts must be {size} non-negative integers (one per rank), got {counts}")
     if displs is None:
         return [sum(counts[:j]) for j in range(size)]
-    displs = [int(d) for d in displs]
+    displs = _whole(displs, f"{what} displacements")
     if len(displs) != size or any(d < 0 for d in displs):
         raise ValueError(f"alltoallv: {what} displacements must be {size} non-negative integers, got {displs}")
     return displs
@@ -164,12 +174,13 @@ def ialltoallv(comm: Any, x: Any, out: Any, send_counts: Optional[Sequence[int]]
         raise ValueError("alltoallv cannot run in place: pass a separate out array")
     sd = _displacements(send_counts, send_displs, "send", comm.size)
     rd = _displacements(recv_counts, recv_displs, "recv", comm.size)
+    send_counts, recv_counts = _whole(send_counts, "send counts"), _whole(recv_counts, "recv counts")
     for what, arr, counts, displs in (("x", x, send_counts, sd), ("out", out, recv_counts, rd)):
         for j, (c, d) in enumerate(zip(counts, displs)):
-            if c and d + int(c) > _numel(arr):
+            if c and d + c > _numel(arr):
                 raise ValueError(
-                    f"alltoallv: the block for rank {j} ({int(c)} elements at {d}) runs past the end of {what} "
+                    f"alltoallv: the block for rank {j} ({c} elements at {d}) runs past the end of {what} "
                     f"({_numel(arr)} elements)"
                 )
-    req = comm._core.alltoallv(x, out, [int(c) for c in send_counts], sd, [int(c) for c in recv_counts], rd)
+    req = comm._core.alltoallv(x, out, send_counts, sd, recv_counts, rd)
     return Request(req, out, (x, out), comm._core)

@@ -224,6 +224,10 @@ def test_alltoallv_matches_reference_and_checks_counts():
         assert out.tolist() == want.tolist()
         with pytest.raises(ValueError, match="runs past the end of out"):
             comm.alltoallv(x, out[:1], send, [5, 5])
+        with pytest.raises(ValueError, match=r"send counts must be whole numbers, got \[2\.9, 2\.9\]"):
+            comm.alltoallv(x, out, [2.9, 2.9], recv)
+        with pytest.raises(ValueError, match="recv displacements must be whole numbers"):
+            comm.alltoallv(x, out, send, recv, recv_displs=[0, 1.5])
         bad = list(recv)
         if r == 1:
             bad[0] += 1
