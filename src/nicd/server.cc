@@ -36,6 +36,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr auto kHeartbeat = std::chrono::milliseconds(500);
+// Calls one rank may have posted that its job has not run yet (its other local ranks have not posted them): a
+// client that posts without end is refused before the daemon's memory grows with it.
+constexpr size_t kMaxQueuedPosts = 65536;
 // A rank sends its hello as soon as it connects; a connection silent this long (or the daemon's --timeout, if
 // shorter) is not a rank, and would only hold one of the daemon's descriptors.
 constexpr double kHelloDeadline = 10;
@@ -57,8 +60,15 @@ void pin(const std::vector<int>& cpus) {
   pthread_setaffinity_np(pthread_self(), sizeof set, &set);
 }
 
-bool send_to(int fd, const std::string& msg, int flags = 0) {
-  return fd >= 0 && ::send(fd, msg.data(), msg.size(), MSG_NOSIGNAL | flags) == static_cast<ssize_t>(msg.size());
+// One message to a rank, never blocking the daemon's threads (the control thread serves every job; a worker sends
+// under its job's lock, which the control thread takes too). A rank whose socket is full has stopped reading its
+// answers (a stopped process, or no rank at all): its connection is shut down, which the control thread sees as
+// the rank leaving, so its job fails and the others go on.
+bool send_to(int fd, const std::string& msg) {
+  if (fd < 0) return false;
+  if (::send(fd, msg.data(), msg.size(), MSG_NOSIGNAL | MSG_DONTWAIT) == static_cast<ssize_t>(msg.size())) return true;
+  ::shutdown(fd, SHUT_RDWR);
+  return false;
 }
 
 // A buffer size from counts the ranks posted: throws rather than wrap (a wrapped size would under-allocate and a
@@ -898,7 +908,7 @@ void Server::drop(int fd, const std::string& why) {
       ++stats_.refused;
     }
     event("refused pid " + std::to_string(c.pid) + ": " + why);
-    send_to(fd, encode(Ready{why}), MSG_DONTWAIT);
+    send_to(fd, encode(Ready{why}));
   }
   connections_.erase(it);
 }
@@ -963,6 +973,9 @@ void Server::on_message(Connection& c, std::string_view msg) {
       const Post p = decode_post(msg);
       if (!s.posts.empty() && p.seq <= s.posts.back().seq)
         throw ProtocolError{"call #" + std::to_string(p.seq) + " posted after #" + std::to_string(s.posts.back().seq)};
+      if (s.posts.size() >= kMaxQueuedPosts)
+        throw ProtocolError{std::to_string(kMaxQueuedPosts) + " calls posted and not yet run (the other local ranks "
+                            "have not posted them): no more are queued"};
       if (!job.failed.empty()) {
         send_to(s.fd, encode(Done{p.seq, job.failed}));
       } else {
@@ -1024,8 +1037,6 @@ void Server::serve() {
         c->uid = cred.uid;
         const int raw = fd.get();
         c->fd = std::move(fd);
-        timeval limit{2, 0};  // a rank that stops reading must not stall the daemon
-        ::setsockopt(raw, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof limit);
         connections_[raw] = std::move(c);
         {
           std::lock_guard lock(stats_mu_);
@@ -1060,7 +1071,7 @@ void Server::serve() {
       std::vector<int> silent;  // connected but never said hello: each holds a descriptor of this daemon
       for (const auto& [fd, c] : connections_)
         if (c->job)
-          send_to(fd, encode(Type::heartbeat), MSG_DONTWAIT);
+          send_to(fd, encode(Type::heartbeat));
         else if (std::chrono::duration<double>(beat - c->since).count() > hello_deadline)
           silent.push_back(fd);
       for (int fd : silent) drop(fd, "no hello within " + seconds(hello_deadline) + " s of connecting");

@@ -26,8 +26,8 @@ std::string socket_path(const std::string& tag) {
   return "/tmp/smartcoll-nicd-gtest-" + std::to_string(::getpid()) + "-" + tag + ".sock";
 }
 
-Options nicd_options(const std::string& socket, const std::string& host = "") {
-  return test_options({{"engine", "nicd"}, {"nicd_socket", socket}, {"host", host}});
+Options nicd_options(const std::string& socket, const std::string& host = "", const std::string& timeout = "20") {
+  return test_options({{"engine", "nicd"}, {"nicd_socket", socket}, {"host", host}, {"timeout", timeout}});
 }
 
 // Rank r sends rank d element i of block d: a value naming (r, d, i), with no short period in i, so a block or a
@@ -690,6 +690,44 @@ TEST(Nicd, ARootOutsideTheJobFailsTheCallNotTheDaemon) {
     comm.barrier()->wait();
   });
   EXPECT_EQ(daemon.stats().jobs_formed, 2u);
+  daemon.stop();
+}
+
+// A client that posts hundreds of calls (its job's other rank never comes), aborts, and never reads: failing its
+// job answers every queued call. Those answers used to be sent blocking, 2 s each once the socket was full, on the
+// control thread that every job needs, so another job's calls stalled for minutes. Now a rank whose socket is full
+// is cut off, and the other job's 20 barriers go through within its 5 s timeout.
+TEST(Nicd, AClientThatStopsReadingHoldsUpNoOtherJob) {
+  nicd::Server daemon({socket_path("noreader"), {}, 20});
+  daemon.start();
+  const int fd = connect_to(daemon);
+  ASSERT_GE(fd, 0);
+  nicd::Hello hello;
+  hello.size = 2;
+  hello.timeout = hello.connect_timeout = 1000;
+  hello.job_id = "never-reads";
+  hello.hosts = {0, 0};
+  const std::string h = nicd::encode(hello);
+  ASSERT_GT(::send(fd, h.data(), h.size(), 0), 0);
+  int value = 7;
+  for (uint64_t seq = 0; seq < 600; ++seq) {
+    nicd::Post post;
+    post.seq = seq;
+    post.coll = static_cast<uint8_t>(Collective::allreduce);
+    post.dtype = static_cast<uint8_t>(DataType::i32);
+    post.count = 1;
+    post.in = post.out = reinterpret_cast<uintptr_t>(&value);
+    post.codec = "identity";
+    const std::string p = nicd::encode(post);
+    ASSERT_GT(::send(fd, p.data(), p.size(), 0), 0);
+  }
+  const std::string abort = nicd::encode(nicd::Abort{"a client that never reads"});
+  ASSERT_GT(::send(fd, abort.data(), abort.size(), 0), 0);
+  run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    Communicator comm(r, 2, std::move(store), nicd_options(daemon.path(), "", "5"));
+    for (int i = 0; i < 20; ++i) comm.barrier()->wait();
+  });
+  ::close(fd);
   daemon.stop();
 }
 
