@@ -80,6 +80,16 @@ size_t bytes_of(std::initializer_list<size_t> factors) {
   return total;
 }
 
+// A call's scratch buffer of `bytes`, its old contents dropped: grown to exactly that much (a vector's own growth
+// may double it, past the bound docs/nicd.md gives for what a job holds).
+void fit(std::vector<char>& buffer, size_t bytes) {
+  if (bytes > buffer.capacity()) {
+    std::vector<char>().swap(buffer);
+    buffer.reserve(bytes);
+  }
+  buffer.resize(bytes);
+}
+
 int open_pidfd(pid_t pid) {
 #ifdef SYS_pidfd_open
   const long fd = ::syscall(SYS_pidfd_open, pid, 0);
@@ -437,7 +447,7 @@ void Job::local_reduce(const std::vector<Member>& ms, const Post& p, size_t from
 void Job::windowed(size_t count, size_t chunk, size_t slot_bytes,
                    const std::function<std::shared_ptr<Request>(size_t, size_t, char*)>& start,
                    const std::function<void(size_t, size_t, char*)>& finish) {
-  window.resize(std::min((count + chunk - 1) / chunk, kWindowChunks) * slot_bytes);
+  fit(window, std::min((count + chunk - 1) / chunk, kWindowChunks) * slot_bytes);
   // A chunk's slot is reused only once its call is done and finished: the daemons' engine carries up to
   // kWindowChunks chunks between hosts while the next is read here. A chunk is written back only after every
   // rank's input for its elements was read, so a call in place never overwrites input still to be read.
@@ -511,7 +521,7 @@ void Job::alltoall(const std::vector<Member>& ms, const Post& p) {
   // A part's send and receive segments together (on one host, what one rank's part spreads to: n pieces) are
   // about one chunk, so the window holds what it holds for a reduction.
   const size_t part = std::min(block, std::max(kMinPartBytes, kChunkBytes / (inter ? 2 * pairs : n)));
-  spread.resize(n * part);
+  fit(spread, n * part);
   auto out_at = [&](const Member& m, int source, size_t lo) {
     return m.post.out + static_cast<uint64_t>(source) * block + lo;
   };
@@ -599,7 +609,7 @@ void Job::alltoallv(const std::vector<Member>& ms, const Post& p, bool agreed) {
     wait_between_hosts(inter->allreduce(&largest, &largest, 1, DataType::i64, ReduceOp::max));
   if (largest == 0) return;
   const size_t part = std::min<size_t>(largest, std::max(kMinPartBytes, kChunkBytes / (inter ? 2 * pairs : n)));
-  spread.resize(n * part);
+  fit(spread, n * part);
   auto cut = [](uint64_t bytes, size_t lo, size_t len) { return bytes > lo ? std::min<size_t>(len, bytes - lo) : 0; };
   auto piece = [](uint64_t address, size_t bytes) {
     return iovec{reinterpret_cast<void*>(static_cast<uintptr_t>(address)), bytes};

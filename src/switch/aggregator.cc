@@ -142,6 +142,7 @@ void Aggregator::reply(int t, const Job& job, Type type, const Header& about, co
   h.type = type;
   h.flags = job.full_auth ? kFullAuth : 0;
   h.count = 0;
+  h.codec = 0;  // a reply without elements carries none (a worker refuses pending and error replies that say one)
   if (len) std::memcpy(buf + kHeaderBytes, body, len);
   write_header(h, job.key, buf + kHeaderBytes, len, buf);
   out.send(to, buf, kHeaderBytes + len, false);
@@ -274,7 +275,7 @@ void Aggregator::join(int t, const Packet& p, const uint8_t* raw, const sockaddr
         ans.status = static_cast<uint32_t>(JoinStatus::too_large);
       else if (require_full_ && !full)
         ans.status = static_cast<uint32_t>(JoinStatus::needs_full_auth);
-      else if (body.window > budget_ - used_slots_)
+      else if (body.window > budget_ - used_slots_ || bytes > kMaxTotalBytes - used_bytes_)
         ans.status = static_cast<uint32_t>(JoinStatus::no_room);
       if (ans.status == static_cast<uint32_t>(JoinStatus::ok)) {
         job = std::make_shared<Job>();
@@ -303,6 +304,7 @@ void Aggregator::join(int t, const Packet& p, const uint8_t* raw, const sockaddr
         job->last_active.store(ticks(now), std::memory_order_relaxed);
         jobs_.emplace(job->id, job);
         used_slots_ += job->window;
+        used_bytes_ += bytes;
         ans.free_slots = budget_ - used_slots_;
         jobs_joined_.fetch_add(1, std::memory_order_relaxed);
         generation_.fetch_add(1, std::memory_order_release);
@@ -512,6 +514,7 @@ JobStats Aggregator::snapshot(const Job& job, Clock::time_point now) const {
 
 void Aggregator::retire(const Job& job) {
   used_slots_ -= job.window;
+  used_bytes_ -= size_t{job.window} * (job.world + 1u) * job.max_payload;
   ended_.add(snapshot(job, Clock::now()));
 }
 

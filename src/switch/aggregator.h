@@ -91,8 +91,10 @@ class Aggregator {
   std::vector<uint64_t> expire(Clock::time_point now, Clock::duration idle);
   SwitchStats stats(Clock::time_point now) const;
 
-  // Largest memory one job may take (window x (world + 1) x max payload).
+  // Largest memory one job may take (window x (world + 1) x max payload), and all jobs together: joins past it are
+  // refused for want of room, so that senders who make up jobs cannot make the switch take all of a host's memory.
   static constexpr size_t kMaxJobBytes = size_t{256} << 20;
+  static constexpr size_t kMaxTotalBytes = size_t{4} << 30;
 
  private:
   struct Job;
@@ -120,6 +122,7 @@ class Aggregator {
   mutable std::mutex mu_;  // the job table; joins, leaves and expiry (rare) take it, the data path does not
   std::map<uint64_t, std::shared_ptr<Job>> jobs_;
   uint32_t used_slots_ = 0;
+  size_t used_bytes_ = 0;  // of the jobs' memory (kMaxTotalBytes)
   JobStats ended_;
   std::atomic<uint64_t> generation_{1};  // bumped whenever jobs_ changes: threads refresh their cached view
   std::atomic<uint64_t> join_refused_{0}, jobs_joined_{0}, jobs_left_{0}, jobs_expired_{0}, queries_{0},

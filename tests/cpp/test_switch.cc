@@ -902,6 +902,30 @@ TEST(SwitchAllreduce, ACallWithAnotherCodecThanTheJobsIsRefused) {
   }, e2e::switch_options(sw.address(), {{"codec", "bfp16"}}));
 }
 
+// With a codec too, the switch's answers without results (pending: it waits for slower ranks; error: the ranks
+// disagree) reach the workers: a rank late by 4 switch timeouts causes no fallback, and calls that disagree fail on
+// every rank. Those answers once kept the job's codec in their header, which workers refuse for answers without
+// elements: a late rank made the others give up on the switch, and disagreeing calls were summed anyway.
+TEST(SwitchAllreduce, WithACodecSlowRanksAndDisagreementsAreAnsweredAsWithout) {
+  e2e::Running sw;
+  harness::run_ranks(2, [&](Communicator& comm) {
+    std::vector<float> x(50000, 1.0f);
+    comm.allreduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum, Algorithm::switch_)->wait();
+    if (comm.rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(2));
+    std::fill(x.begin(), x.end(), 1.0f);
+    comm.allreduce(x.data(), x.data(), x.size(), DataType::f32, ReduceOp::sum, Algorithm::switch_)->wait();
+    EXPECT_EQ(x[0], 2.0f);
+    std::vector<float> y(64, 1.0f);
+    try {
+      comm.allreduce(y.data(), y.data(), y.size(), DataType::f32, comm.rank() ? ReduceOp::avg : ReduceOp::sum,
+                     Algorithm::switch_)->wait();
+      ADD_FAILURE() << "rank " << comm.rank() << ": a sum and an avg were reduced together";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find("ranks disagree"), std::string::npos) << e.what();
+    }
+  }, e2e::switch_options(sw.address(), {{"codec", "bfp16"}, {"switch_fallback", "fail"}}));
+}
+
 TEST(SwitchStatsQuery, AnswersWithTheJobsCountersWithoutTheSecret) {
   e2e::Running sw;
   const uint16_t port = sw.sw->port();

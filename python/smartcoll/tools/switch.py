@@ -91,7 +91,7 @@ def format_stats(stats: dict, previous: Optional[dict], elapsed: float, interval
     if isinstance(malformed, dict):  # by reason in process; a total in a query's answer
         malformed = sum(malformed.values())
     lines = [
-        f"[switch {elapsed:.1f} s] jobs {len(stats['jobs'])}, slots free {stats['slots_free']}/{stats['slots_total']},"
+        f"[switch {elapsed:.1f} s] jobs {len(stats['jobs'])}{' at least (the answer left some out)' if stats.get('truncated') else ''}, slots free {stats['slots_free']}/{stats['slots_total']},"
         f" datagrams in {stats['datagrams_in']}, dropped: malformed {malformed}, unknown job {stats['unknown_job']},"
         f" joins refused {stats['join_refused']}; jobs joined {stats['jobs_joined']}, left {stats['jobs_left']},"
         f" expired {stats['jobs_expired']}; ended jobs: results {stats['ended']['results']},"
