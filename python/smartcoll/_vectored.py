@@ -120,12 +120,16 @@ def iallgather(comm: Any, xs: Sequence[Any], outs: Sequence[Any], codec: Optiona
 
 
 def _whole(values: Sequence[Any], what: str) -> list[int]:
-    """Integers as given (Python or NumPy integers, or whole floats); 2.9 is refused, not cut to 2."""
+    """Integers as int() takes them; a float must be whole: 2.9 is refused, not cut to 2."""
     out = []
     for v in values:
-        if isinstance(v, (bool, np.bool_)) or int(v) != v:
+        try:
+            whole = int(v)
+        except (TypeError, ValueError, OverflowError):
+            whole = None
+        if whole is None or (isinstance(v, (float, np.floating)) and whole != v):
             raise ValueError(f"alltoallv: {what} must be whole numbers, got {list(values)}")
-        out.append(int(v))
+        out.append(whole)
     return out
 
 

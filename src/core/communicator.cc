@@ -522,9 +522,10 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
     return req;
   }
   // In place with the input at the output's start, on a rank whose block is elsewhere: the algorithms would write
-  // other ranks' blocks over it before sending it (the switch copies it itself).
+  // other ranks' blocks over it before sending it (the switch's own call copies it, but the ring lanes it runs
+  // after a fallback do not).
   std::shared_ptr<std::vector<char>> staged_input;
-  if (call.coll == Collective::allgather && in == out && rank_ != 0 && !views && call.algo != Algorithm::switch_) {
+  if (call.coll == Collective::allgather && in == out && rank_ != 0 && !views) {
     const auto* from = static_cast<const char*>(in);
     staged_input = std::make_shared<std::vector<char>>(from, from + call.count * dtype_size(call.dt));
     in = staged_input->data();
@@ -588,10 +589,10 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
   auto spec = std::make_shared<const coll::ReduceSpec>(coll::ReduceSpec{call.dt, call.op, size_, call.codec, views});
   coll::Builder b(*task, cx, std::move(spec));
   char* into = static_cast<char*>(out);
-  if (call.coll == Collective::reduce_scatter && in == out && !views &&
-      (call.algo == Algorithm::ring || call.algo == Algorithm::hier)) {
-    // In place, the rings reduce this rank's block into its output while they still send the input's first block
-    // from the same bytes: the block is reduced into scratch and copied into place once the call is done.
+  if (call.coll == Collective::reduce_scatter && in == out && !views && call.algo != Algorithm::shm) {
+    // In place, this rank's block is reduced into its output, the input's first block, while that block is still
+    // sent (the rings, the switch's fallback lanes) or read by peers (cma): it is reduced into scratch and copied
+    // into place once the call is done. shm copies every input into its segment first.
     const size_t bytes = call.count * dtype_size(call.dt);
     into = b.scratch(bytes);
     task->epilogue = [out, into, bytes] { std::memcpy(out, into, bytes); };

@@ -284,35 +284,42 @@ namespace {
 // that stops trying (it gave up, or its process stopped) holds the others back for kClaimMs at most.
 class AccumulateLock {
  public:
-  // Who takes it: the rank, plus kServer for the target's server (whose rank is the region owner's, which may
-  // accumulate into its own region directly too).
-  static uint64_t taker(int rank, bool server) { return (static_cast<uint64_t>(rank) + 1) | (server ? kServer : 0); }
-  // One try: 0 when `who` took the lock, else the rank plus 1 of the holder, or of the claimant it stood back for.
-  static uint64_t take(Service::Slot& slot, uint64_t who, std::span<const int> pids) {
+  // Who takes it: the lock word it writes (its rank plus 1), and its identity in claims: that, plus kServer for the
+  // target's server (whose rank is the region owner's, which may accumulate into its own region directly too); 0
+  // for a rank past the claim's field, which makes no claims (no fairness for it, nothing wrong).
+  struct Taker {
+    uint64_t word, id;
+  };
+  static Taker taker(int rank, bool server) {
+    const uint64_t word = static_cast<uint64_t>(rank) + 1;
+    return {word, word <= kRank ? word | (server ? kServer : 0) : 0};
+  }
+  // One try: 0 when `me` took the lock, else the rank plus 1 of the holder, or of the claimant it stood back for.
+  static uint64_t take(Service::Slot& slot, const Taker& me, std::span<const int> pids) {
     const uint64_t claim = slot.next.load();
-    if (claim && (claim & kWho) != who && now_ms() <= claim >> kWhoBits && !gone(claim & kRank, pids))
-      return slot.accumulating.load() ? slot.accumulating.load() : claim & kRank;
-    const uint64_t me = who & kRank;
+    if (claim && (claim & kWho) != me.id && now_ms() <= claim >> kWhoBits && !gone(claim & kRank, pids)) {
+      const uint64_t holder = slot.accumulating.load();  // read once: a second read may see it released (0)
+      return holder ? holder : claim & kRank;
+    }
     uint64_t held = 0;
-    bool took = slot.accumulating.compare_exchange_strong(held, me);
-    if (!took && gone(held, pids)) took = slot.accumulating.compare_exchange_strong(held, me);
-    if (!took) return held ? held : take(slot, who, pids);  // released meanwhile: try again
-    uint64_t mine = slot.next.load();
-    if ((mine & kWho) == who) slot.next.compare_exchange_strong(mine, 0);  // the claimed turn, taken
+    bool took = slot.accumulating.compare_exchange_strong(held, me.word);
+    if (!took && gone(held, pids)) took = slot.accumulating.compare_exchange_strong(held, me.word);
+    if (!took) return held ? held : take(slot, me, pids);  // released meanwhile: try again
+    withdraw(slot, me);  // the claimed turn, taken
     return 0;
   }
   // After a failed try: claims the next turn unless another's live claim stands, or renews this taker's own.
-  static void claim(Service::Slot& slot, uint64_t who, std::span<const int> pids) {
-    if (who & ~kWho) return;  // a rank number past the field: no claims (no fairness), nothing wrong
+  static void claim(Service::Slot& slot, const Taker& me, std::span<const int> pids) {
+    if (me.id == 0) return;
     uint64_t claim = slot.next.load();
     const uint64_t now = now_ms();
-    if (claim && (claim & kWho) != who && now <= claim >> kWhoBits && !gone(claim & kRank, pids)) return;
-    slot.next.compare_exchange_strong(claim, ((now + kClaimMs) << kWhoBits) | who);
+    if (claim && (claim & kWho) != me.id && now <= claim >> kWhoBits && !gone(claim & kRank, pids)) return;
+    slot.next.compare_exchange_strong(claim, ((now + kClaimMs) << kWhoBits) | me.id);
   }
-  // Withdraws this taker's claim (it gives up), if it still stands.
-  static void withdraw(Service::Slot& slot, uint64_t who) {
+  // Withdraws this taker's claim (it took the lock, or gives up), if it still stands.
+  static void withdraw(Service::Slot& slot, const Taker& me) {
     uint64_t mine = slot.next.load();
-    if (mine && (mine & kWho) == who) slot.next.compare_exchange_strong(mine, 0);
+    if (me.id && mine && (mine & kWho) == me.id) slot.next.compare_exchange_strong(mine, 0);
   }
   // What a caller that waited `timeout` says: the holder now (a stopped process keeps it).
   static std::string waited(uint64_t holder, double timeout) {
@@ -322,7 +329,7 @@ class AccumulateLock {
   // Takes it, waiting at most `timeout` (CommError after it, naming the holder and `what`).
   AccumulateLock(Service::Slot& slot, int rank, std::span<const int> pids, double timeout, const std::string& what)
       : word_(slot.accumulating) {
-    const uint64_t who = taker(rank, false);
+    const Taker who = taker(rank, false);
     const auto deadline = Clock::now() + millis(timeout);
     for (int looks = 0;; ++looks) {
       const uint64_t holder = take(slot, who, pids);
@@ -1246,7 +1253,7 @@ bool Service::serve(Conn& c) {
       // next passes, for at most half the timeout knob, so that its refusal reaches the initiator before the
       // initiator's own timeout, after which nothing may apply it any more.
       Slot& slot = own_->slots()[c.region->id % kSlots];
-      const uint64_t me = AccumulateLock::taker(s_.rank, true);
+      const auto me = AccumulateLock::taker(s_.rank, true);
       uint64_t holder = AccumulateLock::take(slot, me, s_.pids);
       for (int tries = 0; holder != 0 && tries < 20; ++tries) {
         std::this_thread::yield();

@@ -60,13 +60,20 @@ void pin(const std::vector<int>& cpus) {
   pthread_setaffinity_np(pthread_self(), sizeof set, &set);
 }
 
-// One message to a rank, never blocking the daemon's threads (the control thread serves every job; a worker sends
-// under its job's lock, which the control thread takes too). A rank whose socket is full has stopped reading its
-// answers (a stopped process, or no rank at all): its connection is shut down, which the control thread sees as
-// the rank leaving, so its job fails and the others go on.
+// One message to a rank, holding the daemon's threads up for at most kSendWait (the control thread serves every job;
+// a worker sends under its job's lock, which the control thread takes too). A rank whose socket stays full that
+// long has stopped reading its answers (a stopped process, or no rank at all): its connection is shut down, which
+// the control thread sees as the rank leaving, so its job fails and the others go on; later sends to it fail at
+// once. A live rank's reader drains a burst of answers (a failed job answers every queued call) well within it.
+constexpr int kSendWaitMs = 100;
 bool send_to(int fd, const std::string& msg) {
   if (fd < 0) return false;
-  if (::send(fd, msg.data(), msg.size(), MSG_NOSIGNAL | MSG_DONTWAIT) == static_cast<ssize_t>(msg.size())) return true;
+  const auto sent = [&] {
+    return ::send(fd, msg.data(), msg.size(), MSG_NOSIGNAL | MSG_DONTWAIT) == static_cast<ssize_t>(msg.size());
+  };
+  if (sent()) return true;
+  pollfd p{fd, POLLOUT, 0};
+  if (errno == EAGAIN && ::poll(&p, 1, kSendWaitMs) == 1 && (p.revents & POLLOUT) && sent()) return true;
   ::shutdown(fd, SHUT_RDWR);
   return false;
 }

@@ -190,6 +190,19 @@ TEST(Hardening, InPlaceReduceScatterOverTheRingIsRight) {
       }
     });
   }
+  // On one host through the same-host path, where peers read this rank's input block 0 while it reduces its own
+  // block into the same bytes.
+  run_ranks(3, [](Communicator& c) {
+    const size_t count = 300007, n = 3;
+    for (int round = 0; round < 8; ++round) {
+      std::vector<int32_t> x(n * count);
+      for (size_t j = 0; j < x.size(); ++j) x[j] = static_cast<int32_t>(j % 1000) + 1000 * c.rank() + round;
+      c.reduce_scatter(x.data(), x.data(), count, DataType::i32, ReduceOp::sum, std::nullopt, Algorithm::cma)->wait();
+      const size_t at = static_cast<size_t>(c.rank()) * count;
+      for (size_t i = 0; i < count; ++i)
+        ASSERT_EQ(x[i], 3 * static_cast<int32_t>((at + i) % 1000) + 3000 + 3 * round) << "cma round " << round << " " << i;
+    }
+  });
 }
 
 // allgather in place with the input at the output's start (as the switch takes it) on every rank: rank r's input

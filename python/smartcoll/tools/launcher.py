@@ -588,7 +588,7 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "nicd_cpus", "") and not getattr(args, "nicd", False):
         _message("--nicd-cpus sets the CPUs of the daemons --nicd starts: it needs --nicd")
         return 2
-    args.ranks_per_host = per_host or 1
+    args.ranks_per_host = 1 if per_host is None else per_host
     if getattr(args, "cluster", None):
         from . import netemu
 

@@ -34,38 +34,49 @@ def _raise_failure(fut: torch.futures.Future) -> Any:
     return value
 
 
-class Work(dist._Work):
-    """A posted call. wait() raises the call's error (smartcoll.CommError) where it failed."""
+class _Outcome:
+    """A call's result (or the exception object it failed with), set once, before `done`."""
 
-    def __init__(self, source: torch.futures.Future, done: threading.Event):
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value: Any = None
+
+
+class Work(dist._Work):
+    """A posted call. wait() raises the call's error (smartcoll.CommError) where it failed. The Work completes in the
+    order the calls were posted (its outcome is set before the next call's); its future completes right after,
+    once the callbacks chained on earlier futures have let the completing thread go (see Completer)."""
+
+    def __init__(self, source: torch.futures.Future, outcome: _Outcome):
         super().__init__()
         self._source = source  # completed with the result, or with the exception object (see Completer)
-        self._done = done
+        self._outcome = outcome
         # Failing the future DDP holds with set_exception() crashes the process when DDP reads it; a future
         # whose callback raises fails cleanly: DDP and waiters see a RuntimeError carrying the message.
         self._future = source.then(_raise_failure)
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._outcome.done.is_set()
 
     def is_success(self) -> bool:
-        return self._done.is_set() and not isinstance(self._source.value(), BaseException)
+        return self._outcome.done.is_set() and not isinstance(self._outcome.value, BaseException)
 
     def exception(self) -> Optional[BaseException]:
-        value = self._source.value() if self._done.is_set() else None
+        value = self._outcome.value if self._outcome.done.is_set() else None
         return value if isinstance(value, BaseException) else None
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         # Python callers pass None for "no limit", torch's C++ callers timedelta(0).
         seconds = timeout.total_seconds() if timeout else None
-        if not self._done.wait(seconds):
+        if not self._outcome.done.wait(seconds):
             raise TimeoutError(f"smartcoll: collective not finished after {seconds} s (it is still running)")
-        _raise_failure(self._source)
+        if isinstance(self._outcome.value, BaseException):
+            raise self._outcome.value
         return True
 
     def result(self) -> Any:
         self.wait()
-        return self._source.value()
+        return self._outcome.value
 
     def get_future(self) -> torch.futures.Future:
         return self._future
@@ -91,14 +102,14 @@ class Completer:
         """A Work completed once every request is done and `finish` has run; its future's value is what
         `finish` returns. devices: the CUDA devices of that value (a future must be told of them)."""
         source = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
-        done = threading.Event()
+        outcome = _Outcome()
         with self._lock:
             if self._closed:  # nothing would complete it
                 raise RuntimeError("smartcoll: the process group was shut down")
             if not self._threads:
                 self._start()
-        self._queue.put((requests, finish, source, done))
-        return Work(source, done)
+        self._queue.put((requests, finish, source, outcome))
+        return Work(source, outcome)
 
     def close(self) -> None:
         """Completes what was posted, then stops the threads."""
@@ -126,20 +137,21 @@ class Completer:
                 if item is None:
                     self._queue.put(None)
                     return
-                requests, finish, source, done = item
+                requests, finish, source, outcome = item
                 del item
-                value = self._wait(requests, finish)
-                del requests, finish
+                outcome.value = self._wait(requests, finish)
+                outcome.done.set()  # in posting order: this thread still has the turn
+                value = outcome.value
+                del requests, finish, outcome
                 with self._lock:  # the next call's waiting goes on while this thread runs the callbacks
                     if self._idle == 0 and not self._closed:
                         self._start()
             source.set_result(value)
-            done.set()
             with self._lock:
                 self._idle += 1
             # Nothing of a finished call stays referenced by this frame: a daemon thread's frame is never freed,
             # and it would keep the call's buffers (and the engine's objects) alive up to exit.
-            del source, done, value
+            del source, value
 
     @staticmethod
     def _wait(requests: list[Request], finish: Callable[[], Any]) -> Any:
