@@ -130,8 +130,10 @@ def exchange_regions(comm: Any, region: Optional[Region]) -> list[Optional[Remot
 
 def _bytes_list(values: Any, count: Optional[int], what: str, call: str) -> np.ndarray:
     """Non-negative byte counts as uint64; an int stands for `count` equal ones."""
-    if isinstance(values, (int, np.integer)) and count is not None:
-        values = np.full(count, int(values), dtype=np.int64)
+    if isinstance(values, (int, np.integer)) and not isinstance(values, bool) and count is not None:
+        if not 0 <= int(values) < 2**64:
+            raise ValueError(f"{call}: {what} must be non-negative byte counts below 2**64, got {int(values)}")
+        values = np.full(count, int(values), dtype=np.uint64)
     array = np.asarray(values)
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
         raise TypeError(f"{call}: {what} must be a list or 1-D array of integers (bytes), got {array.dtype}")

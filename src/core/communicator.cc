@@ -365,9 +365,9 @@ void Communicator::join_switches() {
       << "(switch_fallback=ring)";
 }
 
-std::string Communicator::cma_unusable_reason() const { return cma_reason_; }
+std::string Communicator::cma_unusable_reason() const { return closed_ ? "the communicator is closed" : cma_reason_; }
 
-std::string Communicator::cma_control() const { return cma_usable_ ? cma_->control() : ""; }
+std::string Communicator::cma_control() const { return cma_usable_ && cma_ ? cma_->control() : ""; }
 
 void Communicator::close() {
   std::lock_guard closing(close_mu_);  // two threads closing at once must not both stop the engine

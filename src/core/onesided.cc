@@ -357,8 +357,9 @@ class AccumulateLock {
   static constexpr uint64_t kWho = (uint64_t{1} << kWhoBits) - 1, kServer = uint64_t{1} << (kWhoBits - 1),
                             kRank = kServer - 1;
   // How long a claim stands unless renewed: its claimant tries again every 50 us (a direct accumulate) or every
-  // millisecond (the server), so only one that stopped trying lets it lapse.
-  static constexpr uint64_t kClaimMs = 50;
+  // millisecond (the server), so only one that stopped trying lets it lapse; long enough that a claimant kept off
+  // its core a while on a loaded host (tests saw 50 ms lapse) keeps its turn.
+  static constexpr uint64_t kClaimMs = 250;
   static uint64_t now_ms() {
     return static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())

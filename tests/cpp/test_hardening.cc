@@ -295,6 +295,10 @@ TEST(Hardening, CallsOnAClosedCommunicatorAreRefused) {
     for (size_t i = 0; i < calls.size(); ++i)
       EXPECT_NE(error_of(calls[i]).find("the communicator is closed"), std::string::npos)
           << "call " << i << ": " << error_of(calls[i]);
+    // What it says of itself after close, without touching what close freed.
+    EXPECT_EQ(c.cma_unusable_reason(), "the communicator is closed");
+    EXPECT_EQ(c.cma_control(), "");
+    EXPECT_EQ(c.engine_stats().workers, 0);
   });
 }
 

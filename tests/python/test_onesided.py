@@ -917,6 +917,13 @@ def test_a_served_accumulate_that_waited_for_the_lock_takes_it_before_a_later_di
                 out["claim"] = struct.unpack_from("<Q", directory, claim)[0] & 0xFFFFFF  # the claimant
                 step.wait(30)  # claimed: rank 0 accumulates (and waits for the lock)
                 time.sleep(0.3)
+                # Released while the claim has most of its 250 ms ahead (the server renews it each try): a claim
+                # that lapsed, the server kept off the cores that long on a loaded host, would test nothing.
+                for _ in range(10000):
+                    left_ms = (struct.unpack_from("<Q", directory, claim)[0] >> 24) - time.monotonic() * 1000
+                    if left_ms >= 150:
+                        break
+                    time.sleep(0.001)
                 struct.pack_into("<Q", directory, lock, 0)
                 step.wait(30)  # both applied
                 out["claim_after"] = struct.unpack_from("<Q", directory, claim)[0]
