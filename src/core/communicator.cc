@@ -480,8 +480,8 @@ void Communicator::check_buffers(const Call& call, const void* in, const void* o
   require(i + in_bytes <= o || o + out_bytes <= i, [&] {
     return std::string(collective_name(call.coll)) + ": the input and output buffers partly overlap (input " +
            std::to_string(in_bytes) + " bytes, output " + std::to_string(out_bytes) + " bytes, " +
-           std::to_string(o > i ? o - i : i - o) + " bytes apart); " +
-           "pass the same buffer to work in place, or buffers that do not overlap";
+           std::to_string(o > i ? o - i : i - o) + " bytes apart); pass the same buffer to work in place, or "
+           "buffers that do not overlap";
   });
 }
 
