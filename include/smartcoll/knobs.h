@@ -139,6 +139,10 @@ inline constexpr Knob kKnobs[] = {
     {"switch_timeout", "2", "float", 0.05, 1e6, false,
      "seconds a switch may leave this rank without any answer, while it waits for results, before it counts as "
      "gone (a live switch answers every retransmission, even while it waits for slower ranks)"},
+    {"switch_keepalive", "15", "float", 0, 1e6, false,
+     "seconds without a switch call after which this rank sends its join to each switch again, so that a job "
+     "that pauses (evaluation, a checkpoint) keeps its slots: a switch frees the slots of a job that sent "
+     "nothing for its --job-timeout (60 s by default; keep it at least 2-3 times this). 0: never"},
     {"switch_slots", "128", "int", 1, 4096, true,
      "slots the job asks of each switch: chunks in flight per rank and switch (the window)"},
     {"switch_packet", "1408", "bytes", 64, 32768, true,

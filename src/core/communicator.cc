@@ -306,6 +306,7 @@ void Communicator::join_switches() {
   settings.offload = config_->switch_offload;
   settings.codec = config_->codec;
   settings.switch_timeout = config_->switch_timeout;
+  settings.keepalive = config_->switch_keepalive;
   settings.timeout = config_->timeout;
   const auto limit = std::chrono::milliseconds(static_cast<int64_t>(config_->connect_timeout * 1000));
   // The job's secret for the switches: fresh for every communicator, drawn by rank 0, shared through the

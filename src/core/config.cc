@@ -210,6 +210,7 @@ Config Config::from(const Options& o) {
   c.switches = o.str("switch");
   c.switch_fallback_ring = o.str("switch_fallback") == "ring";
   c.switch_timeout = o.real("switch_timeout");
+  c.switch_keepalive = o.real("switch_keepalive");
   c.switch_slots = static_cast<uint32_t>(o.integer("switch_slots"));
   c.switch_retry = static_cast<uint64_t>(o.integer("switch_retry"));
   c.switch_packet = static_cast<uint32_t>(o.integer("switch_packet"));

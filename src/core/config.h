@@ -44,6 +44,7 @@ struct Config {
   std::string switches;    // host:port list, parsed by the communicator (switch/client.h)
   bool switch_fallback_ring = true;
   double switch_timeout = 2;
+  double switch_keepalive = 15;  // seconds without a switch call before the join goes again (0: never)
   uint32_t switch_slots = 128, switch_packet = 1408;
   uint64_t switch_retry = 100;  // calls on the ring after a fallback before a probe (0: never)
   bool switch_full_auth = false;

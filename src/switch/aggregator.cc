@@ -267,6 +267,7 @@ void Aggregator::join(int t, const Packet& p, const uint8_t* raw, const sockaddr
           job->joined[p.h.rank] = 1;
           ++job->joined_count;
         }
+        job->last_active.store(ticks(now), std::memory_order_relaxed);  // a keepalive: the job lives on
       }
     } else {
       const size_t bytes = size_t{body.window} * (p.h.world + 1u) * body.max_payload;

@@ -2,8 +2,10 @@
 
 #include <arpa/inet.h>
 #include <poll.h>
+#include <sys/socket.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <sstream>
@@ -122,18 +124,18 @@ Header Client::header(Type type) const {
 
 void Client::join() {
   const auto patience = std::chrono::duration_cast<Clock::duration>(Seconds(settings_.switch_timeout));
+  JoinBody body{};
+  key_.to_bytes(body.key);
+  body.window = settings_.window;
+  body.max_payload = settings_.packet;
+  body.full_auth = settings_.full_auth;
+  put_codec(body, settings_.codec);
+  join_datagram_.assign(kHeaderBytes + sizeof body, 0);
+  uint8_t* datagram = join_datagram_.data();
+  std::memcpy(datagram + kHeaderBytes, &body, sizeof body);
+  write_header(header(Type::join), key_, datagram + kHeaderBytes, sizeof body, datagram);
   for (size_t j = 0; j < remotes_.size(); ++j) {
     Remote& r = remotes_[j];
-    JoinBody body{};
-    key_.to_bytes(body.key);
-    body.window = settings_.window;
-    body.max_payload = settings_.packet;
-    body.full_auth = settings_.full_auth;
-    put_codec(body, settings_.codec);
-    const Header h = header(Type::join);
-    uint8_t datagram[kHeaderBytes + sizeof body];
-    std::memcpy(datagram + kHeaderBytes, &body, sizeof body);
-    write_header(h, key_, datagram + kHeaderBytes, sizeof body, datagram);
     const auto give_up = Clock::now() + patience;
     r.asked = true;
     bool answered = false;
@@ -143,7 +145,7 @@ void Client::join() {
         throw SwitchGone(name(j) + " did not answer within " + log::seconds(settings_.switch_timeout) +
                          " (SMARTCOLL_SWITCH_TIMEOUT): is `smartcoll switch --listen " + r.ep.str() +
                          "` running and reachable from this host?");
-      batch_.add(r.addr, datagram, sizeof datagram);
+      batch_.add(r.addr, datagram, join_datagram_.size());
       batch_.flush(fd_.get());
       pollfd p{fd_.get(), POLLIN, 0};
       ::poll(&p, 1, 100);  // join again every 100 ms until answered
@@ -184,9 +186,45 @@ void Client::join() {
       }
     }
   }
+  if (settings_.keepalive > 0 && !keeper_.joinable()) {
+    last_heard_ = Clock::now();
+    keeper_ = std::thread([this] { keep_alive(); });
+  }
+}
+
+void Client::keep_alive() {
+  const auto every = std::chrono::duration_cast<Clock::duration>(Seconds(settings_.keepalive));
+  std::unique_lock lock(keep_mu_);
+  while (!keep_stop_) {
+    const auto due = last_heard_ + every;
+    if (in_call_ || Clock::now() < due) {
+      keep_cv_.wait_until(lock, in_call_ ? Clock::now() + every : due);
+      continue;
+    }
+    // A join of a job the switch holds refreshes it and changes nothing else. Its answer waits in the socket
+    // for the next call, which skips it. A failed send is left to that call to find (the switch gone).
+    for (const Remote& r : remotes_) {
+      if (!r.asked) continue;
+      if (::sendto(fd_.get(), join_datagram_.data(), join_datagram_.size(), MSG_DONTWAIT,
+                   reinterpret_cast<const sockaddr*>(&r.addr), sizeof r.addr) < 0)
+        SC_LOG(LogLevel::debug, rank_, "switch") << "keepalive to " << r.ep.str()
+                                                 << " not sent: " << std::strerror(errno);
+    }
+    last_heard_ = Clock::now();
+  }
+}
+
+void Client::stop_keeper() {
+  {
+    std::lock_guard lock(keep_mu_);
+    keep_stop_ = true;
+  }
+  keep_cv_.notify_all();
+  if (keeper_.joinable()) keeper_.join();
 }
 
 void Client::leave() {
+  stop_keeper();  // a join after the leave would take the rank back in
   for (Remote& r : remotes_) {
     if (!r.asked) continue;
     r.asked = false;
@@ -214,6 +252,18 @@ size_t Client::chunk_elems(DataType dt, const Codec* codec) const {
 }
 
 void Client::run(const Call& call_args, std::vector<uint8_t>& done, const std::function<std::string()>& peers_lost) {
+  {
+    std::lock_guard lock(keep_mu_);
+    in_call_ = true;
+  }
+  struct Heard {  // the call's end, however it ends, is when the switches last heard from this rank
+    Client& c;
+    ~Heard() {
+      std::lock_guard lock(c.keep_mu_);
+      c.in_call_ = false;
+      c.last_heard_ = Clock::now();
+    }
+  } heard{*this};
   const char* in = call_args.in;
   char* out = call_args.out;
   const size_t count = call_args.count;

@@ -10,10 +10,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "smartcoll/store.h"
@@ -57,6 +60,9 @@ struct ClientSettings {
   Codec codec;              // the job's codec for float32 sums (identity: none); calls may also go raw
   double switch_timeout = 2;  // seconds of silence after which a switch is gone
   double timeout = 60;        // seconds without any result before the call fails
+  // Seconds without a call after which the join goes to every switch again (0: never): a switch frees the slots
+  // of a job it has heard nothing from for its job timeout, and a join of a job it holds counts as hearing.
+  double keepalive = 15;
   // [worker]: the communicator's rank that worker is, for messages (a job of some of its ranks: a column of
   // algo=switch_hier); empty: the same numbers.
   std::vector<int> ranks;
@@ -92,7 +98,8 @@ class Client {
   // why) ends the call with PeerLostSwitch.
   void run(const Call& call, std::vector<uint8_t>& done, const std::function<std::string()>& peers_lost = {});
   std::string name(size_t j) const;  // "switch 10.0.0.1:7000"
-  // Tells every switch that took this rank's join that it is done with the job (once; the destructor too).
+  // Tells every switch that took this rank's join that it is done with the job (once; the destructor too), after
+  // stopping the keepalives.
   void leave();
   uint64_t job() const { return job_; }  // the job's id on the switches: fresh per communicator and per probe
 
@@ -100,6 +107,8 @@ class Client {
   struct Remote;
   Header header(Type type) const;  // this rank's fields of every datagram it sends
   int switch_of(const sockaddr_in& from) const;  // -1: not one of ours
+  void keep_alive();  // the keeper thread: sends the join again after `keepalive` seconds without a call
+  void stop_keeper();
 
   int rank_, world_;
   ClientSettings settings_;
@@ -111,6 +120,13 @@ class Client {
   udp::SendBatch batch_;
   udp::RecvBatch inbox_;
   std::vector<uint8_t> encoded_;  // the call's input, encoded
+  std::vector<uint8_t> join_datagram_;  // this rank's join, the same for every switch
+  // The keeper thread and what it reads: whether a call runs, and when the switches last heard from this rank.
+  std::mutex keep_mu_;
+  std::condition_variable keep_cv_;
+  bool keep_stop_ = false, in_call_ = false;
+  std::chrono::steady_clock::time_point last_heard_;
+  std::thread keeper_;
 };
 
 // What a communicator keeps for the switch algorithm between calls (coll/allreduce_switch.cc).

@@ -171,6 +171,15 @@ def scenario_one_dies(comm, outdir: Path) -> dict:
     return {"unexpected": "the call succeeded without the last rank"}
 
 
+def scenario_pause(comm, outdir: Path) -> dict:
+    """A call, a pause longer than the switch's job timeout (TEST_PAUSE seconds), then calls again."""
+    against_ring(comm, 20000, "float32", "sum")
+    time.sleep(float(os.environ["TEST_PAUSE"]))
+    for _ in range(2):
+        against_ring(comm, 20000, "float32", "sum")
+    return {"checked": 3}
+
+
 def scenario_stalls(comm, outdir: Path) -> dict:
     """Rank 1 sleeps 3 x switch_timeout before a call, then is stopped (SIGSTOP) that long in the middle of calls
     through the switch, as a descheduled process. Run with switch_fallback=fail: a fallback would fail a call."""

@@ -322,6 +322,23 @@ def test_a_dead_rank_fails_the_others_and_its_slots_are_freed(tmp_path, inproc_s
     assert s["jobs_expired"] + s["jobs_left"] == 1, s
 
 
+@pytest.mark.parametrize("keepalive", ["0.2", "0"])
+def test_a_job_that_pauses_longer_than_the_job_timeout_keeps_its_slots(tmp_path, inproc_switch, keepalive):
+    """The switch frees a silent job after 1 s; the ranks pause 2.5 s between calls. With keepalives the calls
+    after the pause go through the switch; without (0), the job is gone and they fail (switch_fallback=fail)."""
+    sw = inproc_switch(job_timeout=1.0)
+    env = {**switch_env(f"127.0.0.1:{sw.port}", switch_fallback="fail", switch_keepalive=keepalive),
+           "TEST_PAUSE": "2.5"}
+    outdir, results = run_scenario(tmp_path, 2, "pause", env)
+    if keepalive == "0":
+        for o in outcomes(outdir, 2, results):
+            assert not o["ok"] and "stopped answering" in o["error"], o
+        return
+    assert_ok(outdir, 2, results)
+    s = sw.stats()
+    assert s["jobs_expired"] == 0 and s["jobs_left"] == 1, s
+
+
 def test_a_dead_rank_fails_the_hierarchical_switch_allreduce(tmp_path, inproc_switch):
     """2 hosts x 2 ranks, algo=switch_hier; rank 3 exits after a call. Its host's other rank fails in the host's
     ring (naming it), and the switch's job for rank 3's column, still waiting for it, makes rank 1 fail naming rank

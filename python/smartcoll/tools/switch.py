@@ -56,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="header: jobs choose what their MACs cover; full: refuse jobs that do not "
                         "authenticate payloads (SMARTCOLL_SWITCH_AUTH=full)")
     parser.add_argument("--job-timeout", type=seconds, default=60.0, metavar="SEC",
-                        help="free the slots of a job that sent nothing valid for SEC seconds (default 60)")
+                        help="free the slots of a job that sent nothing valid for SEC seconds (default 60); "
+                        "workers of a paused job send their join again every switch_keepalive seconds (15 by "
+                        "default), so keep SEC at least 2-3 times that")
     parser.add_argument("--offload", choices=["on", "off"], default="on",
                         help="UDP segmentation offload: results to one worker leave in one message (UDP_SEGMENT) "
                         "and the kernel may join received datagrams (UDP_GRO); off: one datagram per system "
