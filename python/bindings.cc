@@ -428,7 +428,7 @@ NB_MODULE(_core, m) {
         const std::optional<ReduceOp> rop = reduces ? std::optional(parse_op(op)) : std::nullopt;
         const bool compressed = (coll == Collective::allreduce || coll == Collective::reduce_scatter ||
                                  coll == Collective::allgather) &&
-                                c.choose_codec(dt, rop, parse_codec(codec)).kind() != CodecKind::identity;
+                                c.choose_codec(coll, dt, rop, parse_codec(codec)).kind() != CodecKind::identity;
         return std::string(algorithm_name(c.choose(coll, count, dt, parse_algorithm(algo, coll), compressed)));
       })
       .def("engine_stats", [](const Communicator& c) {

@@ -205,7 +205,8 @@ class Communicator {
 
   // The codec a call uses: `requested`, or the knob's where it applies; identity means raw elements.
   // op: nullopt for collectives that do not reduce (allgather).
-  Codec choose_codec(DataType dt, std::optional<ReduceOp> op, const std::optional<Codec>& requested) const;
+  Codec choose_codec(Collective coll, DataType dt, std::optional<ReduceOp> op,
+                     const std::optional<Codec>& requested) const;
 
   // Empty when the same-host path (cma) is usable; otherwise why not.
   std::string cma_unusable_reason() const;

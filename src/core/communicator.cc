@@ -423,10 +423,12 @@ EngineStats Communicator::engine_stats() const {
   return s;
 }
 
-Codec Communicator::choose_codec(DataType dt, std::optional<ReduceOp> op,
+Codec Communicator::choose_codec(Collective coll, DataType dt, std::optional<ReduceOp> op,
                                  const std::optional<Codec>& requested) const {
   const bool applies = dt == DataType::f32 && (!op || *op == ReduceOp::sum || *op == ReduceOp::avg);
-  if (!requested) return applies ? config_->codec : Codec();
+  // The daemon compresses allreduce alone (nicd::check_supported): the knob leaves its other calls raw, where a
+  // codec the caller passes is refused.
+  if (!requested) return applies && (!nicd_ || coll == Collective::allreduce) ? config_->codec : Codec();
   if (!applies && requested->kind() != CodecKind::identity) {
     if (!op)
       throw InvalidArgument("codec '" + requested->name() + "' needs float32 data (got " +
@@ -627,7 +629,7 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
 std::shared_ptr<Request> Communicator::allreduce(const void* in, void* out, size_t count, DataType dt, ReduceOp op,
                                                  Algorithm algo, std::optional<Codec> codec) {
   check_op(dt, op);
-  const Codec wire = choose_codec(dt, op, codec);
+  const Codec wire = choose_codec(Collective::allreduce, dt, op, codec);
   const Algorithm chosen = choose(Collective::allreduce, count, dt, algo, wire.kind() != CodecKind::identity);
   return submit({Collective::allreduce, dt, op, chosen, -1, count, wire}, in, out);
 }
@@ -635,14 +637,14 @@ std::shared_ptr<Request> Communicator::allreduce(const void* in, void* out, size
 std::shared_ptr<Request> Communicator::reduce_scatter(const void* in, void* out, size_t recvcount, DataType dt,
                                                       ReduceOp op, std::optional<Codec> codec, Algorithm algo) {
   check_op(dt, op);
-  const Codec wire = choose_codec(dt, op, codec);
+  const Codec wire = choose_codec(Collective::reduce_scatter, dt, op, codec);
   const Algorithm chosen = choose(Collective::reduce_scatter, recvcount, dt, algo, wire.kind() != CodecKind::identity);
   return submit({Collective::reduce_scatter, dt, op, chosen, -1, recvcount, wire}, in, out);
 }
 
 std::shared_ptr<Request> Communicator::allgather(const void* in, void* out, size_t sendcount, DataType dt,
                                                  std::optional<Codec> codec, Algorithm algo) {
-  const Codec wire = choose_codec(dt, std::nullopt, codec);
+  const Codec wire = choose_codec(Collective::allgather, dt, std::nullopt, codec);
   const Algorithm chosen = choose(Collective::allgather, sendcount, dt, algo, wire.kind() != CodecKind::identity);
   return submit({Collective::allgather, dt, ReduceOp::sum, chosen, -1, sendcount, wire}, in, out);
 }

@@ -248,8 +248,8 @@ std::shared_ptr<Request> Communicator::allreduce(std::span<void* const> bufs, st
   check_op(dt, op);
   const size_t total = check_list(Collective::allreduce, as_const(bufs), counts, "list");
   check_list_memory(Collective::allreduce, {}, bufs, counts, dtype_size(dt), size_, rank_);
-  const Codec wire = list_codec(Collective::allreduce, choose_codec(dt, op, codec), codec.has_value(),
-                                config_->codec_owner);
+  const Codec wire = list_codec(Collective::allreduce, choose_codec(Collective::allreduce, dt, op, codec),
+                                codec.has_value(), config_->codec_owner);
   return submit_list({Collective::allreduce, dt, op, algo, -1, total, wire,
                       layout_digest(Collective::allreduce, counts)},
                      {}, concat(as_const(bufs), counts, dtype_size(dt)));
@@ -273,8 +273,8 @@ std::shared_ptr<Request> Communicator::reduce_scatter(std::span<const void* cons
   const size_t total = check_list(Collective::reduce_scatter, as_const(outs), counts, "output");
   const size_t esize = dtype_size(dt);
   check_list_memory(Collective::reduce_scatter, ins, outs, counts, esize, size_, rank_);
-  const Codec wire = list_codec(Collective::reduce_scatter, choose_codec(dt, op, codec), codec.has_value(),
-                                config_->codec_owner);
+  const Codec wire = list_codec(Collective::reduce_scatter, choose_codec(Collective::reduce_scatter, dt, op, codec),
+                                codec.has_value(), config_->codec_owner);
   return submit_list({Collective::reduce_scatter, dt, op, algo, -1, total, wire,
                       layout_digest(Collective::reduce_scatter, counts)},
                      by_rank(ins, counts, esize, size_), concat(as_const(outs), counts, esize));

@@ -216,6 +216,29 @@ def test_list_calls_and_alltoallv_run_in_the_daemon(tmp_path):
         assert lines[5] == "after [0, 2, 4]", res.stdout  # a refused call leaves the job usable
 
 
+def test_the_codec_knob_leaves_what_the_daemon_cannot_compress_raw():
+    """With SMARTCOLL_CODEC set, float32 allgather and reduce_scatter (one buffer and lists) run raw through the
+    daemon, which compresses allreduce alone: exact results, where bfp16 would round 1e-3 next to 1000."""
+    code = (
+        "import numpy as np, smartcoll\nc = smartcoll.init()\n"
+        "x = np.array([1000.0, 1e-3, 1 / 3, -7.25], np.float32) * (c.rank + 1)\n"
+        "got = c.allgather(x, np.empty(8, np.float32))\n"
+        "assert got.tobytes() == np.concatenate([x / (c.rank + 1), 2 * x / (c.rank + 1)]).tobytes(), got\n"
+        "rs = c.reduce_scatter(np.concatenate([x, x]), np.empty(4, np.float32))\n"
+        "want = np.array([1000.0, 1e-3, 1 / 3, -7.25], np.float32) * 3\n"
+        "assert rs.tobytes() == want.tobytes(), rs\n"
+        "outs = [np.empty(2, np.float32), np.empty(2, np.float32)]\n"
+        "c.reduce_scatter([np.tile(x[:2], 2), np.tile(x[2:], 2)], outs)\n"
+        "assert np.concatenate(outs).tobytes() == want.tobytes(), outs\n"
+        "print('raw ok')\nc.close()\n"
+    )
+    with Daemons(1) as d:
+        run = launcher.run_ranks([sys.executable, "-c", code], 2, 60, base_env=clean_env(),
+                                 env_extra={**d.rank_env(0), "SMARTCOLL_CODEC": "bfp16"})
+    for res in run.results:
+        assert res.returncode == 0 and res.stdout.strip() == "raw ok", res.stderr
+
+
 def test_bench_times_the_daemon_next_to_the_in_process_engine(tmp_path):
     """`smartcoll bench --nicd` starts a daemon for the run and times each size through it too, checked, as a
     column pair next to the in-process engine's."""
