@@ -58,17 +58,21 @@ def _dtype(x: Any) -> str:
     return str(x.dtype).replace("torch.", "")
 
 
-def _check_pair(x: Any, out: Any, ratio_out: float, collective: str) -> None:
+def _check_pair(x: Any, out: Any, collective: str, times: int = 1, per: int = 1) -> None:
+    """out must hold x's elements times `times` / `per` (integers: a float ratio such as 1/49 is inexact)."""
     _check_array(out, "out", writable=True)
-    if out is x and ratio_out == 1:
+    if out is x and times == per:
         return  # in place
     # Comparing dtype objects is cheap (NumPy's and torch's built-in dtypes are singletons: `is` first); their
     # names (str) only when they differ, for the message and for a NumPy array next to a torch tensor.
     if x.dtype is not out.dtype and x.dtype != out.dtype and _dtype(x) != _dtype(out):
         raise TypeError(f"{collective}: out has dtype {_dtype(out)} but the input has {_dtype(x)}; they must match")
-    if _numel(out) != _numel(x) * ratio_out:
+    if _numel(out) * per != _numel(x) * times:
+        if _numel(x) * times % per:
+            raise ValueError(f"{collective}: the input has {_numel(x)} elements, not a multiple of the world size "
+                             f"{per}")
         raise ValueError(
-            f"{collective}: out has {_numel(out)} elements, expected {int(_numel(x) * ratio_out)} "
+            f"{collective}: out has {_numel(out)} elements, expected {_numel(x) * times // per} "
             f"(input has {_numel(x)})"
         )
 
@@ -235,7 +239,7 @@ class Communicator:
         """(core request, result, buffers to keep alive) of a single-array allreduce."""
         _check_array(x, "x", writable=out is None)
         out = x if out is None else out
-        _check_pair(x, out, 1, "allreduce")
+        _check_pair(x, out, "allreduce")
         return self._core.allreduce(x, out, op, algo or "auto", codec or ""), out, (x, out)
 
     def ireduce_scatter(self, x: Any, out: Any, op: str = "sum", codec: Optional[str] = None,
@@ -244,7 +248,7 @@ class Communicator:
         if isinstance(x, (list, tuple)):
             return _vectored().ireduce_scatter(self, x, out, op, codec, algo)
         _check_array(x, "x")
-        _check_pair(x, out, 1 / self.size, "reduce_scatter")
+        _check_pair(x, out, "reduce_scatter", per=self.size)
         return Request(self._core.reduce_scatter(x, out, op, codec or "", algo or "auto"), out, (x, out), self._core)
 
     def iallgather(self, x: Any, out: Any, codec: Optional[str] = None, algo: Optional[str] = None) -> Request:
@@ -252,7 +256,7 @@ class Communicator:
         if isinstance(x, (list, tuple)):
             return _vectored().iallgather(self, x, out, codec, algo)
         _check_array(x, "x")
-        _check_pair(x, out, self.size, "allgather")
+        _check_pair(x, out, "allgather", times=self.size)
         return Request(self._core.allgather(x, out, codec or "", algo or "auto"), out, (x, out), self._core)
 
     def ibroadcast(self, x: Any, root: int = 0, algo: Optional[str] = None) -> Request:
@@ -270,7 +274,7 @@ class Communicator:
         _check_array(x, "x", writable=out is None and self.rank == root)
         if self.rank == root:
             out = x if out is None else out
-            _check_pair(x, out, 1, "reduce")
+            _check_pair(x, out, "reduce")
         else:
             out = None
         return Request(self._core.reduce(x, out, op, root, algo or "auto"), out if out is not None else x, (x, out),
@@ -279,7 +283,7 @@ class Communicator:
     def ialltoall(self, x: Any, out: Any, algo: Optional[str] = None) -> Request:
         """algo: auto, direct, bruck, pairwise, cma or shm."""
         _check_array(x, "x")
-        _check_pair(x, out, 1, "alltoall")
+        _check_pair(x, out, "alltoall")
         if _numel(x) % self.size:
             raise ValueError(f"alltoall: {_numel(x)} elements do not split into {self.size} equal blocks")
         if out is x:

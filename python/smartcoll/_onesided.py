@@ -43,6 +43,8 @@ def _as_array(buffer: Any, what: str, writable: bool) -> Any:
             raise TypeError(f"{what} is read-only: pass a writable buffer (a bytearray, not bytes)")
         return array
     _check_array(buffer, what, writable=writable)
+    if isinstance(buffer, np.ndarray) and buffer.dtype.hasobject:  # its bytes are pointers into this process
+        raise TypeError(f"{what} holds Python objects (dtype {buffer.dtype}): pass an array of numbers")
     return buffer
 
 

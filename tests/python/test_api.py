@@ -97,6 +97,18 @@ TYPE_ERRORS = {
 }
 
 
+@pytest.mark.parametrize("size", [2, 3, 49, 98, 1000])
+def test_sizes_are_checked_in_whole_numbers_at_every_world_size(size):
+    """1 / size in floating point times a count is not always that count / size (size 49, 98, ...)."""
+    from smartcoll._comm import _check_pair
+
+    for k in (1, 2, 3, 1000):
+        _check_pair(np.zeros(size * k, np.float32), np.zeros(k, np.float32), "reduce_scatter", per=size)
+        _check_pair(np.zeros(k, np.float32), np.zeros(size * k, np.float32), "allgather", times=size)
+    with pytest.raises(ValueError, match=f"has {size + 1} elements, not a multiple of the world size {size}"):
+        _check_pair(np.zeros(size + 1, np.float32), np.zeros(1, np.float32), "reduce_scatter", per=size)
+
+
 @pytest.mark.parametrize("case", list(TYPE_ERRORS))
 def test_type_error_says_what_to_pass(comm, case):
     call, pattern = TYPE_ERRORS[case]

@@ -177,6 +177,7 @@ def test_bad_calls_are_refused_by_name():
             lambda: comm.accumulatev(peer, out, remote[peer], [2]),  # not whole elements
             lambda: comm.getv(peer, remote[peer], [0], 8, out),  # 8 bytes into 16
             lambda: comm.getv(peer, remote[peer], [0], 16, out.view(np.uint8)[::2]),  # not contiguous
+            lambda: comm.getv(peer, remote[peer], [0], 16, np.empty(2, object)),  # pointers, not numbers
         ):
             with pytest.raises((ValueError, TypeError)) as info:
                 call()
@@ -203,8 +204,9 @@ def test_bad_calls_are_refused_by_name():
     assert "is not made of whole float32 elements" in errors[5]
     assert "the remote pieces add up to 8 bytes but the local buffers to 16" in errors[6]
     assert "non-contiguous" in errors[7]
-    assert "rank 1 refused it: piece 0 (16 bytes at offset 8000) lies outside region 2 of 4096 bytes" in errors[8]
-    assert "rank 1 refused it: rank 1 has no region 7 (it has registered 2)" in errors[9]
+    assert "holds Python objects (dtype object): pass an array of numbers" in errors[8]
+    assert "rank 1 refused it: piece 0 (16 bytes at offset 8000) lies outside region 2 of 4096 bytes" in errors[9]
+    assert "rank 1 refused it: rank 1 has no region 7 (it has registered 2)" in errors[10]
 
 
 def test_the_identity_codec_means_raw_bytes():
