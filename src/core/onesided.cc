@@ -1,5 +1,6 @@
 #include "core/onesided.h"
 
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -31,6 +32,12 @@ constexpr size_t kDiscard = 64 * 1024;  // a refused payload is read and dropped
 
 std::chrono::milliseconds millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+// Whether the other end of a stream closed it (what it sent before may still be unread here).
+bool hung_up(int fd) {
+  pollfd p{fd, POLLRDHUP, 0};
+  return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
 // A message's bytes as a list of buffers, and how far they have moved.
@@ -1240,6 +1247,14 @@ bool Service::serve(Conn& c) {
   a.id = c.h.id;
   Out o;
   std::string why = c.refused;
+  if (why.empty() && static_cast<Kind>(c.h.kind) != Kind::get && hung_up(c.fd.get())) {
+    // The initiator closed the channel after sending this: it failed the call (its timeout, while this process
+    // was stopped or busy) or exited. Applied now, the call could overwrite a later one that succeeded (a put
+    // copied directly) or be applied twice by an initiator that tries again.
+    close(c, "rank " + std::to_string(c.peer) + " closed the channel before its " + kind_name(c.h.kind) +
+                 " was applied: not applied");
+    return true;
+  }
   if (why.empty()) {
     std::lock_guard lock(c.region->mu);
     if (!c.region->alive) {

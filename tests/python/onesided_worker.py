@@ -144,6 +144,34 @@ def stalled(comm, out: dict, outdir: Path) -> None:
         out["direct"] = {k: v for k, v in comm.engine_stats().items() if k.startswith("direct_")}
 
 
+def failed_not_applied(comm, out: dict, outdir: Path) -> None:
+    """Rank 1 stops rank 0 (SIGSTOP) and accumulates 100 into it: the call fails at the timeout. Rank 0 is let
+    go, rank 1 accumulates 1 more; rank 0 then holds 1 + 1, not 1 + 100 + 1 (the failed call is never applied,
+    though its request waited in rank 0's socket)."""
+    data = np.zeros(16, np.int64)
+    region, remote = share_region(comm, data, outdir, 0)
+    if comm.rank == 0:
+        await_files([outdir / "done"], 60)
+        out["values"] = data.tolist()
+        return
+    pid = int((outdir / "pid0").read_text())
+    comm.accumulatev(0, np.ones(16, np.int64), remote[0], [0])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while not stopped(pid) and time.monotonic() < deadline:  # a running target would serve the call
+            time.sleep(0.01)
+        try:
+            comm.accumulatev(0, np.full(16, 100, np.int64), remote[0], [0])
+            out["error"] = None
+        except smartcoll.CommError as e:
+            out["error"] = str(e)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    comm.accumulatev(0, np.ones(16, np.int64), remote[0], [0])
+    (outdir / "done").touch()
+
+
 def directory_fd(flags: int = os.O_RDWR) -> int:
     """A descriptor of this process's directory of regions (its shared-memory memfd "smartcoll-rma")."""
     for f in os.listdir("/proc/self/fd"):
@@ -279,7 +307,7 @@ def main() -> None:
     with smartcoll.init(timeout=float(sys.argv[3]) if len(sys.argv) > 3 else 20, connect_timeout=20) as comm:
         rank = comm.rank
         {"sleeping": sleeping, "killed": killed, "stalled": stalled, "stopped_writer": stopped_writer,
-         "dead_holder": dead_holder}[scenario](
+         "dead_holder": dead_holder, "failed_not_applied": failed_not_applied}[scenario](
             comm, out, outdir)
         (outdir / f"rank{rank}.json").write_text(json.dumps(out))
         if scenario != "sleeping":  # a dead or stopped peer: leave without the closing handshakes

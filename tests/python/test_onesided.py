@@ -687,6 +687,15 @@ def test_a_stalled_target_fails_the_call_after_the_timeout(ranks, tmp_path):
     assert time.monotonic() - start < 40
 
 
+def test_a_call_that_failed_at_the_timeout_is_never_applied(ranks, tmp_path):
+    res = ranks(2, ["failed_not_applied", tmp_path, 2], timeout=60, worker=WORKER,
+                env={"SMARTCOLL_RMA_DIRECT": "off"})
+    assert_all_ok(res)
+    out = outcomes(tmp_path, [0, 1])
+    assert "no answer from rank 0 for 2" in out[1]["error"], out
+    assert out[0]["values"] == [2] * 16, out
+
+
 def test_a_stopped_target_on_this_host_is_read_directly(ranks, tmp_path):
     """The same stopped target, with gets and puts copied directly (rma_direct=auto, the default), between two
     processes: the target's process takes no part, so the calls complete."""
