@@ -62,9 +62,10 @@ StartUpVerdict parse_verdict(const std::string& verdict, int size) {
 }
 
 Descriptor make_descriptor(Collective coll, DataType dt, ReduceOp op, Algorithm algo, int root, size_t count,
-                           const Codec& codec, bool codec_owner) {
+                           const Codec& codec, bool codec_owner, uint64_t call) {
   const bool compressed = codec.kind() != CodecKind::identity;
   return {kDescriptorMagic,
+          static_cast<uint16_t>(call),
           static_cast<uint8_t>(coll),
           static_cast<uint8_t>(dt),
           static_cast<uint8_t>(op),
@@ -126,8 +127,23 @@ std::string describe(const Descriptor& d) {
 }
 
 std::string disagreement_text(uint64_t seq, int rank, const Descriptor& mine, int peer, const Descriptor& theirs) {
+  const uint64_t call = call_of(theirs, seq);
+  std::string as;
+  if (call > seq)
+    as = " as its call #" + std::to_string(call) + " (it is ahead: it made call #" + std::to_string(seq) +
+         " with no message to this rank, as a call of no elements does)";
+  else if (call < seq)
+    as = " in its call #" + std::to_string(call) + " (this rank's call #" + std::to_string(call) +
+         " took no message from it: the ranks disagreed on that call, on its count (one of no elements sends "
+         "nothing) or its root, for one)";
   return std::string(kMarker) + std::to_string(seq) + ": rank(s) " + std::to_string(rank) + " called " +
-         describe(mine) + "; rank(s) " + std::to_string(peer) + " called " + describe(theirs) + ";" + std::string(kHow);
+         describe(mine) + "; rank(s) " + std::to_string(peer) + " called " + describe(theirs) + as + ";" +
+         std::string(kHow);
+}
+
+uint64_t call_of(const Descriptor& d, uint64_t seq) {
+  const auto ahead = static_cast<int16_t>(static_cast<uint16_t>(d.call - static_cast<uint16_t>(seq)));
+  return ahead < 0 && seq < static_cast<uint64_t>(-ahead) ? seq : seq + static_cast<uint64_t>(int64_t{ahead});
 }
 
 Disagreement::Disagreement(const Task& task, int from, const Descriptor& got)

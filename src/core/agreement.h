@@ -25,14 +25,17 @@ struct StartUpVerdict {
 // from the store).
 StartUpVerdict parse_verdict(const std::string& verdict, int size);
 
-inline constexpr uint32_t kDescriptorMagic = 0x53434433;  // "SCD3"
+inline constexpr uint16_t kDescriptorMagic = 0x3444;  // "D4"
 
 Descriptor make_descriptor(Collective coll, DataType dt, ReduceOp op, Algorithm algo, int root, size_t count,
-                           const Codec& codec, bool codec_owner);
+                           const Codec& codec, bool codec_owner, uint64_t call = 0);
 // List calls (docs/vectored.md) carry a digest of their counts (never 0) where the call has room: in root, which
 // the unrooted collectives leave at -1, and for broadcast (which takes no codec) in codec_block.
 void set_list_layout(Descriptor& d, uint32_t digest);
 uint32_t list_layout(const Descriptor& d);  // 0: not a list call
+// The number of the call a peer's descriptor belongs to, read against this rank's call `seq`: it carries the low
+// 16 bits, so the nearest number with those bits.
+uint64_t call_of(const Descriptor& d, uint64_t seq);
 // "allreduce(count=10, float32, op=sum, algo=ring)"; a descriptor with a bad magic or codes is named as such.
 std::string describe(const Descriptor& d);
 // "ranks disagree on call #seq: rank(s) R called ...; rank(s) P called ...; <what to check>": the text of a

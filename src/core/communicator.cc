@@ -216,7 +216,8 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
   engine_->on_disagreement = [this](const Disagreement& d) {
     Descriptor mine{};
     if (history_->find(d.seq, mine)) publish_call(*store_, d.seq, rank_, &mine);
-    publish_call(*store_, d.seq, d.peer, &d.theirs);
+    // The peer's call of the same number, unless its message came from another call (its own report says).
+    if (call_of(d.theirs, d.seq) == d.seq) publish_call(*store_, d.seq, d.peer, &d.theirs);
   };
   engine_->start();
   SC_LOG(LogLevel::info, rank_, "") << "up: " << size_ << " ranks, " << engine_->workers() << " engine workers, "
@@ -516,9 +517,12 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
     if (in && out && in != out && bytes) std::memmove(out, in, bytes);
     if (cma_usable_) {  // a same-host peer whose count is not 0 must not wait for this rank there
       const Descriptor d =
-          make_descriptor(call.coll, call.dt, call.op, call.algo, call.root, call.count, call.codec, false);
+          make_descriptor(call.coll, call.dt, call.op, call.algo, call.root, call.count, call.codec, false, seq_);
       cma_->elsewhere(seq_, &d);
     }
+    // Kept for the report of a disagreement: a peer that made this call with elements reports it.
+    history_->add(seq_, make_descriptor(call.coll, call.dt, call.op, call.algo, call.root, call.count, call.codec,
+                                        config_->codec_owner, seq_));
     ++seq_;
     last_posted_ = req;
     req->finish("");
@@ -619,6 +623,7 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
   check_one_poster();
   last_posted_ = req;
   task->seq = seq_++;
+  task->desc.call = static_cast<uint16_t>(task->seq);
   history_->add(task->seq, task->desc);
   if (cma_usable_ && call.algo != Algorithm::cma && call.algo != Algorithm::shm)
     cma_->elsewhere(task->seq, &task->desc);

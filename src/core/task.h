@@ -28,7 +28,10 @@ class BufferPool;
 // What a call is, as ranks compare it: carried in front of the call's first message on every channel (when the
 // check knob is on) and compared by the receiver before anything it carries is used.
 struct Descriptor {
-  uint32_t magic;
+  uint16_t magic;
+  // The call's number in its communicator, low 16 bits: a rank whose message belongs to another call (one that
+  // skipped a call of no elements, which sends nothing) is caught as a disagreement, not paired with it.
+  uint16_t call;
   uint8_t coll, dtype, op, algo;
   uint8_t codec, codec_mant, codec_exp, codec_owner;
   uint32_t codec_block;

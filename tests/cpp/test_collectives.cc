@@ -1,4 +1,5 @@
 // Collectives with ranks as threads sharing an in-memory store, over real loopback TCP.
+#include <array>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -146,6 +147,37 @@ TEST(Errors, MismatchedCountNamesEveryRank) {
     EXPECT_NE(errors[r].find("rank(s) 1 called allreduce(count=99"), std::string::npos) << errors[r];
     EXPECT_NE(errors[r].find("rank(s) 0,2 called allreduce(count=100"), std::string::npos) << errors[r];
   }
+}
+
+TEST(Errors, ACallOfNoElementsOnOneRankIsNotPairedWithTheOthersCall) {
+  // Rank 0's first call has no elements: it sends nothing and completes at once. Its second call's messages must
+  // not be taken for the first call's by the others (same shape: the sums would be silently wrong).
+  const int n = 3;
+  std::vector<std::array<std::string, 2>> errors(n);
+  run_ranks(
+      n,
+      [&](Communicator& comm) {
+        const auto r = static_cast<size_t>(comm.rank());
+        std::vector<float> x(4, 1.0f + static_cast<float>(r));
+        for (size_t call = 0; call < 2; ++call) {
+          const size_t count = call == 0 && r == 0 ? 0 : x.size();
+          try {
+            comm.allreduce(x.data(), x.data(), count, DataType::f32, ReduceOp::sum, Algorithm::ring)->wait();
+          } catch (const CommError& e) {
+            errors[r][call] = e.what();
+          }
+        }
+      },
+      test_options({{"cma", "off"}}));
+  EXPECT_EQ(errors[0][0], "");  // of no elements: nothing to disagree with
+  for (size_t r = 1; r < n; ++r) EXPECT_NE(errors[r][0], "") << "rank " << r << " took rank 0's next call";
+  for (size_t r = 0; r < n; ++r) EXPECT_NE(errors[r][1], "") << "rank " << r;
+  // Found by rank 1 or 2 (rank 0's message is a call ahead) or by rank 0 (theirs is a call behind).
+  const std::string all = errors[0][1] + errors[1][0] + errors[2][0];
+  EXPECT_TRUE(all.find("as its call #1 (it is ahead: it made call #0 with no message to this rank") !=
+                  std::string::npos ||
+              all.find("in its call #0 (this rank's call #0 took no message from it") != std::string::npos)
+      << all;
 }
 
 TEST(Errors, PeerThatLeavesFailsTheOthersNamingIt) {
