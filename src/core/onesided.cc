@@ -439,7 +439,8 @@ struct Service::Accepting {
 };
 
 Service::Service(const Settings& settings, std::shared_ptr<Store> store)
-    : s_(settings), outstanding_(new std::atomic<int>[static_cast<size_t>(settings.size)]()), store_(std::move(store)), connected_(static_cast<size_t>(settings.size), false),
+    : s_(settings), outstanding_(new std::atomic<int>[static_cast<size_t>(settings.size)]()), store_(std::move(store)),
+      connecting_(new std::mutex[static_cast<size_t>(settings.size)]), connected_(static_cast<size_t>(settings.size), false),
       last_close_(static_cast<size_t>(settings.size)), gone_(static_cast<size_t>(settings.size), false),
       to_peer_(static_cast<size_t>(settings.size), nullptr) {
   listener_ = net::listen_on(s_.host.empty() ? "127.0.0.1" : s_.host, 0, 1024);
@@ -844,17 +845,20 @@ std::shared_ptr<Request> Service::copy_directly(Kind kind, const RemoteRegion& r
 }
 
 void Service::connect(int peer) {
-  std::lock_guard cl(connect_mu_);
-  {
+  auto connected = [&] {
     std::lock_guard lock(mu_);
     if (stop_) throw InvalidArgument("the communicator is closed");
     if (!aborted_.empty()) throw CommError(aborted_);
-    if (connected_[static_cast<size_t>(peer)]) return;
+    if (connected_[static_cast<size_t>(peer)]) return true;
     // A channel closed because its peer left or sent garbage, or refused this rank: that peer is not tried again.
     if (gone_[static_cast<size_t>(peer)])
       throw CommError(last_close_[static_cast<size_t>(peer)] + "; one-sided calls to rank " + std::to_string(peer) +
                       " fail from now on");
-  }
+    return false;
+  };
+  if (connected()) return;
+  std::lock_guard cl(connecting_[static_cast<size_t>(peer)]);
+  if (connected()) return;  // another caller connected meanwhile
   const auto limit = millis(s_.connect_timeout);
   std::string addr;
   try {

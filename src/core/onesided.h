@@ -190,7 +190,8 @@ class Service {
   Clock::time_point swept_{};  // the server thread's last drop_stale_mappings
   bool directory_closed_ = false;
 
-  std::mutex connect_mu_;  // one caller connects to a peer at a time
+  // [peer]: one caller connects to a peer at a time; callers to other peers, or to connected ones, go on.
+  std::unique_ptr<std::mutex[]> connecting_;
   std::mutex mu_;          // the inbox, and which peers have a channel
   std::vector<std::pair<int, net::Fd>> new_conns_;
   std::vector<std::shared_ptr<Call>> new_calls_;

@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -207,6 +208,42 @@ def test_bad_calls_are_refused_by_name():
     assert "holds Python objects (dtype object): pass an array of numbers" in errors[8]
     assert "rank 1 refused it: piece 0 (16 bytes at offset 8000) lies outside region 2 of 4096 bytes" in errors[9]
     assert "rank 1 refused it: rank 1 has no region 7 (it has registered 2)" in errors[10]
+
+
+def test_a_call_to_a_connected_peer_does_not_wait_for_a_connect_to_another():
+    """Rank 0 has a channel to rank 1; a thread of it calls rank 2, which serves nothing (its connect waits for
+    connect_timeout, 3 s); a call to rank 1 meanwhile completes at once."""
+    def body(comm):
+        data = np.arange(1024, dtype=np.float32)
+        region = comm.register(data) if comm.rank == 1 else None
+        comm.barrier()
+        took = None
+        if comm.rank == 0:
+            to1 = smartcoll.RemoteRegion(1, 1, 4096, "float32")
+            out = np.empty(4, np.float32)
+            comm.getv(1, to1, [0], [16], out)  # the channel to rank 1 is open
+            failed = []
+
+            def call_rank2():
+                with pytest.raises(smartcoll.CommError) as info:
+                    comm.getv(2, smartcoll.RemoteRegion(2, 1, 4096, "float32"), [0], [16], np.empty(4, np.float32))
+                failed.append(str(info.value))
+
+            thread = threading.Thread(target=call_rank2)
+            thread.start()
+            time.sleep(0.3)
+            start = time.monotonic()
+            comm.getv(1, to1, [4], [16], out)
+            took = time.monotonic() - start
+            thread.join(30)
+            assert out.tolist() == [1.0, 2.0, 3.0, 4.0] and "serves no one-sided operations" in failed[0], failed
+        comm.barrier()
+        if region:
+            region.close()
+        return took
+
+    took = run_thread_ranks(3, body, connect_timeout=3)[0]
+    assert took < 1.5, f"the call to the connected rank 1 waited {took:.1f} s behind the connect to rank 2"
 
 
 def test_the_identity_codec_means_raw_bytes():
