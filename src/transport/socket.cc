@@ -145,7 +145,7 @@ uint16_t bound_port(int fd) {
   return ntohs(sa.sin_port);
 }
 
-Fd connect_to(const Endpoint& ep, Clock::time_point deadline) {
+Fd connect_to(const Endpoint& ep, Clock::time_point deadline, const std::function<std::string(int)>& give_up) {
   sockaddr_in sa = ipv4_address(ep.host, ep.port);
   std::string last_error = "deadline passed before the first attempt";
   auto pause = std::chrono::milliseconds(5);
@@ -170,7 +170,11 @@ Fd connect_to(const Endpoint& ep, Clock::time_point deadline) {
       set_nodelay(s.get());
       return s;
     }
-    last_error = errno_text(errno);
+    const int err = errno;
+    last_error = errno_text(err);
+    if (give_up)
+      if (std::string why = give_up(err); !why.empty())
+        throw CommError("cannot connect to " + ep.str() + " (" + last_error + "): " + why);
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(200));
   } while (Clock::now() < deadline);

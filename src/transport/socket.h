@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace smartcoll::net {
@@ -49,7 +50,9 @@ sockaddr_in ipv4_address(const std::string& host, uint16_t port);
 Fd listen_on(const std::string& host, uint16_t port, int backlog);  // port 0: any free port
 uint16_t bound_port(int fd);
 // Connects, retrying refused connections until the deadline (the listener may not be up yet).
-Fd connect_to(const Endpoint& ep, Clock::time_point deadline);
+// Tries again (a peer not listening yet refuses) until `deadline`, or until `give_up`, asked with the errno of
+// each failed try, returns a reason: then throws CommError with it.
+Fd connect_to(const Endpoint& ep, Clock::time_point deadline, const std::function<std::string(int)>& give_up = {});
 Fd accept_from(int listen_fd, Clock::time_point deadline);
 // The abstract name of a job's Unix socket: "smartcoll/<job fingerprint, hex>/<rank>/<what>".
 std::string job_socket_name(uint64_t job, int rank, const std::string& what);

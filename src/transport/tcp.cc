@@ -15,6 +15,8 @@ namespace smartcoll {
 namespace {
 
 constexpr auto kHelloDeadline = std::chrono::seconds(5);
+// A peer that refuses connections this long at the address it published has closed its listener.
+constexpr auto kRefusedFor = std::chrono::seconds(2);
 
 std::string listen_host(const Config& c, const std::string& route_hint) {
   if (!c.addr.empty()) return net::resolve_ipv4(c.addr);
@@ -180,7 +182,32 @@ void TcpTransport::adopt_pending() {
 
 void TcpTransport::accept_incoming() {
   std::lock_guard lock(mu_);
-  if (listener_ && !aborted_) adopt_pending();
+  if (!listener_) return;
+  if (aborted_)
+    turn_away();
+  else
+    adopt_pending();
+}
+
+void TcpTransport::turn_away() {
+  // A peer whose connection waits in a backlog sees it close at once, and reads why in the store, instead of
+  // waiting for data until its timeout.
+  for (const net::Fd* l : {&listener_, &local_listener_})
+    while (*l && net::Fd(::accept4(l->get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK))) {
+    }
+  pending_.clear();
+}
+
+std::string TcpTransport::failed_meanwhile(int peer, net::Clock::time_point& last) {
+  const auto now = net::Clock::now();
+  if (now - last < std::chrono::milliseconds(200)) return "";
+  last = now;
+  try {
+    if (auto why = store_->check("failed/" + std::to_string(peer)))
+      return "rank " + std::to_string(peer) + " failed: " + *why;
+  } catch (const std::exception&) {  // the store is gone: the timeout decides
+  }
+  return "";
 }
 
 void TcpTransport::say_hello(int fd, int peer, int stream, net::Clock::time_point deadline) const {
@@ -203,15 +230,18 @@ net::Fd TcpTransport::connect_local(int peer, int stream) {
 bool TcpTransport::connect(int peer, int stream) {
   Channel& c = chan(peer, stream);
   if (c.fd.load() >= 0) return true;
-  std::lock_guard lock(mu_);
-  if (aborted_) throw CommError("the communicator was aborted");
-  if (c.fd.load() >= 0) return true;
   const auto limit = millis(config_.connect_timeout);
   if (peer > rank()) {
+    std::lock_guard lock(mu_);
+    if (aborted_) throw CommError("the communicator was aborted");
     adopt_pending();
     if (c.fd.load() >= 0) return true;
     const auto now = net::Clock::now();
     if (c.waiting_since == net::Clock::time_point{}) c.waiting_since = now;
+    // A peer that failed before it connected (an abort, a call that failed there) never will: said at once.
+    if (std::string why = failed_meanwhile(peer, c.looked); !why.empty())
+      throw CommError("rank " + std::to_string(peer) + " did not connect to rank " + std::to_string(rank()) + ": " +
+                      why);
     if (now - c.waiting_since > limit) {
       const std::string why = peer_failure(peer);
       throw CommError("rank " + std::to_string(peer) + " did not connect to rank " +
@@ -222,18 +252,45 @@ bool TcpTransport::connect(int peer, int stream) {
     }
     return false;
   }
-  if (net::Fd s = connect_local(peer, stream)) {
-    install(peer, stream, std::move(s), true);
+  // This rank connects. Without holding mu_ while it waits for the peer: abort() takes it, and must not wait.
+  // (A channel is connected by the one worker that owns its stream.)
+  if (aborted_) throw CommError("the communicator was aborted");
+  auto installed = [&](net::Fd s, bool local) {
+    std::lock_guard lock(mu_);
+    if (aborted_) throw CommError("the communicator was aborted");
+    install(peer, stream, std::move(s), local);
     return true;
+  };
+  if (net::Fd s = connect_local(peer, stream)) return installed(std::move(s), true);
+  std::string addr;
+  {
+    std::lock_guard lock(mu_);
+    addr = addrs_[peer];
   }
-  if (addrs_[peer].empty())
-    addrs_[peer] = store_->get(
+  if (addr.empty()) {
+    addr = store_->get(
         "addr/" + std::to_string(peer) + "/" + (claims_.empty() ? "" : claims_.at(static_cast<size_t>(peer))), limit);
+    std::lock_guard lock(mu_);
+    addrs_[peer] = addr;
+  }
   const auto deadline = net::Clock::now() + limit;
-  net::Fd s = net::connect_to(parse_endpoint(addrs_[peer]), deadline);
+  // The peer published its address after it began to listen: refusals for a while mean that it closed its
+  // listener since, so it exited, crashed or closed its communicator. The store says why where it left a reason.
+  net::Clock::time_point looked{}, refused_since{};
+  net::Fd s = net::connect_to(parse_endpoint(addr), deadline, [&](int err) -> std::string {
+    if (aborted_) return "the communicator was aborted";
+    if (std::string why = failed_meanwhile(peer, looked); !why.empty()) return why;
+    const auto now = net::Clock::now();
+    if (err != ECONNREFUSED) refused_since = {};
+    else if (refused_since == net::Clock::time_point{}) refused_since = now;
+    else if (now - refused_since > kRefusedFor)
+      return "rank " + std::to_string(peer) + " has refused connections for " +
+             std::to_string(std::chrono::duration_cast<std::chrono::seconds>(kRefusedFor).count()) +
+             " s though it listened there: it exited, crashed or closed its communicator (see its output)";
+    return "";
+  });
   say_hello(s.get(), peer, stream, deadline);
-  install(peer, stream, std::move(s), false);
-  return true;
+  return installed(std::move(s), false);
 }
 
 std::string TcpTransport::peer_failure(int peer) {
@@ -246,7 +303,11 @@ std::string TcpTransport::peer_failure(int peer) {
 
 void TcpTransport::fail_peer(int peer, const std::string& what) {
   const std::string why = peer_failure(peer);
-  const std::string where = local_peer_[static_cast<size_t>(peer)].load() ? "Unix socket on this host" : addrs_[peer];
+  std::string where = "Unix socket on this host";
+  if (!local_peer_[static_cast<size_t>(peer)].load()) {
+    std::lock_guard lock(mu_);  // another worker may be writing it (its first connect to that peer)
+    where = addrs_[peer];
+  }
   throw CommError("connection to rank " + std::to_string(peer) + (where.empty() ? "" : " (" + where + ")") + " " +
                   what +
                   (why.empty() ? "; that rank exited, crashed or failed (see its output)"
@@ -298,6 +359,11 @@ void TcpTransport::abort(const std::string& reason) {
   std::lock_guard lock(mu_);
   for (int i = 0; i < size() * streams(); ++i)
     if (chans_[i].fd.load() >= 0) ::shutdown(chans_[i].fd.load(), SHUT_RDWR);
+  // Stops listening (the descriptors stay valid in the workers' epoll sets): a peer that connects later is
+  // refused, and its connect gives up once it reads this rank's reason in the store.
+  for (const net::Fd* l : {&listener_, &local_listener_})
+    if (*l) ::shutdown(l->get(), SHUT_RDWR);
+  turn_away();
 }
 
 }  // namespace smartcoll

@@ -57,17 +57,22 @@ class TcpTransport final : public Transport {
     std::atomic<int> fd{-1};
     net::Fd owned;
     net::Clock::time_point waiting_since{};  // accepting side: when this rank first needed it
+    net::Clock::time_point looked{};         // accepting side: when the store last said the peer had not failed
   };
   struct Pending;  // an accepted connection whose hello has not fully arrived
 
   Channel& chan(int peer, int stream) { return chans_[static_cast<size_t>(peer) * streams() + stream]; }
   const Channel& chan(int peer, int stream) const { return chans_[static_cast<size_t>(peer) * streams() + stream]; }
   void install(int peer, int stream, net::Fd fd, bool local);  // mu_ held
-  net::Fd connect_local(int peer, int stream);                 // mu_ held; empty where it cannot be reached
+  net::Fd connect_local(int peer, int stream);                 // empty where it cannot be reached
   void say_hello(int fd, int peer, int stream, net::Clock::time_point deadline) const;
   void watch(int stream, int fd);                   // mu_ held: into the owner's epoll set
   void adopt_pending();                             // mu_ held
+  void turn_away();                                 // mu_ held: closes what waits to be accepted
   std::string peer_failure(int peer) override;
+  // "rank P failed: why" once P left a reason in the store (abort, a failed call), else ""; asks the store at
+  // most every 200 ms per `last`.
+  std::string failed_meanwhile(int peer, net::Clock::time_point& last);
   [[noreturn]] void fail_peer(int peer, const std::string& what);
 
   std::shared_ptr<Store> store_;

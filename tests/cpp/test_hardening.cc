@@ -349,6 +349,59 @@ TEST(Hardening, AbortFailsThisRankAndItsPeersFast) {
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
 }
 
+// A rank that aborts before it ever connected: a peer that waits for it to connect (rank 2 is above them) and a
+// peer that connects to it (rank 0 is below them) both fail at once naming the reason, not after connect_timeout.
+class AbortBeforeConnecting : public ::testing::TestWithParam<int> {};
+
+TEST_P(AbortBeforeConnecting, FailsThePeersAtOnce) {
+  const int aborter = GetParam();
+  const auto start = Clock::now();
+  std::latch aborted(1), done(2);
+  std::vector<std::string> errors(3);
+  run_threads(3, [&](int r, std::shared_ptr<Store> store) {
+    Communicator c(r, 3, store, test_options({{"cma", "off"}, {"timeout", "30"}, {"connect_timeout", "30"}}));
+    if (r == aborter) {
+      c.abort("stopped by the test");
+      aborted.count_down();
+      done.wait();  // alive, listening socket and all, until the others have failed
+      return;
+    }
+    aborted.wait();
+    float x = 1.0f;
+    errors[static_cast<size_t>(r)] =
+        error_of([&] { c.allreduce(&x, &x, 1, DataType::f32, ReduceOp::sum, Algorithm::ring)->wait(); });
+    done.count_down();
+  });
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
+  for (int r = 0; r < 3; ++r)
+    if (r != aborter)
+      EXPECT_NE(errors[static_cast<size_t>(r)].find("aborted: stopped by the test"), std::string::npos)
+          << "rank " << r << ": " << errors[static_cast<size_t>(r)];
+}
+
+INSTANTIATE_TEST_SUITE_P(Hardening, AbortBeforeConnecting, ::testing::Values(0, 2));
+
+// A peer that closed (or crashed) after publishing its address refuses connections: given up on after 2 s of
+// refusals, not after connect_timeout.
+TEST(Hardening, APeerThatClosedBeforeConnectingIsGivenUpOnWithinSeconds) {
+  const auto start = Clock::now();
+  std::string error;
+  std::latch closed(1);
+  run_threads(2, [&](int r, std::shared_ptr<Store> store) {
+    Communicator c(r, 2, store, test_options({{"cma", "off"}, {"timeout", "60"}, {"connect_timeout", "60"}}));
+    if (r == 0) {
+      c.close();
+      return closed.count_down();
+    }
+    closed.wait();
+    float x = 1.0f;
+    error = error_of([&] { c.allreduce(&x, &x, 1, DataType::f32, ReduceOp::sum, Algorithm::ring)->wait(); });
+  });
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(15));
+  EXPECT_NE(error.find("rank 0 has refused connections for 2 s though it listened there"), std::string::npos)
+      << error;
+}
+
 TEST(Hardening, AForkedChildGetsAClearErrorAndExits) {
   run_ranks(2, [](Communicator& c) {
     float x = 1.0f;
