@@ -726,10 +726,12 @@ Codec Codec::parse(std::string_view name) {
                     {"mant", &c.mant_bits_, 1, 15, false},
                     {"exp", &c.exp_bits_, 1, 8, false}};
   std::string_view rest = name.substr(kBfpPrefix.size());
-  while (!rest.empty()) {
+  // Every comma is followed by an item: "bfp:block=16," is refused, not read as "bfp:block=16".
+  for (bool more = !rest.empty(); more;) {
     const size_t comma = rest.find(',');
     const std::string_view item = rest.substr(0, comma);
-    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+    more = comma != std::string_view::npos;
+    rest = more ? rest.substr(comma + 1) : std::string_view{};
     const size_t eq = item.find('=');
     if (eq == std::string_view::npos) bad_name(name, "expected key=value, got '" + std::string(item) + "'");
     const std::string_view key = item.substr(0, eq), text = item.substr(eq + 1);
