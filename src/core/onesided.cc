@@ -439,8 +439,11 @@ struct Service::Accepting {
 };
 
 Service::Service(const Settings& settings, std::shared_ptr<Store> store)
-    : s_(settings), outstanding_(new std::atomic<int>[static_cast<size_t>(settings.size)]()), store_(std::move(store)),
-      connecting_(new std::mutex[static_cast<size_t>(settings.size)]), connected_(static_cast<size_t>(settings.size), false),
+    : s_(settings),
+      outstanding_(new std::atomic<int>[static_cast<size_t>(settings.size)]()),
+      store_(std::move(store)),
+      connecting_(new std::mutex[static_cast<size_t>(settings.size)]),
+      connected_(static_cast<size_t>(settings.size), false),
       last_close_(static_cast<size_t>(settings.size)), gone_(static_cast<size_t>(settings.size), false),
       to_peer_(static_cast<size_t>(settings.size), nullptr) {
   listener_ = net::listen_on(s_.host.empty() ? "127.0.0.1" : s_.host, 0, 1024);

@@ -131,7 +131,8 @@ TEST(CodecNames, ElementBits) {
 TEST(CodecNames, RejectsBadNames) {
   for (const char* n : {"", "bfp", "mxfp8", "bfp:block=0", "bfp:block=4097", "bfp:mant=16", "bfp:exp=9",
                         "bfp:mant=0", "bfp:block=16,block=16", "bfp:size=3", "bfp:block", "bfp:block=1x",
-                        "bfp:block=", "bfp:block=-1", "FP16", "bfp:block=16,", "bfp:,block=16", "bfp:block=16,,mant=7"}) {
+                        "bfp:block=", "bfp:block=-1", "FP16", "bfp:block=16,", "bfp:,block=16",
+                        "bfp:block=16,,mant=7"}) {
     EXPECT_THROW(Codec::parse(n), InvalidArgument) << n;
   }
   try {
