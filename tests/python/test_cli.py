@@ -60,6 +60,24 @@ def test_failing_rank_stops_the_others_quickly_and_is_named(capsys):
     assert "stopping ranks 0, 1, 3" in err
 
 
+def test_ranks_that_fail_within_a_moment_of_the_first_are_named_too(capsys, tmp_path):
+    """A failure takes peers down right after it, sometimes before the failed rank's own process has ended: the
+    launcher names every rank that failed within 0.3 s of the first, not only the first to exit (rank 1 exits as
+    soon as it sees rank 0 about to)."""
+    flag = tmp_path / "rank0-exits"
+    script = ("import os, sys, time\nr = int(os.environ['RANK'])\n"
+              f"if r == 0:\n    open({str(flag)!r}, 'w').close()\n    sys.exit(3)\n"
+              f"if r == 1:\n    while not os.path.exists({str(flag)!r}):\n        time.sleep(0.005)\n    sys.exit(4)\n"
+              "time.sleep(60)\n")
+    status = launcher.launch([PY, "-c", script], 3, grace=2.0)
+    err = capsys.readouterr().err
+    first, then = ("0", "1") if status == 3 else ("1", "0")
+    code = {"0": 3, "1": 4}
+    assert (f"rank {first} failed with exit code {code[first]} (then rank {then} with exit code {code[then]}, "
+            "within 0.3 s") in err, err
+    assert "stopping rank 2" in err, err
+
+
 def test_rank_killed_by_a_signal_is_reported_with_the_signal_name(capsys):
     script = (
         "import os, signal, time\n"

@@ -164,6 +164,7 @@ def _raise_terminated(signum, frame):
     raise _Terminated(signum)
 
 
+_SETTLE_S = 0.3  # after a rank fails, how long the others' exits are gathered before the job is stopped
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # a closed terminal or ssh session stops the job like SIGTERM
 _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child must not load anything after fork
@@ -474,8 +475,22 @@ def _supervise(procs: Sequence[subprocess.Popen], timeout: Optional[float], grac
             continue
         running.discard(rank)
         if code != 0:
+            # Peers a failure takes down exit right after it, sometimes first (the offload daemon fails them
+            # before the failed rank's process has ended): name whoever else failed within a moment too.
+            also = []
+            settle = time.monotonic() + _SETTLE_S
+            while running and (left := settle - time.monotonic()) > 0:
+                try:
+                    other, other_code = exits.get(timeout=left)
+                except queue.Empty:
+                    break
+                running.discard(other)
+                if other_code != 0:
+                    also.append(f"rank {other} with {describe_exit(other_code)}")
             _message(
                 f"rank {rank} failed with {describe_exit(code)}"
+                + (f" (then {', '.join(also)}, within {_SETTLE_S:g} s: see each rank's output for the cause)"
+                   if also else "")
                 + (f"; stopping {_ranks(sorted(running))}" if running else "")
             )
             stop(procs, grace)
