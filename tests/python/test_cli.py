@@ -3,16 +3,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import os
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import needs_core, run_cli as _smartcoll
+from conftest import clean_env, needs_core, run_cli as _smartcoll
 from smartcoll.tools import bench, cli, launcher
 from smartcoll.tools.bench import peers
 
@@ -98,6 +102,14 @@ def test_ranks_that_ignore_sigterm_are_killed_after_the_grace_period(capsys):
     assert "timed out after 1 s; killing ranks 0, 1" in capsys.readouterr().err
 
 
+def _running(pid: int) -> bool:
+    """Whether the process runs (killed but not yet reaped by init is a zombie, "Z": not running)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_what_a_wrapper_rank_started_is_killed_after_the_grace_period_too(tmp_path, capsys):
     """A rank that is a shell: the shell dies of SIGTERM at once, its child ignores it. The child is SIGKILLed after
     the grace period as well (the rank's process group is stopped, not only its first process)."""
@@ -108,15 +120,33 @@ def test_what_a_wrapper_rank_started_is_killed_after_the_grace_period_too(tmp_pa
     assert status == launcher.EXIT_TIMEOUT and time.monotonic() - start < 8
     pids = [int((tmp_path / str(rank)).read_text()) for rank in range(2)]
 
-    def running(pid: int) -> bool:  # killed but not yet reaped by init: a zombie, "Z"
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-
-    left = [pid for pid in pids if running(pid)]
+    left = [pid for pid in pids if _running(pid)]
     assert not left, f"processes left behind: {left}"
     assert "killing ranks 0, 1" in capsys.readouterr().err
+
+
+def test_what_a_wrapper_rank_started_dies_with_a_sigkilled_launcher(tmp_path):
+    """`smartcoll run` killed with SIGKILL: the rank (a shell) dies with it (PR_SET_PDEATHSIG), and the launcher's
+    guard kills what the shell started, which would otherwise run on."""
+    child = f"import os, time; open(r'{tmp_path}/pid', 'w').write(str(os.getpid())); time.sleep(60)"
+    run = subprocess.Popen([PY, "-m", "smartcoll.tools.cli", "run", "-n", "1", "--", "sh", "-c",
+                            f'{PY} -c "{child}"; true'], env=clean_env(), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    pid_file = tmp_path / "pid"
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pid = int(pid_file.read_text())
+    try:
+        run.kill()
+        run.wait()
+        deadline = time.monotonic() + 10
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _running(pid), f"the wrapper rank's child {pid} outlived the launcher"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_command_that_cannot_start_is_reported(capsys):

@@ -173,11 +173,82 @@ _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child mus
 def _die_with_launcher(launcher_pid: int) -> None:
     """Runs in each rank between fork and exec: the kernel kills the rank when the launcher dies, even by SIGKILL
     (no chance to stop its ranks). A launcher that died before this ran is seen as a changed parent. Only the
-    rank's own process: what a rank that is a wrapper (a shell) started survives a SIGKILLed launcher; SIGTERM
+    rank's own process: what a rank that is a wrapper (a shell) started is left to the guard (_Guard); SIGTERM
     and Ctrl-C stop the whole process group."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != launcher_pid:
         os._exit(1)
+
+
+# The guard's program: reads "PGID START" lines (a rank's process group, and its leader's start time in clock
+# ticks since boot), then "done". At end of input without "done" (the launcher died, even of SIGKILL), it
+# SIGKILLs every group whose number still belongs to that leader or to no process (a group outlives its leader
+# with the same number, which no new process can take while the group lives).
+_GUARD = """
+import os, signal, sys
+groups = {}
+for line in sys.stdin:
+    if line.strip() == "done":
+        sys.exit(0)
+    pgid, start = line.split()
+    groups[int(pgid)] = start
+for pgid, start in groups.items():
+    try:
+        with open(f"/proc/{pgid}/stat") as f:
+            now = f.read().rsplit(")", 1)[1].split()[19]
+    except OSError:
+        now = start
+    if now == start:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except OSError:
+            pass
+"""
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time (clock ticks since boot, field 22 of /proc/PID/stat); "" where unreadable."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+class _Guard:
+    """A small process that outlives a launcher killed without stopping its ranks (SIGKILL gives it no chance)
+    and then SIGKILLs the ranks' process groups. PR_SET_PDEATHSIG already kills each rank's own process; what a
+    rank that is a wrapper (a shell) started would otherwise run on. Its own session: Ctrl-C does not reach it.
+    Use as a context manager; watch(proc) after each rank starts."""
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _GUARD], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True, text=True,
+        )
+
+    def watch(self, proc: subprocess.Popen) -> None:
+        if start := _start_time(proc.pid):
+            self._proc.stdin.write(f"{proc.pid} {start}\n")
+            self._proc.stdin.flush()
+
+    def __enter__(self) -> "_Guard":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """The ranks are stopped: the guard leaves without touching them."""
+        try:
+            self._proc.stdin.write("done\n")
+            self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
 
 
 def new_job_id() -> str:
@@ -353,19 +424,21 @@ def run_ranks(
         logs = Path(scratch) if logdir is None else Path(logdir)
         logs.mkdir(parents=True, exist_ok=True)
         procs: list[subprocess.Popen] = []
-        try:
-            for rank in range(nprocs):
-                env = rank_environ(rank, world_size, port, master_addr=master_addr, base_env=base_env,
-                                   env_extra=env_extra, rank_env=rank_env, job_id=job_id)
-                argv = list(rank_prefix(rank) if rank_prefix else []) + list(cmd)
-                with open(logs / f"rank{rank}.out", "wb") as out, open(logs / f"rank{rank}.err", "wb") as err:
-                    procs.append(start_rank(argv, env, out, err, cwd))
-            deadline = time.monotonic() + timeout
-            while any(procs[r].poll() is None for r in must) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            hung = sorted(r for r in must if procs[r].poll() is None)
-        finally:
-            stop(procs, grace)
+        with _Guard() as guard:
+            try:
+                for rank in range(nprocs):
+                    env = rank_environ(rank, world_size, port, master_addr=master_addr, base_env=base_env,
+                                       env_extra=env_extra, rank_env=rank_env, job_id=job_id)
+                    argv = list(rank_prefix(rank) if rank_prefix else []) + list(cmd)
+                    with open(logs / f"rank{rank}.out", "wb") as out, open(logs / f"rank{rank}.err", "wb") as err:
+                        procs.append(start_rank(argv, env, out, err, cwd))
+                    guard.watch(procs[-1])
+                deadline = time.monotonic() + timeout
+                while any(procs[r].poll() is None for r in must) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                hung = sorted(r for r in must if procs[r].poll() is None)
+            finally:
+                stop(procs, grace)
         results = [
             RankResult(
                 p.returncode,
@@ -409,6 +482,7 @@ def launch(
     lock = threading.Lock()
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, _raise_terminated) for s in _STOP_SIGNALS} if in_main_thread else {}
+    guard = _Guard()
     try:
         for rank in range(nprocs):
             env = rank_environ(rank, nprocs, port, env_extra=env_extra, rank_env=rank_env, job_id=job_id)
@@ -419,6 +493,7 @@ def launch(
             except OSError as e:
                 raise _StartFailed(f"cannot start rank {rank} ({argv[0]}): {e.strerror or e}") from e
             procs.append(proc)
+            guard.watch(proc)
             if prefix:
                 for stream, sink in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
                     t = threading.Thread(
@@ -438,6 +513,7 @@ def launch(
         status = 128 + e.signum
     finally:
         stop(procs, grace)
+        guard.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         relays_end = time.monotonic() + 2.0  # together, not 2 s each
