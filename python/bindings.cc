@@ -261,7 +261,15 @@ NB_MODULE(_core, m) {
      "(addresses, counts) of a list whose entries are all plain NumPy arrays or all plain tensors that pass the "
      "checks; else None.");
 
-  nb::class_<Store>(m, "Store");
+  nb::class_<Store>(m, "Store")
+      .def("set", [](Store& s, const std::string& key, const std::string& value) {
+        nb::gil_scoped_release release;
+        s.set(key, value);
+      }, "key"_a, "value"_a)
+      .def("check", [](Store& s, const std::string& key) {
+        nb::gil_scoped_release release;
+        return s.check(key);
+      }, "key"_a, "The value if the key exists now (None otherwise), without waiting.");
   nb::class_<TcpStore, Store>(m, "TcpStore")
       .def("__init__", [](TcpStore* self, const std::string& host, nb::int_ port, bool serve, double timeout,
                           std::string secret) {
@@ -279,6 +287,8 @@ NB_MODULE(_core, m) {
         s.close();
       });
   nb::class_<FileStore, Store>(m, "FileStore").def(nb::init<std::string>(), "path"_a);
+  nb::class_<PrefixStore, Store>(m, "PrefixStore").def(nb::init<std::shared_ptr<Store>, std::string>(), "inner"_a,
+                                                        "prefix"_a);
 
   // The aggregation switch (`smartcoll switch`): serves on its own threads; the CLI polls stats().
   nb::class_<sw::Switch>(m, "Switch")

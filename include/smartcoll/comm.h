@@ -266,6 +266,8 @@ class Communicator {
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<cma::Local> cma_;
   std::unique_ptr<sw::Path> switch_;  // the aggregation switches (switch knob), joined at start-up
+  // Cleared at the first failure: the switch clients stop their keepalives (sw::ClientSettings::job_alive).
+  std::shared_ptr<std::atomic<bool>> switch_alive_ = std::make_shared<std::atomic<bool>>(true);
   std::shared_ptr<nicd::Client> nicd_;  // engine=nicd: the host's offload daemon runs every call
   mutable std::shared_mutex rma_mu_;
   std::unique_ptr<rma::Service> rma_;  // one-sided operations

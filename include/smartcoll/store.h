@@ -23,6 +23,9 @@ class Store {
   // The value if the key exists now, without waiting (nullopt otherwise); never drops a connection. Throws
   // CommError only when the store cannot be reached.
   virtual std::optional<std::string> check(const std::string& key);
+  // check(), except that it never waits behind another thread's request (a get that waits for its key): nullopt
+  // then, as for a key that does not exist. For looks made by threads that must not stall (the engine's).
+  virtual std::optional<std::string> peek(const std::string& key) { return check(key); }
   // Deletes every key that begins with `prefix` (a whole key, where no other key extends it); returns how many.
   // Throws CommError when the store cannot be reached, or (a TCP store's server of release 0.1.0) cannot delete.
   virtual size_t erase_prefix(const std::string& prefix) = 0;
@@ -44,6 +47,7 @@ class PrefixStore : public Store {
     return inner_->get(prefix_ + key, timeout);
   }
   std::optional<std::string> check(const std::string& key) override { return inner_->check(prefix_ + key); }
+  std::optional<std::string> peek(const std::string& key) override { return inner_->peek(prefix_ + key); }
   size_t erase_prefix(const std::string& prefix) override { return inner_->erase_prefix(prefix_ + prefix); }
 
  private:
@@ -128,6 +132,7 @@ class TcpStore : public Store {
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key, std::chrono::milliseconds timeout) override;
   std::optional<std::string> check(const std::string& key) override;
+  std::optional<std::string> peek(const std::string& key) override;
   size_t erase_prefix(const std::string& prefix) override;
   std::string locator() const override { return "tcp " + ip_ + " " + std::to_string(port_) + " " + secret_; }
   // The port served (when serving with port 0, the one the kernel chose) or connected to.
@@ -140,7 +145,7 @@ class TcpStore : public Store {
   int connection(std::chrono::steady_clock::time_point deadline);
   void disconnect();
   std::string where() const;
-  // Sends a get (wait) or a check and reads its reply (nullopt: the key does not exist, for a check).
+  // Sends a get (wait) or a check and reads its reply (nullopt: the key does not exist, for a check); mu_ held.
   std::optional<std::string> ask(bool wait, const std::string& key, std::chrono::milliseconds timeout);
   uint16_t port_ = 0;  // first: checked before the host is resolved
   std::string ip_;

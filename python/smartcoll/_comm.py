@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import os
@@ -9,7 +10,7 @@ import re
 import secrets
 import socket
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 from urllib.parse import urlparse
 
 import numpy as np
@@ -155,12 +156,13 @@ def _finish(core_request: Any, result: Any, keepalive: tuple, comm: Any) -> Any:
 class Communicator:
     """A group of ranks. Collectives run in call order on one engine thread; every rank must make the same calls."""
 
-    def __init__(self, core: Any, store: Any = None):
+    def __init__(self, core: Any, store: Any = None, forget: Optional[Callable[[], None]] = None):
         self._core = core
         # The rendezvous store made for this communicator alone. Closed here, without the interpreter lock: as the
         # engine's last reference it would close while taking that lock, and rank 0's store waits up to seconds
         # for ranks that may be threads of this process needing the lock to leave it.
         self._store = store
+        self._forget = forget  # deletes what rank 0 published about that store in another one (torch's)
 
     @property
     def rank(self) -> int:
@@ -207,6 +209,10 @@ class Communicator:
         store = getattr(self, "_store", None)
         if store is not None and hasattr(store, "close"):
             store.close()
+        forget, self._forget = getattr(self, "_forget", None), None
+        if forget:
+            with contextlib.suppress(Exception):  # the other store may be gone: nothing is left to delete
+                forget()
 
     def abort(self, reason: str = "aborted by the application") -> None:
         """Fails every pending and later collective of this communicator, here at once and on the peers within
@@ -475,25 +481,74 @@ def _master() -> tuple[str, int]:
 _bootstraps: dict[int, tuple[Any, itertools.count]] = {}
 
 
-def _store_through(kv: Any, rank: int, options: dict[str, str], timeout: float, secret: str) -> tuple[Any, str]:
+def _store_through(kv: Any, rank: int, options: dict[str, str], timeout: float,
+                   secret: str) -> tuple[Any, str, Optional[Callable[[], None]]]:
     """A rendezvous store reached through another key-value store `kv` (torch.distributed's, or any object with
     set(key, value) and get(key) -> bytes): rank 0 serves one on a free port and publishes where, with a fresh
-    secret unless one is given (it keeps out whoever cannot read `kv`)."""
+    secret unless one is given (it keeps out whoever cannot read `kv`). Returns the store, the route hint and, on
+    rank 0, what deletes the published key (at close: every rank read it while the communicator formed)."""
     _, count = _bootstraps.setdefault(id(kv), (kv, itertools.count()))
-    key = f"smartcoll/{next(count)}/store"
+    # torchrun's agent store outlives a restart of the workers, whose counts start again from 0.
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"smartcoll/{restart}.{next(count)}/store"
     if rank == 0:
         host = options.get("addr") or os.environ.get("SMARTCOLL_ADDR") or os.environ.get("MASTER_ADDR")
         host = host or socket.gethostbyname(socket.gethostname())
         secret = secret or secrets.token_hex(16)
         store = _core.TcpStore(host, 0, True, timeout, secret=secret)
         kv.set(key, f"{host}:{store.port} {secret}")
-        return store, host
+        delete = getattr(kv, "delete_key", None)
+        return store, host, (lambda: delete(key)) if delete else None
     if hasattr(kv, "wait"):  # torch's get() waits its own store-wide timeout; ours is connect_timeout
         kv.wait([key], datetime.timedelta(seconds=timeout))
     value = kv.get(key)
     where, secret = (value.decode() if isinstance(value, bytes) else str(value)).split(" ", 1)
     host, port = where.rsplit(":", 1)
-    return _core.TcpStore(host, int(port), False, timeout, secret=secret), host
+    return _core.TcpStore(host, int(port), False, timeout, secret=secret), host, None
+
+
+# Communicators made by this process through each env://, tcp:// and file:// rendezvous as each rank, counted
+# alike on every rank (they make the same communicators in the same order; ranks that are threads of one process
+# count apart). A rank that closed one and makes the next could
+# otherwise reach rank 0's store of the last one, still open, or its keys in a file:// directory.
+_generations: dict[tuple, itertools.count] = {}
+_GENERATION_KEY = "smartcoll/generation"
+
+
+def _generation_store(host: str, port: int, rank: int, timeout: float, secret: str, generation: int) -> Any:
+    """The TCP store of this process's communicator number `generation` at host:port: rank 0 serves it and marks
+    it; the others connect until the store they reach bears that mark (the previous one may still be serving)."""
+    if rank == 0:
+        store = _core.TcpStore(host, port, True, timeout, secret=secret)
+        store.set(_GENERATION_KEY, str(generation))
+        return store
+    deadline = time.monotonic() + timeout
+    failing_since = None
+    while True:
+        try:
+            store = _core.TcpStore(host, port, False, max(0.001, deadline - time.monotonic()), secret=secret)
+        except _core.CommError:
+            # The previous store, closing, may take a connection and drop it; an error that lasts is real.
+            now = time.monotonic()
+            failing_since = failing_since or now
+            if now - failing_since > 2 or now >= deadline:
+                raise
+            time.sleep(0.02)
+            continue
+        failing_since = None
+        mark = store.check(_GENERATION_KEY)
+        while mark is None and time.monotonic() < deadline:  # a fresh store: rank 0 marks it at once
+            time.sleep(0.005)
+            mark = store.check(_GENERATION_KEY)
+        if mark == str(generation):
+            return store
+        store.close()
+        if time.monotonic() >= deadline:
+            raise _core.CommError(
+                f"the rendezvous store at {host}:{port} serves this job's communicator #{mark}, not #{generation}, "
+                f"after {timeout:g} s: rank 0 has not made this communicator (every rank must make the same "
+                "communicators in the same order; SMARTCOLL_CONNECT_TIMEOUT)")
+        time.sleep(0.02)  # rank 0 is still on an earlier communicator
 
 
 _agent_store: Any = None
@@ -546,8 +601,9 @@ def init(
     url = urlparse(init_method)
     if store is None and url.scheme == "env" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         store = _torchrun_agent_store(connect_timeout)  # MASTER_PORT is taken by torchrun's agent
+    forget = None
     if store is not None:
-        core_store, route_hint = _store_through(store, rank, resolved, connect_timeout, secret)
+        core_store, route_hint, forget = _store_through(store, rank, resolved, connect_timeout, secret)
     elif url.scheme in ("env", "tcp"):
         if url.scheme == "env":
             host, port = _master()
@@ -556,9 +612,19 @@ def init(
             if port is None:
                 raise ValueError(f"init_method {init_method!r} needs a port: tcp://HOST:PORT")
         route_hint = host
-        core_store = _core.TcpStore(host, port, rank == 0, connect_timeout, secret=secret)
+        generation = next(_generations.setdefault(("tcp", host, port, rank), itertools.count()))
+        core_store = _generation_store(host, port, rank, connect_timeout, secret, generation)
     elif url.scheme == "file":
+        generation = next(_generations.setdefault(("file", url.path, rank), itertools.count()))
         core_store, route_hint = _core.FileStore(url.path), ""
+        if generation:  # the first keeps the directory's plain names
+            core_store = _core.PrefixStore(core_store, f"c{generation}/")
     else:
         raise ValueError(f"unknown init_method {init_method!r}; use env://, tcp://HOST:PORT or file:///path")
-    return Communicator(_core.Communicator(rank, world_size, core_store, resolved, route_hint), core_store)
+    try:
+        core = _core.Communicator(rank, world_size, core_store, resolved, route_hint)
+    except BaseException:
+        if forget:
+            forget()
+        raise
+    return Communicator(core, core_store, forget)

@@ -38,6 +38,8 @@ class RemoteRegion:
 def _as_array(buffer: Any, what: str, writable: bool) -> Any:
     """An array over `buffer` (bytearray and memoryview become uint8 arrays over the same memory)."""
     if isinstance(buffer, (bytearray, memoryview)):
+        if isinstance(buffer, memoryview) and "O" in buffer.format:  # a view of an array of Python objects
+            raise TypeError(f"{what} holds Python objects (format {buffer.format!r}): pass an array of numbers")
         array = np.frombuffer(buffer, dtype=np.uint8)
         if writable and not array.flags.writeable:
             raise TypeError(f"{what} is read-only: pass a writable buffer (a bytearray, not bytes)")

@@ -209,6 +209,7 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
   config_->core_per_rank = core_per_rank(hosts_, rank);
   engine_ = std::make_shared<Engine>(*transport_, *config_, rank);
   engine_->explain_failure = [this](const std::string& error) {
+    switch_alive_->store(false);  // no more keepalives: the switches free the job's slots after their job timeout
     return explain_disagreement(error, *store_, rank_, size_,
                                 [&](uint64_t seq, Descriptor& d) { return history_->find(seq, d); },
                                 std::chrono::milliseconds(2000));
@@ -308,6 +309,7 @@ void Communicator::join_switches() {
   settings.codec = config_->codec;
   settings.switch_timeout = config_->switch_timeout;
   settings.keepalive = config_->switch_keepalive;
+  settings.job_alive = switch_alive_;
   settings.timeout = config_->timeout;
   const auto limit = std::chrono::milliseconds(static_cast<int64_t>(config_->connect_timeout * 1000));
   // The job's secret for the switches: fresh for every communicator, drawn by rank 0, shared through the

@@ -251,11 +251,19 @@ void TcpStore::set(const std::string& key, const std::string& value) {
 }
 
 std::string TcpStore::get(const std::string& key, std::chrono::milliseconds timeout) {
+  std::lock_guard lock(mu_);
   return *ask(true, key, timeout);
 }
 
 std::optional<std::string> TcpStore::check(const std::string& key) {
+  std::lock_guard lock(mu_);
   // Answered at once: the time limit only bounds a server that has stopped answering.
+  return ask(false, key, std::chrono::seconds(5));
+}
+
+std::optional<std::string> TcpStore::peek(const std::string& key) {
+  std::unique_lock lock(mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return std::nullopt;  // another thread's request is on the connection
   return ask(false, key, std::chrono::seconds(5));
 }
 
@@ -284,7 +292,6 @@ std::optional<std::string> TcpStore::ask(bool wait, const std::string& key, std:
   if (key.size() > limits_.max_key)
     throw InvalidArgument("store key '" + key.substr(0, 64) + "...' has " + std::to_string(key.size()) +
                           " bytes, over the limit of " + std::to_string(limits_.max_key));
-  std::lock_guard lock(mu_);
   const auto deadline = net::Clock::now() + timeout;
   // After a failure the reply may still come; on this connection it would be read as the answer to the next get.
   auto lost = [&](const CommError& e) {

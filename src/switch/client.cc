@@ -195,12 +195,13 @@ void Client::join() {
 void Client::keep_alive() {
   const auto every = std::chrono::duration_cast<Clock::duration>(Seconds(settings_.keepalive));
   std::unique_lock lock(keep_mu_);
-  while (!keep_stop_) {
+  while (!keep_stop_ && (!settings_.job_alive || settings_.job_alive->load())) {
     const auto due = last_heard_ + every;
     if (in_call_ || Clock::now() < due) {
       keep_cv_.wait_until(lock, in_call_ ? Clock::now() + every : due);
       continue;
     }
+    if (settings_.job_alive && !settings_.job_alive->load()) break;
     // A join of a job the switch holds refreshes it and changes nothing else. Its answer waits in the socket
     // for the next call, which skips it. A failed send is left to that call to find (the switch gone).
     for (const Remote& r : remotes_) {

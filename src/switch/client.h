@@ -9,6 +9,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -63,6 +64,8 @@ struct ClientSettings {
   // Seconds without a call after which the join goes to every switch again (0: never): a switch frees the slots
   // of a job it has heard nothing from for its job timeout, and a join of a job it holds counts as hearing.
   double keepalive = 15;
+  // Cleared when the communicator fails: its keepalives stop, so that the switch frees a failed job's slots.
+  std::shared_ptr<std::atomic<bool>> job_alive;
   // [worker]: the communicator's rank that worker is, for messages (a job of some of its ranks: a column of
   // algo=switch_hier); empty: the same numbers.
   std::vector<int> ranks;

@@ -516,7 +516,9 @@ bool Local::agree(Transport& t, const Call& c, std::chrono::steady_clock::time_p
         a.through_segment == mine.through_segment)
       continue;
     // Numbered calls say so in the communicator's words, which it turns into the report of every rank's call.
-    const Descriptor theirs = as_descriptor(a), own = as_descriptor(mine);
+    // Both addresses belong to this call (the segment pairs calls by number).
+    Descriptor theirs = as_descriptor(a), own = as_descriptor(mine);
+    theirs.call = own.call = static_cast<uint16_t>(c.call - 1);
     if (c.call) throw CommError(prefix(t) + ": " + disagreement_text(c.call - 1, r, own, p, theirs));
     throw CommError(prefix(t) + ": ranks disagree: rank " + std::to_string(p) + " called " +
                     smartcoll::describe(theirs) + ", this rank (" + std::to_string(r) + ") " +

@@ -199,11 +199,14 @@ void TcpTransport::turn_away() {
 }
 
 std::string TcpTransport::failed_meanwhile(int peer, net::Clock::time_point& last) {
+  // Not at the first look (a connection normally comes within milliseconds: thousands of channels opening at
+  // start-up ask rank 0's store nothing), then every 500 ms.
   const auto now = net::Clock::now();
-  if (now - last < std::chrono::milliseconds(200)) return "";
+  if (last == net::Clock::time_point{}) last = now;
+  if (now - last < std::chrono::milliseconds(500)) return "";
   last = now;
   try {
-    if (auto why = store_->check("failed/" + std::to_string(peer)))
+    if (auto why = store_->peek("failed/" + std::to_string(peer)))
       return "rank " + std::to_string(peer) + " failed: " + *why;
   } catch (const std::exception&) {  // the store is gone: the timeout decides
   }
@@ -232,16 +235,17 @@ bool TcpTransport::connect(int peer, int stream) {
   if (c.fd.load() >= 0) return true;
   const auto limit = millis(config_.connect_timeout);
   if (peer > rank()) {
+    // A peer that failed before it connected (an abort, a call that failed there) never will: said at once. Not
+    // under mu_, and never waiting for the store (another thread may be in a long get there).
+    if (std::string why = failed_meanwhile(peer, c.looked); !why.empty())
+      throw CommError("rank " + std::to_string(peer) + " did not connect to rank " + std::to_string(rank()) + ": " +
+                      why);
     std::lock_guard lock(mu_);
     if (aborted_) throw CommError("the communicator was aborted");
     adopt_pending();
     if (c.fd.load() >= 0) return true;
     const auto now = net::Clock::now();
     if (c.waiting_since == net::Clock::time_point{}) c.waiting_since = now;
-    // A peer that failed before it connected (an abort, a call that failed there) never will: said at once.
-    if (std::string why = failed_meanwhile(peer, c.looked); !why.empty())
-      throw CommError("rank " + std::to_string(peer) + " did not connect to rank " + std::to_string(rank()) + ": " +
-                      why);
     if (now - c.waiting_since > limit) {
       const std::string why = peer_failure(peer);
       throw CommError("rank " + std::to_string(peer) + " did not connect to rank " +

@@ -57,7 +57,7 @@ class TcpTransport final : public Transport {
     std::atomic<int> fd{-1};
     net::Fd owned;
     net::Clock::time_point waiting_since{};  // accepting side: when this rank first needed it
-    net::Clock::time_point looked{};         // accepting side: when the store last said the peer had not failed
+    net::Clock::time_point looked{};         // accepting side: when this rank last looked for the peer's failure
   };
   struct Pending;  // an accepted connection whose hello has not fully arrived
 
@@ -70,8 +70,8 @@ class TcpTransport final : public Transport {
   void adopt_pending();                             // mu_ held
   void turn_away();                                 // mu_ held: closes what waits to be accepted
   std::string peer_failure(int peer) override;
-  // "rank P failed: why" once P left a reason in the store (abort, a failed call), else ""; asks the store at
-  // most every 200 ms per `last`.
+  // "rank P failed: why" once P left a reason in the store (abort, a failed call), else ""; asks the store
+  // (without waiting behind another thread's request) 500 ms after the first call for `last`, then every 500 ms.
   std::string failed_meanwhile(int peer, net::Clock::time_point& last);
   [[noreturn]] void fail_peer(int peer, const std::string& what);
 

@@ -167,7 +167,13 @@ def scenario_one_dies(comm, outdir: Path) -> dict:
     if comm.rank == comm.size - 1:
         os._exit(0)  # gone without a word, as a crashed process (status 0: the launcher keeps the others)
     x = values(comm.rank, 50000, "float32")
-    comm.allreduce(x, algo=ALGO)
+    try:
+        comm.allreduce(x, algo=ALGO)
+    except smartcoll.CommError:
+        if "TEST_LINGER" in os.environ:  # holds the failed communicator a while (the test watches the switch)
+            (outdir / f"failed.rank{comm.rank}").touch()
+            time.sleep(float(os.environ["TEST_LINGER"]))
+        raise
     return {"unexpected": "the call succeeded without the last rank"}
 
 

@@ -6,12 +6,15 @@ import gc
 import json
 import os
 import re
+import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import assert_all_ok, free_port
+from conftest import assert_all_ok, clean_env, free_port
+from smartcoll.tools import launcher
 
 import smartcoll
 from smartcoll import _core
@@ -435,6 +438,61 @@ def test_file_init_method(tmp_path):
     with smartcoll.init(f"file://{tmp_path}/store", rank=0, world_size=1) as c:
         x = np.ones(3)
         assert c.allreduce(x) is x
+
+
+@pytest.mark.parametrize("method", ["env://", "file"])
+def test_communicators_made_one_after_another_meet_their_own_rendezvous(tmp_path, method):
+    """Ranks close a communicator and make the next at once, 6 times: a rank that gets there first must not meet
+    rank 0's previous store, still open or closing, nor its keys in a file:// directory."""
+    init = "'env://'" if method == "env://" else f"'file://{tmp_path}/store'"
+    code = ("import numpy as np, smartcoll\n"
+            "for i in range(6):\n"
+            f"    with smartcoll.init({init}, connect_timeout=20) as c:\n"
+            "        x = np.full(4, c.rank + i, np.float32)\n"
+            "        assert c.allreduce(x).tolist() == [3.0 + 3 * i] * 4, (i, x)\n"
+            "print('ok')\n")
+    run = launcher.run_ranks([sys.executable, "-c", code], 3, 90, base_env=clean_env())
+    for res in run.results:
+        assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_a_store_published_through_another_is_forgotten_at_close():
+    """Through a key-value store (torch's, with the torch backend), rank 0 publishes where its rendezvous store is;
+    the key is deleted when the communicator closes, so that communicators made and closed leave nothing."""
+    data, lock, errors = {}, threading.Lock(), []
+
+    class KV:  # one per rank, over shared data: the ranks are threads here, each counts its communicators
+        def set(self, key, value):
+            with lock:
+                data[key] = value.encode() if isinstance(value, str) else value
+
+        def get(self, key):
+            for _ in range(2000):
+                with lock:
+                    if key in data:
+                        return data[key]
+                time.sleep(0.005)
+            raise TimeoutError(key)
+
+        def delete_key(self, key):
+            with lock:
+                return data.pop(key, None) is not None
+
+    def rank(r):
+        kv = KV()
+        try:
+            for _ in range(3):
+                with smartcoll.init(store=kv, rank=r, world_size=2, connect_timeout=20) as c:
+                    c.barrier()
+        except Exception as e:  # noqa: BLE001 - reported by the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and data == {}, (errors, data)
 
 
 def test_world_of_one_semantics(comm):

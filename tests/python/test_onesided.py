@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import smartcoll
 from conftest import HERE, assert_all_ok, clean_env, describe, run_cli, run_thread_ranks
+from smartcoll.tools import launcher
 from onesided_worker import rank_word, slot_word
 
 KIB = 1024
@@ -179,6 +180,7 @@ def test_bad_calls_are_refused_by_name():
             lambda: comm.getv(peer, remote[peer], [0], 8, out),  # 8 bytes into 16
             lambda: comm.getv(peer, remote[peer], [0], 16, out.view(np.uint8)[::2]),  # not contiguous
             lambda: comm.getv(peer, remote[peer], [0], 16, np.empty(2, object)),  # pointers, not numbers
+            lambda: comm.getv(peer, remote[peer], [0], 16, memoryview(np.empty(2, object))),  # the same, viewed
         ):
             with pytest.raises((ValueError, TypeError)) as info:
                 call()
@@ -206,8 +208,9 @@ def test_bad_calls_are_refused_by_name():
     assert "the remote pieces add up to 8 bytes but the local buffers to 16" in errors[6]
     assert "non-contiguous" in errors[7]
     assert "holds Python objects (dtype object): pass an array of numbers" in errors[8]
-    assert "rank 1 refused it: piece 0 (16 bytes at offset 8000) lies outside region 2 of 4096 bytes" in errors[9]
-    assert "rank 1 refused it: rank 1 has no region 7 (it has registered 2)" in errors[10]
+    assert "holds Python objects (format 'O'): pass an array of numbers" in errors[9]
+    assert "rank 1 refused it: piece 0 (16 bytes at offset 8000) lies outside region 2 of 4096 bytes" in errors[10]
+    assert "rank 1 refused it: rank 1 has no region 7 (it has registered 2)" in errors[11]
 
 
 def test_a_call_to_a_connected_peer_does_not_wait_for_a_connect_to_another():
@@ -244,6 +247,34 @@ def test_a_call_to_a_connected_peer_does_not_wait_for_a_connect_to_another():
 
     took = run_thread_ranks(3, body, connect_timeout=3)[0]
     assert took < 1.5, f"the call to the connected rank 1 waited {took:.1f} s behind the connect to rank 2"
+
+
+def test_a_collective_is_not_held_up_by_a_one_sided_call_waiting_in_the_store():
+    """Rank 0 posts an allreduce, then a getv to rank 1, which registers its region only after that allreduce
+    (1.5 s late): the getv waits in the store for rank 1's server while the engine opens the allreduce's channel,
+    which must not wait behind it. Both complete once rank 1 comes (connect_timeout 6 s)."""
+    code = ("import time, numpy as np, smartcoll\n"
+            "c = smartcoll.init(cma='off', connect_timeout=6)\n"
+            "x = np.ones(1024, np.float32)\n"
+            "start = time.monotonic()\n"
+            "if c.rank == 1:\n"
+            "    time.sleep(1.5)\n"
+            "    c.allreduce(x)\n"
+            "    region = c.register(np.arange(256, dtype=np.float32))\n"
+            "    c.barrier()\n"
+            "else:\n"
+            "    req = c.iallreduce(x)\n"
+            "    got = np.empty(4, np.float32)\n"
+            "    c.getv(1, smartcoll.RemoteRegion(1, 1, 1024, 'float32'), [0], 16, got)\n"
+            "    req.wait()\n"
+            "    assert got.tolist() == [0, 1, 2, 3] and x[0] == 2, (got, x[:2])\n"
+            "    c.barrier()\n"
+            "print(f'{time.monotonic() - start:.2f}')\n"
+            "c.close()\n")
+    run = launcher.run_ranks([sys.executable, "-c", code], 2, 60, base_env=clean_env())
+    for res in run.results:
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert float(res.stdout.split()[-1]) < 4.5, res.stdout
 
 
 def test_the_identity_codec_means_raw_bytes():

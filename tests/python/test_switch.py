@@ -339,6 +339,30 @@ def test_a_job_that_pauses_longer_than_the_job_timeout_keeps_its_slots(tmp_path,
     assert s["jobs_expired"] == 0 and s["jobs_left"] == 1, s
 
 
+def test_a_failed_job_s_slots_are_freed_while_its_ranks_hold_the_failed_communicator(tmp_path, inproc_switch):
+    """Keepalives stop when the communicator fails: the switch frees the job after its job timeout (1 s) while
+    the surviving ranks still hold their failed communicators (for 4 s)."""
+    import threading
+
+    sw = inproc_switch(job_timeout=1.0)
+    env = {**switch_env(f"127.0.0.1:{sw.port}", timeout="2", switch_keepalive="0.2"), "TEST_LINGER": "4"}
+    box = {}
+    t = threading.Thread(target=lambda: box.update(out=run_scenario(tmp_path, 3, "one_dies", env)))
+    t.start()
+    try:
+        outdir = tmp_path / "one_dies"
+        deadline = time.monotonic() + 40
+        while not all((outdir / f"failed.rank{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        deadline = time.monotonic() + 2.5
+        while sw.stats()["jobs"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        s = sw.stats()
+        assert s["jobs"] == [] and s["jobs_expired"] == 1, s
+    finally:
+        t.join(60)
+
+
 def test_a_dead_rank_fails_the_hierarchical_switch_allreduce(tmp_path, inproc_switch):
     """2 hosts x 2 ranks, algo=switch_hier; rank 3 exits after a call. Its host's other rank fails in the host's
     ring (naming it), and the switch's job for rank 3's column, still waiting for it, makes rank 1 fail naming rank
