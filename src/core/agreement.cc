@@ -45,9 +45,14 @@ StartUpVerdict parse_verdict(const std::string& verdict, int size) {
   std::istringstream words(verdict.substr(3));
   std::vector<std::string> fields;
   for (std::string w; words >> w;) fields.push_back(w);
-  if (fields.size() != 2 * static_cast<size_t>(size))
+  if (fields.size() != 2 * static_cast<size_t>(size)) {
+    // Two fields a rank: a whole number of ranks other than this world's is a world size rank 0 disagrees on.
+    if (fields.size() % 2 == 0)
+      throw CommError("rank 0 started a world of " + std::to_string(fields.size() / 2) + " ranks, this rank one of " +
+                      std::to_string(size) + ": set the same WORLD_SIZE (or world_size) on every rank");
     throw CommError("rank 0's start-up verdict has " + std::to_string(fields.size()) + " fields, not " +
                     std::to_string(2 * size) + corrupted);
+  }
   for (int p = 0; p < size; ++p) {
     const std::string& h = fields[static_cast<size_t>(size + p)];
     int index = -1;

@@ -55,6 +55,17 @@ net::Endpoint address_of_rank0(Store& store, const std::string& job) {
   return {addr.substr(0, colon), static_cast<uint16_t>(std::stoi(addr.substr(colon + 1)))};
 }
 
+TEST(Hardening, AWorldSizeRankZeroDisagreesOnIsNamedAsSuch) {
+  // Rank 0's verdict has two fields a rank: another whole number of ranks is another WORLD_SIZE, not corruption.
+  const std::string two_ranks = error_of([] { parse_verdict("ok c0 c1 0 0", 3); });
+  EXPECT_NE(two_ranks.find("rank 0 started a world of 2 ranks, this rank one of 3: set the same WORLD_SIZE"),
+            std::string::npos)
+      << two_ranks;
+  const std::string odd = error_of([] { parse_verdict("ok c0 c1 0", 3); });
+  EXPECT_NE(odd.find("a corrupted store"), std::string::npos) << odd;
+  EXPECT_EQ(parse_verdict("ok c0 c1 0 1", 2).hosts, (std::vector<int>{0, 1}));
+}
+
 TEST(Hardening, StrangersAtStartUpAreDroppedAndTheJobGoesOn) {
   // A silent connection and an HTTP request reach rank 0's data port before rank 1 connects: neither delays
   // nor breaks the job (the silent one would hold a blocking accept loop for the whole connect timeout).
