@@ -12,7 +12,16 @@
 #include <string>
 #include <thread>
 
+#include "smartcoll/types.h"
+
 namespace smartcoll {
+
+// A get that waited out its time without the key appearing (any other failure is a plain CommError: a store
+// that went away, or answered nonsense).
+class StoreTimeout : public CommError {
+ public:
+  using CommError::CommError;
+};
 
 class Store {
  public:

@@ -122,7 +122,7 @@ std::string resolve_job_id(const std::string& set, Store& store, int rank, std::
   }
   try {
     return store.get("smartcoll/job", limit);
-  } catch (const CommError&) {
+  } catch (const StoreTimeout&) {  // any other failure says what went wrong itself
     throw CommError("rank " + std::to_string(rank) + " timed out waiting for rank 0 to publish the job id: is rank 0 "
                     "running, with the same MASTER_ADDR and MASTER_PORT? (SMARTCOLL_CONNECT_TIMEOUT)");
   }
@@ -260,7 +260,7 @@ StartUpVerdict Communicator::agree_on_settings(const std::string& claim) {
         claims += " " + their_claim;
         const int next = static_cast<int>(host_index.size());
         hosts += " " + std::to_string(host_index.emplace(their_host, next).first->second);
-      } catch (const CommError&) {
+      } catch (const StoreTimeout&) {
         missing += (missing.empty() ? "" : ",") + std::to_string(p);
       }
     }
@@ -279,7 +279,7 @@ StartUpVerdict Communicator::agree_on_settings(const std::string& claim) {
   try {
     // Rank 0 gives its verdict within `limit` of starting; a little more lets it arrive.
     verdict = store_->get("settings/verdict", limit + std::chrono::seconds(2));
-  } catch (const CommError&) {
+  } catch (const StoreTimeout&) {
     throw CommError(waiting + "rank 0's start-up check" + hint);
   }
   return parse_verdict(verdict, size_);

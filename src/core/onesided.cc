@@ -866,7 +866,7 @@ void Service::connect(int peer) {
   std::string addr;
   try {
     addr = store_->get(key(peer), limit);
-  } catch (const CommError&) {
+  } catch (const StoreTimeout&) {
     throw CommError("rank " + std::to_string(peer) + " serves no one-sided operations: it registered no region " +
                     "within " + std::to_string(limit.count() / 1000) + " s (a target registers its regions " +
                     "before peers call it; SMARTCOLL_CONNECT_TIMEOUT)");

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -44,7 +45,7 @@ void MemoryStore::set(const std::string& key, const std::string& value) {
 std::string MemoryStore::get(const std::string& key, std::chrono::milliseconds timeout) {
   std::unique_lock lock(mu_);
   if (!cv_.wait_for(lock, timeout, [&] { return values_.count(key) > 0; }))
-    throw CommError(timeout_message(key, timeout));
+    throw StoreTimeout(timeout_message(key, timeout));
   return values_[key];
 }
 
@@ -90,7 +91,8 @@ std::string FileStore::get(const std::string& key, std::chrono::milliseconds tim
       ss << in.rdbuf();
       return ss.str();
     }
-    if (net::Clock::now() > deadline) throw CommError(timeout_message(key, timeout) + " (file store " + dir_ + ")");
+    if (net::Clock::now() > deadline)
+      throw StoreTimeout(timeout_message(key, timeout) + " (file store " + dir_ + ")");
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
 }
@@ -215,8 +217,12 @@ int TcpStore::connect_and_greet(net::Clock::time_point deadline) const {
     const Digest proof = store::handshake_proof(secret_, nonce);
     net::send_all(fd.get(), proof.data(), proof.size(), deadline, "the secret handshake");
     net::recv_all(fd.get(), &verdict, 1, deadline, "the store's verdict");
-  } catch (const CommError&) {
-    // A server that rejects the proof may close before its verdict arrives: that is a refusal as well.
+  } catch (const CommError& e) {
+    // A server that rejects the proof may close before its verdict arrives: that is a refusal as well. One that
+    // stays silent until the deadline is not.
+    if (net::Clock::now() >= deadline)
+      throw CommError(store + " did not finish the secret handshake in time: " + e.what() +
+                      " (is it overloaded, or not a smartcoll store?)");
   }
   if (verdict != store::kAccepted)
     throw CommError(store + " refused this rank: wrong or missing shared secret (SMARTCOLL_SECRET must be the "
@@ -296,8 +302,10 @@ std::optional<std::string> TcpStore::ask(bool wait, const std::string& key, std:
   // After a failure the reply may still come; on this connection it would be read as the answer to the next get.
   auto lost = [&](const CommError& e) {
     disconnect();
-    if (net::Clock::now() >= deadline) return CommError(timeout_message(key, timeout));
-    return CommError(std::string(e.what()) + " (the rendezvous server on rank 0 is gone)");
+    // (poll's millisecond rounding can end a wait a moment before the deadline)
+    if (dynamic_cast<const net::TimedOut*>(&e) || net::Clock::now() >= deadline)
+      return std::make_exception_ptr(StoreTimeout(timeout_message(key, timeout)));
+    return std::make_exception_ptr(CommError(std::string(e.what()) + " (the rendezvous server on rank 0 is gone)"));
   };
   const int fd = connection(deadline);
   const std::string msg = store::encode_request({wait ? store::Op::get : store::Op::check, key, {}});
@@ -307,7 +315,7 @@ std::optional<std::string> TcpStore::ask(bool wait, const std::string& key, std:
     net::send_all(fd, msg.data(), msg.size(), deadline, "store get");
     net::recv_all(fd, len, 4, deadline, what);
   } catch (const CommError& e) {
-    throw lost(e);
+    std::rethrow_exception(lost(e));
   }
   const uint32_t value_len = store::load_u32(len);
   if (!wait && value_len == store::kAbsent) return std::nullopt;
@@ -321,7 +329,7 @@ std::optional<std::string> TcpStore::ask(bool wait, const std::string& key, std:
   try {
     net::recv_all(fd, value.data(), value_len, deadline, what);
   } catch (const CommError& e) {
-    throw lost(e);
+    std::rethrow_exception(lost(e));
   }
   return value;
 }

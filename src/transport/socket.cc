@@ -199,7 +199,7 @@ void send_all(int fd, const void* buf, size_t len, Clock::time_point deadline, c
       p += n;
       len -= static_cast<size_t>(n);
     } else if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
-      if (!wait_fd(fd, POLLOUT, deadline)) throw CommError("timed out sending " + what);
+      if (!wait_fd(fd, POLLOUT, deadline)) throw TimedOut("timed out sending " + what);
     } else {
       throw CommError("sending " + what + " failed: " + errno_text(errno));
     }
@@ -216,7 +216,7 @@ void recv_all(int fd, void* buf, size_t len, Clock::time_point deadline, const s
     } else if (n == 0) {
       throw CommError("connection closed while receiving " + what);
     } else if (errno == EAGAIN || errno == EINTR) {
-      if (!wait_fd(fd, POLLIN, deadline)) throw CommError("timed out receiving " + what);
+      if (!wait_fd(fd, POLLIN, deadline)) throw TimedOut("timed out receiving " + what);
     } else {
       throw CommError("receiving " + what + " failed: " + errno_text(errno));
     }

@@ -9,7 +9,15 @@
 #include <functional>
 #include <string>
 
+#include "smartcoll/types.h"
+
 namespace smartcoll::net {
+
+// send_all or recv_all reached its deadline (any other failure of theirs is a plain CommError).
+class TimedOut : public CommError {
+ public:
+  using CommError::CommError;
+};
 
 using Clock = std::chrono::steady_clock;
 

@@ -291,6 +291,28 @@ TEST(StoreErase, DeletesExactlyTheKeysUnderAPrefix) {
   std::filesystem::remove_all(dir);
 }
 
+// A get that waits out its time throws StoreTimeout; a store that answers nonsense throws a plain CommError
+// naming it, so that start-up does not report it as a timeout.
+TEST(StoreErrors, ATimeoutIsStoreTimeoutAndNonsenseIsNot) {
+  TcpStore server("127.0.0.1", 0, true, kConnect);
+  EXPECT_THROW(server.get("never", 50ms), StoreTimeout);
+  FakeServer liar([](int fd) {
+    char request[64];
+    [[maybe_unused]] auto n = ::recv(fd, request, sizeof request, 0);
+    const uint8_t huge[4] = {0xff, 0xff, 0xff, 0x7f};
+    net::send_all(fd, huge, 4, Clock::now() + 1s, "length");
+  });
+  TcpStore client("127.0.0.1", liar.port, false, kConnect);
+  try {
+    client.get("k", 2s);
+    FAIL() << "accepted a value of 2 GiB";
+  } catch (const StoreTimeout& e) {
+    FAIL() << "reported as a timeout: " << e.what();
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("announced a value of 2147483647 bytes"), std::string::npos) << e.what();
+  }
+}
+
 // A server of release 0.1.0 knows no delete: it drops the client at the op byte, and the client says so.
 TEST(StoreErase, AServerWithoutDeleteIsNamed) {
   FakeServer old([](int fd) {
