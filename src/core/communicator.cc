@@ -165,8 +165,9 @@ Communicator::Communicator(int rank, int size, std::shared_ptr<Store> store, con
     hosts_ = hosts;
     if (claims[static_cast<size_t>(rank)] != claim)
       throw CommError("another process also claims rank " + std::to_string(rank) + " of job '" + config_->job_id +
-                      "': two jobs share one rendezvous (MASTER_ADDR:MASTER_PORT); give each job its own port, or "
-                      "start it with smartcoll run or torchrun, which set a job id (SMARTCOLL_JOB_ID)");
+                      "': either this rank was started again into a job that is running (start the whole job "
+                      "again), or two jobs share one rendezvous (MASTER_ADDR:MASTER_PORT; give each job its own "
+                      "port, or start it with smartcoll run or torchrun, which set a job id: SMARTCOLL_JOB_ID)");
     transport.accept_claims(claims);
   }
   // Ranks that span hosts (by the layout learned at start-up, or as the launcher says) are spared the all-pairs
