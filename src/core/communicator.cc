@@ -518,14 +518,13 @@ std::shared_ptr<Request> Communicator::submit(const Call& call, const void* in, 
     std::lock_guard lock(submit_mu_);
     check_one_poster();
     if (in && out && in != out && bytes) std::memmove(out, in, bytes);
-    if (cma_usable_) {  // a same-host peer whose count is not 0 must not wait for this rank there
-      const Descriptor d =
-          make_descriptor(call.coll, call.dt, call.op, call.algo, call.root, call.count, call.codec, false, seq_);
-      cma_->elsewhere(seq_, &d);
+    if (size_ > 1) {  // a world of one has no peer to disagree with or to wait for it
+      const Descriptor d = make_descriptor(call.coll, call.dt, call.op, call.algo, call.root, call.count, call.codec,
+                                           config_->codec_owner, seq_);
+      // Kept for the report of a disagreement: a peer that made this call with elements reports it.
+      history_->add(seq_, d);
+      if (cma_usable_) cma_->elsewhere(seq_, &d);  // a same-host peer whose count is not 0 must not wait for it
     }
-    // Kept for the report of a disagreement: a peer that made this call with elements reports it.
-    history_->add(seq_, make_descriptor(call.coll, call.dt, call.op, call.algo, call.root, call.count, call.codec,
-                                        config_->codec_owner, seq_));
     ++seq_;
     last_posted_ = req;
     req->finish("");

@@ -1,6 +1,5 @@
 #include "core/onesided.h"
 
-#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -32,12 +31,6 @@ constexpr size_t kDiscard = 64 * 1024;  // a refused payload is read and dropped
 
 std::chrono::milliseconds millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-}
-
-// Whether the other end of a stream closed it (what it sent before may still be unread here).
-bool hung_up(int fd) {
-  pollfd p{fd, POLLRDHUP, 0};
-  return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
 // A message's bytes as a list of buffers, and how far they have moved.
@@ -1254,7 +1247,7 @@ bool Service::serve(Conn& c) {
   a.id = c.h.id;
   Out o;
   std::string why = c.refused;
-  if (why.empty() && static_cast<Kind>(c.h.kind) != Kind::get && hung_up(c.fd.get())) {
+  if (why.empty() && static_cast<Kind>(c.h.kind) != Kind::get && net::closed_by_peer(c.fd.get())) {
     // The initiator closed the channel after sending this: it failed the call (its timeout, while this process
     // was stopped or busy) or exited. Applied now, the call could overwrite a later one that succeeded (a put
     // copied directly) or be applied twice by an initiator that tries again.

@@ -275,6 +275,11 @@ Fd connect_abstract(const std::string& name, Clock::time_point deadline) {
   }
 }
 
+bool closed_by_peer(int fd) {
+  pollfd p{fd, POLLRDHUP, 0};
+  return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
+
 void set_nonblocking(int fd, bool on) {
   int flags = fcntl(fd, F_GETFL, 0);
   fcntl(fd, F_SETFL, on ? (flags | O_NONBLOCK) : (flags & ~O_NONBLOCK));

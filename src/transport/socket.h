@@ -80,6 +80,8 @@ void recv_all(int fd, void* buf, size_t len, Clock::time_point deadline, const s
 // neighbours: a few hundred peers pass the common soft limit of 1024.
 void raise_descriptor_limit();
 
+// Whether the other end of a stream has closed it (what it sent before may still be unread here).
+bool closed_by_peer(int fd);
 void set_nonblocking(int fd, bool on);
 void set_nodelay(int fd);
 void set_buffer_sizes(int fd, int bytes);
