@@ -509,8 +509,8 @@ def _store_through(kv: Any, rank: int, options: dict[str, str], timeout: float,
 
 # Communicators made by this process through each env://, tcp:// and file:// rendezvous as each rank, counted
 # alike on every rank (they make the same communicators in the same order; ranks that are threads of one process
-# count apart). A rank that closed one and makes the next could
-# otherwise reach rank 0's store of the last one, still open, or its keys in a file:// directory.
+# count apart). A rank that closed one and makes the next could otherwise reach rank 0's store of the last one,
+# still open, or its keys in a file:// directory.
 _generations: dict[tuple, itertools.count] = {}
 _GENERATION_KEY = "smartcoll/generation"
 
